@@ -1,0 +1,496 @@
+"""PPO-clip on CartPole-v1 (and any env with a flat Box observation and a Discrete action space).
+
+The baseline of the report "Large Language Model as Policy in Reinforcement Learning"
+(seed 000, sections 7, 8 and 11.1): the actor is the observation followed by three fully
+connected ReLU layers and a softmax over actions; the critic is a separate network.
+
+CleanRL layout (Args dataclass + tyro, make_env thunks, Agent, pre-allocated rollout buffer,
+GAE, update loop, TensorBoard), with these differences:
+  * gymnasium 1.x vector envs in SAME_STEP autoreset mode: every finished episode is logged,
+    also when several envs finish on the same step;
+  * a time-limit truncation is bootstrapped with V(final observation), a termination is not;
+  * per step only the actor runs; values and old log-probabilities are computed for the whole
+    rollout in one batched pass afterwards (same parameters, so the same numbers), which is
+    where most of the speed-up over CleanRL comes from.
+
+    python ppo_cartpole.py --seed 1
+    python ppo_cartpole.py --save-model
+    python ppo_cartpole.py --eval-checkpoint runs/<run>/ppo_cartpole.pt --eval-episodes 10
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+
+
+@dataclass
+class Args:
+    exp_name: str = "ppo_cartpole"
+    """the name of this experiment (part of the run folder's name)"""
+    seed: int = 1
+    """seed of the experiment (envs, torch, numpy, python)"""
+    torch_deterministic: bool = True
+    """sets `torch.backends.cudnn.deterministic`"""
+    cuda: bool = False
+    """use CUDA when available (the networks are tiny: CPU is faster here)"""
+    torch_threads: int = 1
+    """torch intra-op threads; 1 is fastest for these tiny networks and lets runs go in parallel"""
+    track: bool = False
+    """log to Weights and Biases (imported only when asked)"""
+    wandb_project_name: str = "llm-rl-scripts"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    capture_video: bool = False
+    """record videos of env 0 into `videos/{run_name}`"""
+    save_model: bool = False
+    """save a checkpoint (weights + args) into the run folder at the end of training"""
+    progress: bool = True
+    """show a progress bar on the console (only when it is a terminal)"""
+
+    # Evaluation of a saved checkpoint (no training)
+    eval_checkpoint: Optional[str] = None
+    """path of a checkpoint to evaluate instead of training"""
+    eval_episodes: int = 10
+    """number of episodes for `--eval-checkpoint` and for the evaluation after `--save-model`"""
+    eval_greedy: bool = True
+    """evaluate with the most probable action (False: sample from the policy)"""
+
+    # Algorithm
+    env_id: str = "CartPole-v1"
+    """the id of the environment (flat Box observation, Discrete actions)"""
+    total_timesteps: int = 500000
+    """total environment steps of the experiment"""
+    learning_rate: float = 2.5e-4
+    """the learning rate of the optimizer"""
+    num_envs: int = 4
+    """the number of parallel game environments"""
+    num_steps: int = 128
+    """the number of steps to run in each environment per policy rollout"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rate to 0"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    gae_lambda: float = 0.95
+    """the lambda of generalized advantage estimation"""
+    num_minibatches: int = 4
+    """the number of minibatches per epoch"""
+    update_epochs: int = 4
+    """the number of epochs over the rollout per update"""
+    norm_adv: bool = True
+    """normalize the advantages within each minibatch"""
+    clip_coef: float = 0.2
+    """the surrogate clipping coefficient"""
+    clip_vloss: bool = True
+    """clip the value loss as in the PPO paper's implementation"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy bonus"""
+    vf_coef: float = 0.5
+    """coefficient of the value loss"""
+    max_grad_norm: float = 0.5
+    """the maximum norm of the gradient"""
+    target_kl: Optional[float] = None
+    """stop the epochs of an update early once the approximate KL exceeds this"""
+    hidden_size: int = 64
+    """width of the hidden layers (actor: 3 ReLU layers as in seed 000; critic: 2 tanh layers)"""
+
+    # filled in at runtime
+    batch_size: int = 0
+    """the batch size (num_envs * num_steps)"""
+    minibatch_size: int = 0
+    """the minibatch size (batch_size // num_minibatches)"""
+    num_iterations: int = 0
+    """the number of updates (total_timesteps // batch_size)"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Math helpers (small, top level, tested in tests/test_ppo_cartpole.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def compute_gae(rewards, values, next_values, terminations, dones, gamma, gae_lambda):
+    """Generalized advantage estimation over a rollout of shape (T, N).
+
+    next_values[t] is V of the state actually reached after step t: for a step that ended an
+    episode this is V(final observation), not V of the next episode's reset observation.
+    terminations[t] = 1 cuts the bootstrap (a real terminal state has value 0);
+    dones[t] = terminated or truncated cuts the recursion (the next row is another episode).
+    A truncated step therefore keeps gamma * V(final observation) in its TD error.
+    Returns (advantages, returns) with returns = advantages + values.
+    """
+    T = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    last = torch.zeros_like(rewards[0])
+    for t in reversed(range(T)):
+        delta = rewards[t] + gamma * next_values[t] * (1.0 - terminations[t]) - values[t]
+        last = delta + gamma * gae_lambda * (1.0 - dones[t]) * last
+        advantages[t] = last
+    return advantages, advantages + values
+
+
+def clipped_surrogate_loss(new_logprob, old_logprob, advantages, clip_coef):
+    """PPO-clip policy loss: mean of max(-A r, -A clip(r, 1-eps, 1+eps)), r = pi_new / pi_old.
+
+    Also returns the approximate KL (the low-variance estimator (r - 1) - log r) and the
+    fraction of samples whose ratio was clipped, for logging.
+    """
+    logratio = new_logprob - old_logprob
+    ratio = logratio.exp()
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
+    loss = torch.max(pg_loss1, pg_loss2).mean()
+    with torch.no_grad():
+        approx_kl = ((ratio - 1) - logratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
+    return loss, approx_kl, clipfrac
+
+
+def value_loss(new_values, old_values, returns, clip_coef, clip_vloss):
+    """0.5 * squared error; with clip_vloss, the max of the plain and the clipped error."""
+    unclipped = (new_values - returns) ** 2
+    if not clip_vloss:
+        return 0.5 * unclipped.mean()
+    clipped = old_values + torch.clamp(new_values - old_values, -clip_coef, clip_coef)
+    return 0.5 * torch.max(unclipped, (clipped - returns) ** 2).mean()
+
+
+def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
+    var_y = np.var(y_true)
+    return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment and agent
+# ----------------------------------------------------------------------------------------------
+
+
+def make_env(env_id: str, idx: int, capture_video: bool, run_name: str):
+    def thunk():
+        if capture_video and idx == 0:
+            env = gym.make(env_id, render_mode="rgb_array")
+            env = gym.wrappers.RecordVideo(env, f"videos/{run_name}")
+        else:
+            env = gym.make(env_id)
+        return env
+
+    return thunk
+
+
+def check_env_id(env_id: str) -> None:
+    """Exit with one clear sentence when the env does not exist or does not fit this script."""
+    try:
+        env = gym.make(env_id)
+    except gym.error.Error as e:
+        sys.exit(f"error: cannot make env '{env_id}': {e}")
+    obs_space, act_space = env.observation_space, env.action_space
+    env.close()
+    if not isinstance(act_space, gym.spaces.Discrete):
+        sys.exit(
+            f"error: ppo_cartpole.py needs a Discrete action space, but '{env_id}' has {act_space}."
+        )
+    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+        sys.exit(f"error: ppo_cartpole.py needs a flat Box observation, but '{env_id}' has {obs_space}.")
+
+
+def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    def __init__(self, obs_dim: int, n_actions: int, hidden: int = 64):
+        super().__init__()
+        # Critic: a separate 2x tanh MLP (CleanRL's design).
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, hidden)),
+            nn.Tanh(),
+            layer_init(nn.Linear(hidden, hidden)),
+            nn.Tanh(),
+            layer_init(nn.Linear(hidden, 1), std=1.0),
+        )
+        # Actor: seed 000 section 8, three fully connected ReLU layers and a softmax over actions
+        # (the softmax lives in the log_softmax of `log_probs`; the network outputs logits).
+        self.actor = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, hidden)),
+            nn.ReLU(),
+            layer_init(nn.Linear(hidden, hidden)),
+            nn.ReLU(),
+            layer_init(nn.Linear(hidden, hidden)),
+            nn.ReLU(),
+            layer_init(nn.Linear(hidden, n_actions), std=0.01),
+        )
+
+    def get_value(self, x: torch.Tensor) -> torch.Tensor:
+        return self.critic(x).squeeze(-1)
+
+    def log_probs(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.actor(x), dim=-1)
+
+    def act(self, x: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        logits = self.actor(x)
+        if greedy:
+            return logits.argmax(-1)
+        return torch.multinomial(F.softmax(logits, dim=-1), 1).squeeze(-1)
+
+
+def save_checkpoint(path: str, agent: Agent, args: Args, obs_dim: int, n_actions: int) -> None:
+    torch.save(
+        {"model": agent.state_dict(), "args": asdict(args), "obs_dim": obs_dim, "n_actions": n_actions},
+        path,
+    )
+
+
+def load_checkpoint(path: str) -> tuple[Agent, dict]:
+    if not os.path.isfile(path):
+        sys.exit(f"error: checkpoint '{path}' does not exist.")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        agent = Agent(ckpt["obs_dim"], ckpt["n_actions"], ckpt["args"]["hidden_size"])
+        agent.load_state_dict(ckpt["model"])
+    except Exception as e:  # a corrupt or foreign file: say so in one sentence
+        sys.exit(f"error: '{path}' is not a ppo_cartpole.py checkpoint ({type(e).__name__}: {e}).")
+    return agent, ckpt["args"]
+
+
+def evaluate(agent: Agent, env_id: str, episodes: int, seed: int, greedy: bool = True) -> list[float]:
+    """Run `episodes` full episodes in one env and return their undiscounted returns."""
+    env = gym.make(env_id)
+    returns = []
+    with torch.inference_mode():
+        for ep in range(episodes):
+            obs, _ = env.reset(seed=seed + ep)
+            done, total = False, 0.0
+            while not done:
+                action = agent.act(torch.as_tensor(obs, dtype=torch.float32)[None], greedy=greedy)
+                obs, reward, terminated, truncated, _ = env.step(int(action[0]))
+                total += float(reward)
+                done = terminated or truncated
+            returns.append(total)
+    env.close()
+    return returns
+
+
+def seed_everything(seed: int, torch_deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = torch_deterministic
+
+
+def run_eval_only(args: Args) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    agent, train_args = load_checkpoint(args.eval_checkpoint)
+    env_id = train_args["env_id"]
+    check_env_id(env_id)
+    seed_everything(args.seed, args.torch_deterministic)
+    returns = evaluate(agent, env_id, args.eval_episodes, seed=args.seed, greedy=args.eval_greedy)
+    run_name = f"{env_id}__{args.exp_name}-eval__{args.seed}__{int(time.time())}"
+    writer = SummaryWriter(f"runs/{run_name}")
+    for i, r in enumerate(returns):
+        writer.add_scalar("eval/episodic_return", r, i)
+    writer.close()
+    print(f"eval {args.eval_checkpoint}: {np.mean(returns):.2f} +- {np.std(returns):.2f} "
+          f"over {len(returns)} episodes (env {env_id}, logged to runs/{run_name})")
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    torch.set_num_threads(args.torch_threads)
+    if args.eval_checkpoint is not None:
+        run_eval_only(args)
+        return
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
+
+    check_env_id(args.env_id)
+    args.batch_size = int(args.num_envs * args.num_steps)
+    args.minibatch_size = int(args.batch_size // args.num_minibatches)
+    args.num_iterations = args.total_timesteps // args.batch_size
+    if args.num_iterations < 1:
+        sys.exit(f"error: --total-timesteps {args.total_timesteps} is below one rollout "
+                 f"(num_envs * num_steps = {args.batch_size}).")
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                   config=vars(args), name=run_name, monitor_gym=True, save_code=True)
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text(
+        "hyperparameters",
+        "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])),
+    )
+
+    seed_everything(args.seed, args.torch_deterministic)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+    # SAME_STEP autoreset: the obs returned on a done step is already the next episode's first
+    # obs, and the real last obs sits in info["final_obs"]. Every row of the buffer is then a
+    # genuine transition (no dummy reset step as in gymnasium's default NEXT_STEP mode).
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(args.env_id, i, args.capture_video, run_name) for i in range(args.num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
+    obs_dim = int(np.prod(envs.single_observation_space.shape))
+    n_actions = int(envs.single_action_space.n)
+    agent = Agent(obs_dim, n_actions, args.hidden_size).to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+
+    # Pre-allocated rollout buffer (numpy while stepping, torch for the update).
+    T, N = args.num_steps, args.num_envs
+    obs_buf = np.zeros((T, N, obs_dim), dtype=np.float32)
+    next_obs_buf = np.zeros((T, N, obs_dim), dtype=np.float32)  # state reached after each step
+    actions_buf = np.zeros((T, N), dtype=np.int64)
+    rewards_buf = np.zeros((T, N), dtype=np.float32)
+    terminations_buf = np.zeros((T, N), dtype=np.float32)
+    dones_buf = np.zeros((T, N), dtype=np.float32)
+
+    episode_return = np.zeros(N, dtype=np.float64)
+    episode_length = np.zeros(N, dtype=np.int64)
+    recent_returns: deque = deque(maxlen=100)
+
+    global_step = 0
+    start_time = time.time()
+    next_obs, _ = envs.reset(seed=args.seed)
+    next_obs = next_obs.astype(np.float32)
+    bar = tqdm(total=args.num_iterations * args.batch_size, unit="step", disable=None if args.progress else True,
+               dynamic_ncols=True)
+
+    for iteration in range(1, args.num_iterations + 1):
+        if args.anneal_lr:
+            frac = 1.0 - (iteration - 1.0) / args.num_iterations
+            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+        rollout_start = time.time()
+
+        with torch.inference_mode():
+            for step in range(T):
+                global_step += N
+                obs_buf[step] = next_obs
+                action = agent.act(torch.from_numpy(next_obs).to(device)).cpu().numpy()
+                actions_buf[step] = action
+                next_obs, reward, terminations, truncations, infos = envs.step(action)
+                next_obs = next_obs.astype(np.float32)
+                dones = np.logical_or(terminations, truncations)
+                rewards_buf[step] = reward
+                terminations_buf[step] = terminations
+                dones_buf[step] = dones
+                next_obs_buf[step] = next_obs
+                episode_return += reward
+                episode_length += 1
+                for i in np.flatnonzero(dones):
+                    # the real last observation (for the bootstrap of a truncated episode)
+                    next_obs_buf[step, i] = infos["final_obs"][i]
+                    writer.add_scalar("charts/episodic_return", episode_return[i], global_step)
+                    writer.add_scalar("charts/episodic_length", episode_length[i], global_step)
+                    recent_returns.append(episode_return[i])
+                    episode_return[i], episode_length[i] = 0.0, 0
+
+            # One batched pass for the values and the behaviour log-probabilities of the whole
+            # rollout (the parameters did not change while stepping).
+            b_obs_t = torch.from_numpy(obs_buf).to(device)
+            actions_t = torch.from_numpy(actions_buf).to(device)
+            values = agent.get_value(b_obs_t)
+            next_values = agent.get_value(torch.from_numpy(next_obs_buf).to(device))
+            logprobs = agent.log_probs(b_obs_t).gather(-1, actions_t.unsqueeze(-1)).squeeze(-1)
+            advantages, returns = compute_gae(
+                torch.from_numpy(rewards_buf).to(device), values, next_values,
+                torch.from_numpy(terminations_buf).to(device), torch.from_numpy(dones_buf).to(device),
+                args.gamma, args.gae_lambda,
+            )
+        rollout_time = time.time() - rollout_start
+
+        # Flatten the batch (clone out of inference mode so autograd may use it).
+        b_obs = b_obs_t.reshape(-1, obs_dim).clone()
+        b_actions = actions_t.reshape(-1).clone()
+        b_logprobs = logprobs.reshape(-1).clone()
+        b_advantages = advantages.reshape(-1).clone()
+        b_returns = returns.reshape(-1).clone()
+        b_values = values.reshape(-1).clone()
+
+        update_start = time.time()
+        b_inds = np.arange(args.batch_size)
+        clipfracs = []
+        for epoch in range(args.update_epochs):
+            np.random.shuffle(b_inds)
+            for start in range(0, args.batch_size, args.minibatch_size):
+                mb_inds = torch.from_numpy(b_inds[start:start + args.minibatch_size])
+                all_logp = agent.log_probs(b_obs[mb_inds])
+                newlogprob = all_logp.gather(-1, b_actions[mb_inds].unsqueeze(-1)).squeeze(-1)
+                entropy = -(all_logp.exp() * all_logp).sum(-1)
+                mb_advantages = b_advantages[mb_inds]
+                if args.norm_adv:
+                    mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+                pg_loss, approx_kl, clipfrac = clipped_surrogate_loss(
+                    newlogprob, b_logprobs[mb_inds], mb_advantages, args.clip_coef)
+                clipfracs.append(clipfrac.item())
+                newvalue = agent.get_value(b_obs[mb_inds])
+                v_loss = value_loss(newvalue, b_values[mb_inds], b_returns[mb_inds], args.clip_coef, args.clip_vloss)
+                entropy_loss = entropy.mean()
+                loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                optimizer.step()
+
+            if args.target_kl is not None and approx_kl > args.target_kl:
+                break
+        update_time = time.time() - update_start
+
+        y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
+        sps = int(global_step / (time.time() - start_time))
+        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
+        writer.add_scalar("losses/value_loss", v_loss.item(), global_step)
+        writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
+        writer.add_scalar("losses/entropy", entropy_loss.item(), global_step)
+        writer.add_scalar("losses/approx_kl", approx_kl.item(), global_step)
+        writer.add_scalar("losses/clipfrac", np.mean(clipfracs), global_step)
+        writer.add_scalar("losses/explained_variance", explained_variance(y_pred, y_true), global_step)
+        writer.add_scalar("charts/SPS", sps, global_step)
+        writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
+        writer.add_scalar("time/update_seconds", update_time, global_step)
+        bar.update(args.batch_size)
+        if recent_returns:
+            bar.set_postfix(ret=f"{np.mean(recent_returns):.1f}", sps=sps)
+
+    bar.close()
+    mean_recent = float(np.mean(recent_returns)) if recent_returns else float("nan")
+    print(f"{run_name}: {global_step} steps, mean return of the last {len(recent_returns)} episodes "
+          f"{mean_recent:.2f}, {int(global_step / (time.time() - start_time))} steps/s")
+
+    if args.save_model:
+        model_path = f"runs/{run_name}/{args.exp_name}.pt"
+        save_checkpoint(model_path, agent, args, obs_dim, n_actions)
+        print(f"model saved to {model_path}")
+        agent.eval()
+        returns_eval = evaluate(agent, args.env_id, args.eval_episodes, seed=args.seed + 10_000,
+                                greedy=args.eval_greedy)
+        for i, r in enumerate(returns_eval):
+            writer.add_scalar("eval/episodic_return", r, i)
+        print(f"eval: {np.mean(returns_eval):.2f} +- {np.std(returns_eval):.2f} over {len(returns_eval)} episodes")
+
+    envs.close()
+    writer.close()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
