@@ -45,3 +45,32 @@ def only_run_dir(cwd: str, pattern: str = "*") -> str:
 @pytest.fixture
 def workdir(tmp_path):
     return str(tmp_path)
+
+
+def build_tiny_gpt2(folder: str, n_layer: int = 2, n_embd: int = 32, n_head: int = 2, n_positions: int = 512) -> str:
+    """Save a tiny random GPT-2 and a byte-level BPE tokenizer trained on the spot into `folder`,
+    so that `from_pretrained(folder)` exercises the same loading path as a hub model (offline)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    corpus = [
+        "assert state == 3 and state != 4", "state = left()", "state = right()", "reward = try_goal(state)",
+        "assert reward == 0", "assert reward == 1", "assert done", "assert not done",
+        "state, reward = reset()", "0 1 2 3 4 5 6 7 8 9 -0.12 3.45 . , ( ) [ ] = == != < > + -",
+        "run forward as fast as possible", "C(i=1, j=0) pos vel paddle ball ship aliens",
+    ] * 20
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus, vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<|endoftext|>",
+                                  eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    config = GPT2Config(vocab_size=len(tok), n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                        n_positions=n_positions, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory):
+    """A folder holding a tiny GPT-2 (2 layers, width 32) and its tokenizer, built once per session."""
+    return build_tiny_gpt2(str(tmp_path_factory.mktemp("tiny_gpt2")))
