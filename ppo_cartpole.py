@@ -132,8 +132,8 @@ def compute_gae(rewards, values, next_values, terminations, dones, gamma, gae_la
     Returns (advantages, returns) with returns = advantages + values.
     """
     T = rewards.shape[0]
-    advantages = torch.zeros_like(rewards)
-    last = torch.zeros_like(rewards[0])
+    advantages = rewards * 0.0  # works for numpy arrays and torch tensors alike
+    last = 0.0
     for t in reversed(range(T)):
         delta = rewards[t] + gamma * next_values[t] * (1.0 - terminations[t]) - values[t]
         last = delta + gamma * gae_lambda * (1.0 - dones[t]) * last
@@ -165,6 +165,17 @@ def value_loss(new_values, old_values, returns, clip_coef, clip_vloss):
         return 0.5 * unclipped.mean()
     clipped = old_values + torch.clamp(new_values - old_values, -clip_coef, clip_coef)
     return 0.5 * torch.max(unclipped, (clipped - returns) ** 2).mean()
+
+
+def sample_categorical(logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One draw per row from softmax(logits) by inverting the cumulative distribution.
+
+    In numpy because for a handful of envs the per-call overhead of torch.multinomial is
+    larger than the whole computation."""
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    cdf = np.cumsum(probs, -1)
+    u = rng.random((logits.shape[0], 1)) * cdf[:, -1:]
+    return np.minimum((cdf <= u).sum(-1), logits.shape[-1] - 1)
 
 
 def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
@@ -240,11 +251,12 @@ class Agent(nn.Module):
     def log_probs(self, x: torch.Tensor) -> torch.Tensor:
         return F.log_softmax(self.actor(x), dim=-1)
 
-    def act(self, x: torch.Tensor, greedy: bool = False) -> torch.Tensor:
-        logits = self.actor(x)
+    def act(self, x: torch.Tensor, rng: np.random.Generator, greedy: bool = False) -> np.ndarray:
+        """Actions for a batch of observations, as a numpy array (sampled, or the mode)."""
+        logits = self.actor(x).cpu().numpy()
         if greedy:
             return logits.argmax(-1)
-        return torch.multinomial(F.softmax(logits, dim=-1), 1).squeeze(-1)
+        return sample_categorical(logits, rng)
 
 
 def save_checkpoint(path: str, agent: Agent, args: Args, obs_dim: int, n_actions: int) -> None:
@@ -269,13 +281,14 @@ def load_checkpoint(path: str) -> tuple[Agent, dict]:
 def evaluate(agent: Agent, env_id: str, episodes: int, seed: int, greedy: bool = True) -> list[float]:
     """Run `episodes` full episodes in one env and return their undiscounted returns."""
     env = gym.make(env_id)
+    rng = np.random.default_rng(seed)
     returns = []
     with torch.inference_mode():
         for ep in range(episodes):
             obs, _ = env.reset(seed=seed + ep)
             done, total = False, 0.0
             while not done:
-                action = agent.act(torch.as_tensor(obs, dtype=torch.float32)[None], greedy=greedy)
+                action = agent.act(torch.as_tensor(obs, dtype=torch.float32)[None], rng, greedy=greedy)
                 obs, reward, terminated, truncated, _ = env.step(int(action[0]))
                 total += float(reward)
                 done = terminated or truncated
@@ -353,7 +366,9 @@ def main(args: Args) -> None:
     obs_dim = int(np.prod(envs.single_observation_space.shape))
     n_actions = int(envs.single_action_space.n)
     agent = Agent(obs_dim, n_actions, args.hidden_size).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    # fused Adam: one kernel for all parameters instead of a dozen small ops per tensor
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+    action_rng = np.random.default_rng(args.seed)  # the policy's sampling noise
 
     # Pre-allocated rollout buffer (numpy while stepping, torch for the update).
     T, N = args.num_steps, args.num_envs
@@ -385,7 +400,7 @@ def main(args: Args) -> None:
             for step in range(T):
                 global_step += N
                 obs_buf[step] = next_obs
-                action = agent.act(torch.from_numpy(next_obs).to(device)).cpu().numpy()
+                action = agent.act(torch.from_numpy(next_obs).to(device), action_rng)
                 actions_buf[step] = action
                 next_obs, reward, terminations, truncations, infos = envs.step(action)
                 next_obs = next_obs.astype(np.float32)
@@ -411,11 +426,12 @@ def main(args: Args) -> None:
             values = agent.get_value(b_obs_t)
             next_values = agent.get_value(torch.from_numpy(next_obs_buf).to(device))
             logprobs = agent.log_probs(b_obs_t).gather(-1, actions_t.unsqueeze(-1)).squeeze(-1)
+            # GAE in numpy: a 128-step Python loop over tiny arrays is cheaper there than in torch
             advantages, returns = compute_gae(
-                torch.from_numpy(rewards_buf).to(device), values, next_values,
-                torch.from_numpy(terminations_buf).to(device), torch.from_numpy(dones_buf).to(device),
+                rewards_buf, values.cpu().numpy(), next_values.cpu().numpy(), terminations_buf, dones_buf,
                 args.gamma, args.gae_lambda,
             )
+            advantages, returns = torch.from_numpy(advantages).to(device), torch.from_numpy(returns).to(device)
         rollout_time = time.time() - rollout_start
 
         # Flatten the batch (clone out of inference mode so autograd may use it).
