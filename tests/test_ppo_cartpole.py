@@ -133,3 +133,13 @@ def test_bad_input_one_clear_sentence(tmp_path, flags, message):
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_sample_categorical_matches_softmax():
+    rng = np.random.default_rng(0)
+    logits = np.log(np.array([[1.0, 3.0, 0.0 + 1e-12], [2.0, 1.0, 1.0]]))
+    draws = np.stack([ppo.sample_categorical(logits, rng) for _ in range(20000)])
+    freq0 = np.bincount(draws[:, 0], minlength=3) / len(draws)
+    freq1 = np.bincount(draws[:, 1], minlength=3) / len(draws)
+    assert np.allclose(freq0, [0.25, 0.75, 0.0], atol=0.015)
+    assert np.allclose(freq1, [0.5, 0.25, 0.25], atol=0.015)
