@@ -1,0 +1,898 @@
+"""TRPO with GPT-2 as the policy network on MuJoCo HalfCheetah (and any env with Box actions).
+
+Seed 000 ("Large Language Model as Policy in Reinforcement Learning", sections 3, 5, 6, 9, 10):
+a GPT-2 reads the (normalised) state and its last hidden state feeds a small MLP head that
+outputs the mean of a diagonal Gaussian; the whole thing is fine-tuned with Trust Region Policy
+Optimization. `--policy mlp` is the reference TRPO policy (2x64 tanh) on the SAME task, the
+baseline the seed never ran.
+
+The TRPO core follows the reference code the seed copies (ikostrikov/pytorch-trpo: gamma 0.995,
+GAE lambda 0.97, max KL 0.01, damping 0.1, 10 CG iterations, L-BFGS value fit with l2 1e-3,
+batches of 15000 steps, running observation normalisation clipped at 5), with its bugs fixed:
+  * the backtracking line search also checks the mean KL after the step (the reference only
+    checked the surrogate improvement, so it could accept steps outside the trust region);
+  * time-limit truncations are bootstrapped with V(final observation) instead of being treated
+    as terminal (HalfCheetah never terminates: every episode ends by truncation);
+  * environment steps are counted exactly (gymnasium 1.x vector envs, SAME_STEP autoreset).
+
+    python trpo_gpt2_halfcheetah.py --seed 543                          # GPT-2 small, pretrained (GPU)
+    python trpo_gpt2_halfcheetah.py --policy mlp --seed 543             # the MLP baseline (CPU is fine)
+    python trpo_gpt2_halfcheetah.py --llm-init random --llm-layers 2 --llm-embd 128 --llm-heads 2 \\
+        --fvp-subsample 5 --batch-size 5000                             # a small GPT-2 that fits a CPU
+    python trpo_gpt2_halfcheetah.py --eval-checkpoint runs/<run>/trpo_gpt2_halfcheetah.pt
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+
+
+@dataclass
+class Args:
+    exp_name: str = "trpo_gpt2_halfcheetah"
+    """the name of this experiment (part of the run folder's name)"""
+    seed: int = 543
+    """seed of the experiment (envs, torch, numpy, python); 543 as in the reference code"""
+    torch_deterministic: bool = True
+    """sets `torch.backends.cudnn.deterministic`"""
+    cuda: bool = False
+    """run the networks on CUDA when available (recommended for `--policy gpt2` with GPT-2 small)"""
+    bf16: bool = False
+    """CUDA only: run the rollout forward passes in bfloat16 autocast (the TRPO update stays float32)"""
+    tf32: bool = False
+    """CUDA only: allow TF32 matmuls (faster; slightly less precise Fisher-vector products)"""
+    torch_threads: int = 1
+    """torch intra-op threads on CPU"""
+    track: bool = False
+    """log to Weights and Biases (imported only when asked)"""
+    wandb_project_name: str = "llm-rl-scripts"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    capture_video: bool = False
+    """record videos of env 0 into `videos/{run_name}`"""
+    save_model: bool = False
+    """save a checkpoint (weights, observation statistics, args) into the run folder at the end"""
+    progress: bool = True
+    """show a progress bar on the console (only when it is a terminal)"""
+
+    # Evaluation of a saved checkpoint (no training)
+    eval_checkpoint: Optional[str] = None
+    """path of a checkpoint to evaluate instead of training (deterministic mean action)"""
+    eval_episodes: int = 10
+    """number of episodes for `--eval-checkpoint` and for the evaluation after `--save-model`"""
+
+    # Algorithm
+    env_id: str = "HalfCheetah-v5"
+    """the id of the environment (flat Box observation, Box actions); HalfCheetah-v4 works too"""
+    total_timesteps: int = 1000000
+    """total environment steps (rounded up to whole batches)"""
+    batch_size: int = 15000
+    """environment steps per TRPO update (over all envs), 15000 as in the reference"""
+    num_envs: int = 10
+    """the number of parallel environments (must divide --batch-size); batch them for GPT-2"""
+    gamma: float = 0.995
+    """the discount factor gamma"""
+    gae_lambda: float = 0.97
+    """the lambda of generalized advantage estimation"""
+    max_kl: float = 0.01
+    """the trust region: bound on the mean KL(old || new) of an update"""
+    damping: float = 0.1
+    """damping added to the Fisher-vector products (F + damping * I)"""
+    cg_iters: int = 10
+    """conjugate gradient iterations"""
+    cg_tol: float = 1e-10
+    """conjugate gradient residual tolerance (squared norm)"""
+    fvp_subsample: int = 1
+    """compute the Fisher-vector products on every K-th sample only (OpenAI baselines uses 5)"""
+    max_backtracks: int = 10
+    """line search: at most this many step halvings"""
+    accept_ratio: float = 0.1
+    """line search: accept when actual / expected surrogate improvement exceeds this"""
+    l2_reg: float = 1e-3
+    """L2 regularisation of the value network's L-BFGS fit"""
+    vf_iters: int = 25
+    """L-BFGS iterations of the value fit"""
+    obs_clip: float = 5.0
+    """normalised observations are clipped to [-obs_clip, obs_clip]"""
+    update_chunk: int = 16384
+    """samples per forward/backward chunk in the update (lower it when GPU memory runs out)"""
+
+    # Policy network
+    policy: str = "gpt2"
+    """`gpt2` (the seed's LLM policy) or `mlp` (the reference 2x64 tanh policy, the baseline)"""
+    hidden_size: int = 64
+    """width of the MLP policy, of the GPT-2 head and of the value network"""
+    llm: str = "gpt2"
+    """GPT-2 to use: a hub id (`gpt2`, `distilgpt2`, ...) or a local folder with config/weights/tokenizer"""
+    llm_init: str = "pretrained"
+    """`pretrained` (load the weights) or `random` (build the architecture from its config, no weights)"""
+    llm_layers: int = 0
+    """if > 0: keep only the first N transformer blocks (pretrained) or build N blocks (random)"""
+    llm_embd: int = 0
+    """`--llm-init random` only: if > 0, override the width (n_embd) of the config"""
+    llm_heads: int = 0
+    """`--llm-init random` only: if > 0, override the number of attention heads"""
+    state_encoding: str = "embed"
+    """`embed`: a learned linear projection of the normalised obs into `inputs_embeds` (no tokenizer);
+    `text`: the normalised obs printed as numbers and tokenized (seed 000, section 10.2)"""
+    embed_tokens: str = "one"
+    """`embed` encoding: `one` token for the whole observation, or `per-dim` (one token per dimension)"""
+    text_decimals: int = 2
+    """`text` encoding: decimals printed per number"""
+    instruction: Optional[str] = None
+    """optional text the policy reads before the state, e.g. "run forward as fast as possible"
+    (seed 001's instruction-conditioned LLM policy); tokenized once, not per step"""
+    finetune_blocks: int = -1
+    """how many of the last transformer blocks TRPO trains (-1: all, incl. embeddings; 0: none);
+    the head, the state projection and the log-std always train"""
+
+    # filled in at runtime
+    num_steps: int = 0
+    """steps per env per update (batch_size // num_envs)"""
+    num_iterations: int = 0
+    """the number of updates (ceil(total_timesteps / batch_size))"""
+
+
+OFFLINE_HELP = (
+    "error: could not load the language model '{llm}' ({why}). "
+    "This machine probably cannot reach the Hugging Face hub and has no cached copy. "
+    "Either point --llm at a local folder that holds a GPT-2 saved with save_pretrained "
+    "(config.json, model.safetensors and, for --state-encoding text or --instruction, the tokenizer files), "
+    "e.g. `--llm /path/to/gpt2`, or train from a randomly initialised GPT-2 built from its config with "
+    "no download: `--llm-init random` (add `--llm-layers 2 --llm-embd 128 --llm-heads 2` for a CPU-sized model)."
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Math helpers (small, top level, tested in tests/test_trpo_gpt2_halfcheetah.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def normal_log_density(x: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
+    """log N(x; mean, diag(exp(log_std)^2)), summed over the last (action) dimension."""
+    var = torch.exp(2 * log_std)
+    log_density = -(x - mean).pow(2) / (2 * var) - 0.5 * math.log(2 * math.pi) - log_std
+    return log_density.sum(-1)
+
+
+def diag_gaussian_kl(mean0, log_std0, mean1, log_std1) -> torch.Tensor:
+    """KL(N0 || N1) between diagonal Gaussians, summed over the last dimension."""
+    var0, var1 = torch.exp(2 * log_std0), torch.exp(2 * log_std1)
+    kl = log_std1 - log_std0 + (var0 + (mean0 - mean1).pow(2)) / (2.0 * var1) - 0.5
+    return kl.sum(-1)
+
+
+def diag_gaussian_entropy(log_std: torch.Tensor) -> torch.Tensor:
+    """Entropy of a diagonal Gaussian, summed over the last dimension."""
+    return (log_std + 0.5 * math.log(2 * math.pi * math.e)).sum(-1)
+
+
+def conjugate_gradient(Avp: Callable[[torch.Tensor], torch.Tensor], b: torch.Tensor, nsteps: int = 10,
+                       residual_tol: float = 1e-10) -> torch.Tensor:
+    """Solve A x = b for symmetric positive definite A given only x -> A x (starting from x = 0)."""
+    x = torch.zeros_like(b)
+    r = b.clone()
+    p = b.clone()
+    rdotr = torch.dot(r, r)
+    for _ in range(nsteps):
+        if rdotr < residual_tol:
+            break
+        Ap = Avp(p)
+        alpha = rdotr / torch.dot(p, Ap)
+        x += alpha * p
+        r -= alpha * Ap
+        new_rdotr = torch.dot(r, r)
+        p = r + (new_rdotr / rdotr) * p
+        rdotr = new_rdotr
+    return x
+
+
+def flat_params(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def set_flat_params(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    i = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[i:i + n].view_as(p))
+            i += n
+
+
+def flat_grad(output: torch.Tensor, params: list[torch.Tensor], **kwargs) -> torch.Tensor:
+    grads = torch.autograd.grad(output, params, allow_unused=True, **kwargs)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)])
+
+
+def make_fvp(kl_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], damping: float):
+    """v -> (H + damping I) v, H the Hessian of the mean KL(pi_old || pi_theta) at theta = theta_old
+    (which equals the Fisher information matrix there), by differentiating the KL twice.
+
+    kl_fn() must return the mean KL with pi_old detached; its first derivative (with its graph)
+    is computed once and reused by every product."""
+    grad_kl = flat_grad(kl_fn(), params, create_graph=True)
+
+    def fvp(v: torch.Tensor) -> torch.Tensor:
+        return flat_grad(torch.dot(grad_kl, v), params, retain_graph=True) + damping * v
+
+    return fvp
+
+
+def line_search(eval_fn: Callable[[torch.Tensor], tuple[float, float]], x: torch.Tensor, fullstep: torch.Tensor,
+                expected_improve_full: float, max_kl: float, max_backtracks: int = 10,
+                accept_ratio: float = 0.1) -> tuple[bool, torch.Tensor, int]:
+    """Backtracking line search on x + 0.5^k fullstep, k = 0..max_backtracks-1.
+
+    eval_fn(x) returns (loss, mean KL) at parameters x (loss = minus the surrogate advantage).
+    A step is accepted when the surrogate improves (actual > 0 and actual / expected > accept_ratio,
+    as in the reference) AND the mean KL stays within max_kl. The reference code forgot the KL
+    check, so it could accept a step outside the trust region; Spinning Up, SB3-contrib and OpenAI
+    baselines all check it. Returns (accepted, new x (the old x if none was accepted), steps tried)."""
+    loss0, _ = eval_fn(x)
+    for k in range(max_backtracks):
+        frac = 0.5 ** k
+        xnew = x + frac * fullstep
+        loss, kl = eval_fn(xnew)
+        actual = loss0 - loss
+        expected = expected_improve_full * frac
+        if actual > 0 and actual / expected > accept_ratio and kl <= max_kl:
+            return True, xnew, k + 1
+    return False, x, max_backtracks
+
+
+def compute_gae(rewards, values, next_values, terminations, dones, gamma, gae_lambda):
+    """Generalized advantage estimation over a rollout of shape (T, N) (numpy or torch).
+
+    next_values[t] is V of the state actually reached after step t: for a step that ended an
+    episode this is V(final observation), not V of the next episode's first observation.
+    terminations[t] = 1 cuts the bootstrap (a real terminal state has value 0);
+    dones[t] = terminated or truncated cuts the recursion (the next row is another episode).
+    A truncated step therefore keeps gamma * V(final observation) in its TD error.
+    Returns (advantages, returns) with returns = advantages + values (the value-fit targets)."""
+    T = rewards.shape[0]
+    advantages = rewards * 0.0
+    last = 0.0
+    for t in reversed(range(T)):
+        delta = rewards[t] + gamma * next_values[t] * (1.0 - terminations[t]) - values[t]
+        last = delta + gamma * gae_lambda * (1.0 - dones[t]) * last
+        advantages[t] = last
+    return advantages, advantages + values
+
+
+class RunningMeanStd:
+    """Running mean / variance of observations (Welford / Chan's parallel update, exact).
+
+    normalize(x) = clip((x - mean) / std, -clip, clip). Saved in the checkpoint and frozen at evaluation."""
+
+    def __init__(self, shape, clip: float = 5.0):
+        self.count = 0
+        self.mean = np.zeros(shape, dtype=np.float64)
+        self.m2 = np.zeros(shape, dtype=np.float64)
+        self.clip = clip
+
+    def update(self, x: np.ndarray) -> None:
+        x = np.asarray(x, dtype=np.float64).reshape(-1, *self.mean.shape)
+        n_b = x.shape[0]
+        mean_b = x.mean(0)
+        m2_b = ((x - mean_b) ** 2).sum(0)
+        n = self.count + n_b
+        delta = mean_b - self.mean
+        self.mean = self.mean + delta * n_b / n
+        self.m2 = self.m2 + m2_b + delta ** 2 * self.count * n_b / n
+        self.count = n
+
+    @property
+    def std(self) -> np.ndarray:
+        if self.count < 2:
+            return np.ones_like(self.mean)
+        return np.sqrt(self.m2 / (self.count - 1))
+
+    def normalize(self, x: np.ndarray) -> np.ndarray:
+        return np.clip((x - self.mean) / (self.std + 1e-8), -self.clip, self.clip).astype(np.float32)
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean.copy(), "m2": self.m2.copy(), "clip": self.clip}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.count, self.mean, self.m2, self.clip = d["count"], d["mean"].copy(), d["m2"].copy(), d["clip"]
+
+
+def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
+    var_y = np.var(y_true)
+    return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment, policies and value network
+# ----------------------------------------------------------------------------------------------
+
+
+def make_env(env_id: str, idx: int, capture_video: bool, run_name: str):
+    def thunk():
+        if capture_video and idx == 0:
+            env = gym.make(env_id, render_mode="rgb_array")
+            env = gym.wrappers.RecordVideo(env, f"videos/{run_name}")
+        else:
+            env = gym.make(env_id)
+        return env
+
+    return thunk
+
+
+def check_env_id(env_id: str) -> tuple[int, int]:
+    """Exit with one clear sentence when the env does not exist or does not fit this script."""
+    try:
+        env = gym.make(env_id)
+    except Exception as e:  # gymnasium raises several error types (unknown id, missing deps)
+        sys.exit(f"error: cannot make env '{env_id}': {e}")
+    obs_space, act_space = env.observation_space, env.action_space
+    env.close()
+    if not isinstance(act_space, gym.spaces.Box) or len(act_space.shape) != 1:
+        sys.exit(f"error: trpo_gpt2_halfcheetah.py needs a continuous (Box) action space, but '{env_id}' has "
+                 f"{act_space}; use ppo_cartpole.py for Discrete actions.")
+    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+        sys.exit(f"error: trpo_gpt2_halfcheetah.py needs a flat Box observation, but '{env_id}' has {obs_space}.")
+    return int(obs_space.shape[0]), int(act_space.shape[0])
+
+
+class MLPPolicy(nn.Module):
+    """The reference policy: 2x64 tanh, mean layer weight x0.1 and bias 0, state-independent log-std 0."""
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden: int = 64):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
+        self.action_mean = nn.Linear(hidden, act_dim)
+        self.action_mean.weight.data.mul_(0.1)
+        self.action_mean.bias.data.zero_()
+        self.action_log_std = nn.Parameter(torch.zeros(1, act_dim))
+
+    def encode(self, obs: torch.Tensor) -> dict:
+        return {"obs": obs}
+
+    def mean_from(self, enc: dict) -> torch.Tensor:
+        return self.action_mean(self.net(enc["obs"]))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.mean_from(self.encode(obs))
+
+
+class GPT2Policy(nn.Module):
+    """GPT-2 as the policy network (seed 000, section 9).
+
+    The state enters as `inputs_embeds` (embed: a learned projection of the normalised observation,
+    one token or one token per dimension) or as text (the normalised numbers printed and tokenized,
+    right-padded; the hidden state is read at the last real token). An optional instruction is a fixed
+    token prefix, tokenized once. The last hidden state feeds a 2x64 tanh head for the action mean;
+    the log-std is a state-independent parameter. Dropout is 0 everywhere (config) and the module is
+    kept in eval mode, so every forward pass of the update is deterministic."""
+
+    def __init__(self, transformer: nn.Module, obs_dim: int, act_dim: int, state_encoding: str = "embed",
+                 embed_tokens: str = "one", tokenizer=None, instruction: Optional[str] = None, hidden: int = 64,
+                 text_decimals: int = 2):
+        super().__init__()
+        self.transformer = transformer
+        self.tokenizer = tokenizer
+        self.state_encoding, self.embed_tokens, self.text_decimals = state_encoding, embed_tokens, text_decimals
+        self.obs_dim = obs_dim
+        d = transformer.config.n_embd
+        if state_encoding == "embed":
+            if embed_tokens == "one":
+                self.proj = nn.Linear(obs_dim, d)
+            else:  # per-dim: token i = obs_i * W[i] + B[i] (B[i] also tells the model which dimension it is)
+                self.proj_w = nn.Parameter(torch.randn(obs_dim, d) * 0.02)
+                self.proj_b = nn.Parameter(torch.randn(obs_dim, d) * 0.02)
+        prefix = tokenizer(instruction)["input_ids"] if instruction else []
+        self.register_buffer("prefix_ids", torch.tensor(prefix, dtype=torch.long), persistent=False)
+        self._prefix_cache: Optional[torch.Tensor] = None
+        self.head = nn.Sequential(nn.Linear(d, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
+        self.action_mean = nn.Linear(hidden, act_dim)
+        self.action_mean.weight.data.mul_(0.1)
+        self.action_mean.bias.data.zero_()
+        self.action_log_std = nn.Parameter(torch.zeros(1, act_dim))
+
+    def obs_to_text(self, obs: np.ndarray) -> list[str]:
+        return [" ".join(f"{v:.{self.text_decimals}f}" for v in row) for row in obs]
+
+    def encode(self, obs: torch.Tensor) -> dict:
+        """The per-sample inputs of the transformer (computed once per batch in the update)."""
+        if self.state_encoding == "embed":
+            return {"obs": obs}
+        toks = self.tokenizer(self.obs_to_text(obs.detach().cpu().numpy()), padding=True, return_tensors="pt")
+        dev = obs.device
+        return {"input_ids": toks["input_ids"].to(dev), "attention_mask": toks["attention_mask"].to(dev)}
+
+    def prefix_embeds(self) -> torch.Tensor:
+        """Embeddings of the instruction prefix; cached once when the token embeddings are frozen."""
+        wte = self.transformer.get_input_embeddings()
+        if wte.weight.requires_grad:
+            return wte(self.prefix_ids)
+        if self._prefix_cache is None or self._prefix_cache.device != self.prefix_ids.device:
+            with torch.no_grad():
+                self._prefix_cache = wte(self.prefix_ids)
+        return self._prefix_cache
+
+    def features(self, enc: dict) -> torch.Tensor:
+        if self.state_encoding == "embed":
+            obs = enc["obs"]
+            if self.embed_tokens == "one":
+                x = self.proj(obs).unsqueeze(1)
+            else:
+                x = obs.unsqueeze(-1) * self.proj_w + self.proj_b
+            mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
+        else:
+            x = self.transformer.get_input_embeddings()(enc["input_ids"])
+            mask = enc["attention_mask"]
+        B, P = x.shape[0], self.prefix_ids.numel()
+        if P:
+            x = torch.cat([self.prefix_embeds().unsqueeze(0).expand(B, -1, -1).to(x.dtype), x], 1)
+            mask = torch.cat([torch.ones(B, P, dtype=mask.dtype, device=mask.device), mask], 1)
+        h = self.transformer(inputs_embeds=x, attention_mask=mask).last_hidden_state
+        # right padding: the last real token of row b sits at index (number of real tokens) - 1
+        last = mask.sum(1) - 1
+        return h[torch.arange(B, device=h.device), last]
+
+    def mean_from(self, enc: dict) -> torch.Tensor:
+        return self.action_mean(self.head(self.features(enc)))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.mean_from(self.encode(obs))
+
+
+class ValueNet(nn.Module):
+    """2x64 tanh value network, output layer x0.1 as in the reference."""
+
+    def __init__(self, obs_dim: int, hidden: int = 64):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                 nn.Linear(hidden, 1))
+        self.net[-1].weight.data.mul_(0.1)
+        self.net[-1].bias.data.zero_()
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs).squeeze(-1)
+
+
+def fit_value_lbfgs(value_net: ValueNet, obs: torch.Tensor, targets: torch.Tensor, l2_reg: float,
+                    max_iter: int = 25) -> float:
+    """Fit the value net to the targets by L-BFGS (strong-Wolfe line search) on
+    mean squared error + l2_reg * sum of squared weights. Returns the final loss."""
+    params = list(value_net.parameters())
+    opt = torch.optim.LBFGS(params, max_iter=max_iter, history_size=10, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = (value_net(obs) - targets).pow(2).mean() + l2_reg * sum(p.pow(2).sum() for p in params)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        return float((value_net(obs) - targets).pow(2).mean())
+
+
+def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dict] = None):
+    """GPT-2 (transformers GPT2Model, eager attention so the KL can be differentiated twice) and,
+    when needed, its tokenizer. Dropout is set to 0 in the config. Never falls back silently."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2Model
+
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    tokenizer = None
+    try:
+        if need_tokenizer:
+            tokenizer = AutoTokenizer.from_pretrained(args.llm)
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            tokenizer.padding_side = "right"
+        if config_dict is not None:  # rebuilding from a checkpoint: no download of weights
+            config = GPT2Config.from_dict({**config_dict, **no_dropout})
+            model = GPT2Model._from_config(config, attn_implementation="eager")
+        elif args.llm_init == "pretrained":
+            model = GPT2Model.from_pretrained(args.llm, attn_implementation="eager", **no_dropout)
+            if args.llm_layers > 0:
+                if args.llm_layers > model.config.n_layer:
+                    sys.exit(f"error: --llm-layers {args.llm_layers} exceeds the {model.config.n_layer} "
+                             f"blocks of '{args.llm}'.")
+                model.h = model.h[:args.llm_layers]
+                model.config.n_layer = args.llm_layers
+        else:
+            if args.llm == "gpt2":
+                config = GPT2Config()  # GPT-2 small's architecture, no download
+            else:
+                config = GPT2Config.from_pretrained(args.llm)
+            over = {k: v for k, v in (("n_layer", args.llm_layers), ("n_embd", args.llm_embd),
+                                      ("n_head", args.llm_heads)) if v > 0}
+            if "n_embd" in over or "n_head" in over:
+                if over.get("n_embd", config.n_embd) % over.get("n_head", config.n_head):
+                    sys.exit("error: --llm-embd must be a multiple of --llm-heads.")
+            for k, v in {**over, **no_dropout}.items():
+                setattr(config, k, v)
+            model = GPT2Model._from_config(config, attn_implementation="eager")
+    except (OSError, ValueError, EnvironmentError) as e:
+        sys.exit(OFFLINE_HELP.format(llm=args.llm, why=f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
+        sys.exit(f"error: the tokenizer of '{args.llm}' has {len(tokenizer)} tokens but the model only "
+                 f"{model.config.vocab_size}.")
+    model.eval()
+    return model, tokenizer
+
+
+def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[dict] = None) -> nn.Module:
+    if args.policy == "mlp":
+        return MLPPolicy(obs_dim, act_dim, args.hidden_size)
+    need_tok = args.state_encoding == "text" or bool(args.instruction)
+    transformer, tokenizer = load_transformer(args, need_tok, config_dict)
+    policy = GPT2Policy(transformer, obs_dim, act_dim, args.state_encoding, args.embed_tokens, tokenizer,
+                        args.instruction, args.hidden_size, args.text_decimals)
+    if args.finetune_blocks >= 0:
+        for p in transformer.parameters():
+            p.requires_grad_(False)
+        blocks = transformer.h[len(transformer.h) - args.finetune_blocks:] if args.finetune_blocks else []
+        for block in blocks:
+            for p in block.parameters():
+                p.requires_grad_(True)
+        if args.finetune_blocks > 0:
+            for p in transformer.ln_f.parameters():
+                p.requires_grad_(True)
+    return policy.eval()
+
+
+def validate_args(args: Args) -> None:
+    if args.policy not in ("gpt2", "mlp"):
+        sys.exit(f"error: --policy must be 'gpt2' or 'mlp', not '{args.policy}'.")
+    if args.llm_init not in ("pretrained", "random"):
+        sys.exit(f"error: --llm-init must be 'pretrained' or 'random', not '{args.llm_init}'.")
+    if args.state_encoding not in ("embed", "text"):
+        sys.exit(f"error: --state-encoding must be 'embed' or 'text', not '{args.state_encoding}'.")
+    if args.embed_tokens not in ("one", "per-dim"):
+        sys.exit(f"error: --embed-tokens must be 'one' or 'per-dim', not '{args.embed_tokens}'.")
+    if args.num_envs < 1 or args.batch_size % args.num_envs:
+        sys.exit(f"error: --num-envs {args.num_envs} must divide --batch-size {args.batch_size}.")
+    if args.fvp_subsample < 1:
+        sys.exit("error: --fvp-subsample must be >= 1.")
+    if args.total_timesteps < 1:
+        sys.exit("error: --total-timesteps must be >= 1.")
+
+
+def save_checkpoint(path: str, policy: nn.Module, value_net: ValueNet, obs_rms: RunningMeanStd, args: Args,
+                    obs_dim: int, act_dim: int) -> None:
+    ckpt = {"policy": policy.state_dict(), "value": value_net.state_dict(), "obs_rms": obs_rms.state_dict(),
+            "args": asdict(args), "obs_dim": obs_dim, "act_dim": act_dim}
+    if isinstance(policy, GPT2Policy):
+        ckpt["gpt2_config"] = policy.transformer.config.to_dict()
+    torch.save(ckpt, path)
+
+
+def load_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
+    if not os.path.isfile(path):
+        sys.exit(f"error: checkpoint '{path}' does not exist.")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        train_args = Args(**ckpt["args"])
+    except Exception as e:  # a corrupt or foreign file: say so in one sentence
+        sys.exit(f"error: '{path}' is not a trpo_gpt2_halfcheetah.py checkpoint ({type(e).__name__}: {e}).")
+    policy = build_policy(train_args, ckpt["obs_dim"], ckpt["act_dim"], ckpt.get("gpt2_config"))
+    policy = policy.to(torch.float64 if ckpt["args"]["policy"] == "mlp" else torch.float32)
+    policy.load_state_dict(ckpt["policy"])
+    obs_rms = RunningMeanStd(ckpt["obs_dim"])
+    obs_rms.load_state_dict(ckpt["obs_rms"])
+    return policy.eval(), obs_rms, ckpt["args"]
+
+
+def evaluate(policy: nn.Module, obs_rms: RunningMeanStd, env_id: str, episodes: int, seed: int,
+             device: torch.device = torch.device("cpu")) -> list[float]:
+    """Undiscounted returns of `episodes` episodes with the mean action (deterministic) and the
+    observation statistics frozen (not updated)."""
+    env = gym.make(env_id)
+    low, high = env.action_space.low, env.action_space.high
+    dtype = next(policy.parameters()).dtype
+    returns = []
+    with torch.no_grad():
+        for ep in range(episodes):
+            obs, _ = env.reset(seed=seed + ep)
+            done, total = False, 0.0
+            while not done:
+                x = torch.as_tensor(obs_rms.normalize(obs[None]), dtype=dtype, device=device)
+                action = policy(x)[0].float().cpu().numpy()
+                obs, reward, terminated, truncated, _ = env.step(np.clip(action, low, high))
+                total += float(reward)
+                done = terminated or truncated
+            returns.append(total)
+    env.close()
+    return returns
+
+
+def seed_everything(seed: int, torch_deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = torch_deterministic
+
+
+def run_eval_only(args: Args) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    policy, obs_rms, train_args = load_checkpoint(args.eval_checkpoint)
+    env_id = train_args["env_id"]
+    check_env_id(env_id)
+    seed_everything(args.seed, args.torch_deterministic)
+    returns = evaluate(policy, obs_rms, env_id, args.eval_episodes, seed=args.seed)
+    run_name = f"{env_id}__{args.exp_name}-eval__{args.seed}__{int(time.time())}"
+    writer = SummaryWriter(f"runs/{run_name}")
+    for i, r in enumerate(returns):
+        writer.add_scalar("eval/episodic_return", r, i)
+    writer.close()
+    print(f"eval {args.eval_checkpoint}: {np.mean(returns):.2f} +- {np.std(returns):.2f} "
+          f"over {len(returns)} episodes (env {env_id}, logged to runs/{run_name})")
+
+
+# ----------------------------------------------------------------------------------------------
+# The TRPO update
+# ----------------------------------------------------------------------------------------------
+
+
+def subset(enc: dict, idx) -> dict:
+    return {k: v[idx] for k, v in enc.items()}
+
+
+def chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions: torch.Tensor,
+              advantages: torch.Tensor, args: Args) -> dict:
+    """One TRPO policy update on a batch. Returns statistics and the time split."""
+    n = actions.shape[0]
+    parts = chunks(n, args.update_chunk)
+    log_std_of = lambda: policy.action_log_std.expand(1, -1)  # noqa: E731
+    with torch.no_grad():
+        old_mean = torch.cat([policy.mean_from(subset(enc, s)) for s in parts])
+        old_log_std = log_std_of().detach().clone()
+        fixed_logp = normal_log_density(actions, old_mean, old_log_std)
+
+    # Gradient of the surrogate loss -E[r A] (chunked: the sum of the chunks' weighted gradients)
+    t0 = time.time()
+    g = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    for s in parts:
+        logp = normal_log_density(actions[s], policy.mean_from(subset(enc, s)), log_std_of())
+        loss_chunk = -(advantages[s] * torch.exp(logp - fixed_logp[s])).sum() / n
+        g += flat_grad(loss_chunk, params)
+    t_grad = time.time() - t0
+
+    # Fisher-vector products on every K-th sample: the exact Hessian of the mean KL
+    t0 = time.time()
+    fidx = torch.arange(0, n, args.fvp_subsample, device=actions.device)
+    f_enc, m = subset(enc, fidx), fidx.numel()
+    f_parts = chunks(m, args.update_chunk)
+
+    def kl_chunk(s):
+        mean = policy.mean_from(subset(f_enc, s))
+        ls = log_std_of()
+        return diag_gaussian_kl(mean.detach(), ls.detach(), mean, ls).sum() / m
+
+    if len(f_parts) == 1:
+        fvp = make_fvp(lambda: kl_chunk(f_parts[0]), params, args.damping)
+    else:  # too big for one graph: rebuild each chunk's graph in every product
+        def fvp(v):
+            out = args.damping * v
+            for s in f_parts:
+                gk = flat_grad(kl_chunk(s), params, create_graph=True)
+                out = out + flat_grad(torch.dot(gk, v), params)
+            return out
+
+    stepdir = conjugate_gradient(fvp, -g, args.cg_iters, args.cg_tol)
+    shs = 0.5 * torch.dot(stepdir, fvp(stepdir))
+    lm = torch.sqrt(shs / args.max_kl)
+    fullstep = stepdir / lm
+    expected_full = float(-torch.dot(g, stepdir) / lm)
+    del fvp
+    t_cg = time.time() - t0
+
+    # Backtracking line search on the whole batch: surrogate improvement AND mean KL <= max_kl
+    t0 = time.time()
+
+    def eval_fn(x):
+        set_flat_params(params, x)
+        with torch.no_grad():
+            mean = torch.cat([policy.mean_from(subset(enc, s)) for s in parts])
+            ls = log_std_of()
+            logp = normal_log_density(actions, mean, ls)
+            loss = -(advantages * torch.exp(logp - fixed_logp)).mean()
+            kl = diag_gaussian_kl(old_mean, old_log_std, mean, ls).mean()
+        return float(loss), float(kl)
+
+    x0 = flat_params(params)
+    loss_before, _ = eval_fn(x0)
+    accepted, xnew, tried = line_search(eval_fn, x0, fullstep, expected_full, args.max_kl,
+                                        args.max_backtracks, args.accept_ratio)
+    loss_after, kl_after = eval_fn(xnew)  # also leaves the accepted (or old) parameters in place
+    t_ls = time.time() - t0
+    with torch.no_grad():
+        entropy = float(diag_gaussian_entropy(log_std_of()).mean())
+    return {"surrogate": -loss_after, "surrogate_before": -loss_before, "kl": kl_after, "accepted": accepted,
+            "line_search_steps": tried, "expected_improve": expected_full, "entropy": entropy,
+            "grad_seconds": t_grad, "cg_seconds": t_cg, "line_search_seconds": t_ls}
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    torch.set_num_threads(args.torch_threads)
+    if args.eval_checkpoint is not None:
+        run_eval_only(args)
+        return
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
+
+    validate_args(args)
+    obs_dim, act_dim = check_env_id(args.env_id)
+    args.num_steps = args.batch_size // args.num_envs
+    args.num_iterations = -(-args.total_timesteps // args.batch_size)
+    seed_everything(args.seed, args.torch_deterministic)
+    use_cuda = args.cuda and torch.cuda.is_available()
+    if args.cuda and not use_cuda:
+        sys.exit("error: --cuda was given but torch sees no CUDA device.")
+    device = torch.device("cuda" if use_cuda else "cpu")
+    if use_cuda and args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    # float64 for the MLP (as the reference; cheap), float32 for GPT-2 (its native precision)
+    dtype = torch.float64 if args.policy == "mlp" else torch.float32
+    policy = build_policy(args, obs_dim, act_dim).to(device=device, dtype=dtype)
+    value_net = ValueNet(obs_dim, args.hidden_size).to(device=device, dtype=dtype)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    n_train = sum(p.numel() for p in params)
+    n_total = sum(p.numel() for p in policy.parameters())
+
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                   config=vars(args), name=run_name, monitor_gym=True, save_code=True)
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text(
+        "hyperparameters",
+        "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])),
+    )
+    print(f"{run_name}: policy {args.policy}, {n_train:,} of {n_total:,} parameters trained by TRPO, "
+          f"{args.num_iterations} updates of {args.batch_size} steps on {device}")
+
+    # SAME_STEP autoreset: the obs returned on a done step is already the next episode's first
+    # obs, and the real last obs sits in info["final_obs"] (used for the truncation bootstrap).
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(args.env_id, i, args.capture_video, run_name) for i in range(args.num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
+    low, high = envs.single_action_space.low, envs.single_action_space.high
+    obs_rms = RunningMeanStd(obs_dim, args.obs_clip)
+    T, N = args.num_steps, args.num_envs
+    obs_buf = np.zeros((T, N, obs_dim), dtype=np.float32)  # normalised, as the policy saw them
+    next_obs_buf = np.zeros((T, N, obs_dim), dtype=np.float32)  # normalised state reached after each step
+    actions_buf = np.zeros((T, N, act_dim), dtype=np.float32)
+    rewards_buf = np.zeros((T, N), dtype=np.float64)
+    terminations_buf = np.zeros((T, N), dtype=np.float64)
+    dones_buf = np.zeros((T, N), dtype=np.float64)
+    episode_return = np.zeros(N, dtype=np.float64)
+    episode_length = np.zeros(N, dtype=np.int64)
+    recent_returns: deque = deque(maxlen=20)
+
+    raw_obs, _ = envs.reset(seed=args.seed)
+    obs_rms.update(raw_obs)
+    next_obs = obs_rms.normalize(raw_obs)
+    global_step = 0
+    start_time = time.time()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_cuda and args.bf16)
+    bar = tqdm(total=args.num_iterations * args.batch_size, unit="step", disable=None if args.progress else True,
+               dynamic_ncols=True)
+
+    for iteration in range(1, args.num_iterations + 1):
+        rollout_start = time.time()
+        with torch.no_grad():
+            log_std = policy.action_log_std.detach().float().cpu().numpy()[0]
+            for step in range(T):
+                global_step += N
+                obs_buf[step] = next_obs
+                with autocast:
+                    mean = policy(torch.from_numpy(next_obs).to(device=device, dtype=dtype)).float().cpu().numpy()
+                action = (mean + np.exp(log_std) * torch.randn(mean.shape, dtype=torch.float64).numpy()).astype(
+                    np.float32)
+                actions_buf[step] = action  # the unclipped sample (its log-density is what TRPO uses)
+                raw_obs, reward, terminations, truncations, infos = envs.step(np.clip(action, low, high))
+                dones = np.logical_or(terminations, truncations)
+                obs_rms.update(raw_obs)
+                next_obs = obs_rms.normalize(raw_obs)
+                rewards_buf[step] = reward
+                terminations_buf[step] = terminations
+                dones_buf[step] = dones
+                next_obs_buf[step] = next_obs
+                episode_return += reward
+                episode_length += 1
+                for i in np.flatnonzero(dones):
+                    next_obs_buf[step, i] = obs_rms.normalize(infos["final_obs"][i])
+                    writer.add_scalar("charts/episodic_return", episode_return[i], global_step)
+                    writer.add_scalar("charts/episodic_length", episode_length[i], global_step)
+                    recent_returns.append(episode_return[i])
+                    episode_return[i], episode_length[i] = 0.0, 0
+        rollout_time = time.time() - rollout_start
+
+        # ---- update ----
+        update_start = time.time()
+        b_obs = torch.from_numpy(obs_buf.reshape(-1, obs_dim)).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            values = value_net(b_obs).cpu().numpy().reshape(T, N)
+            next_values = value_net(torch.from_numpy(next_obs_buf.reshape(-1, obs_dim)).to(device=device, dtype=dtype))
+            next_values = next_values.cpu().numpy().reshape(T, N)
+        advantages, returns = compute_gae(rewards_buf, values, next_values, terminations_buf, dones_buf,
+                                          args.gamma, args.gae_lambda)
+        b_adv = torch.from_numpy(advantages.reshape(-1)).to(device=device, dtype=dtype)
+        b_adv = (b_adv - b_adv.mean()) / (b_adv.std() + 1e-8)
+        b_returns = torch.from_numpy(returns.reshape(-1)).to(device=device, dtype=dtype)
+        b_actions = torch.from_numpy(actions_buf.reshape(-1, act_dim)).to(device=device, dtype=dtype)
+
+        t0 = time.time()
+        v_loss = fit_value_lbfgs(value_net, b_obs, b_returns, args.l2_reg, args.vf_iters)
+        t_value = time.time() - t0
+        enc = policy.encode(b_obs)  # text encoding: tokenized once per update, not per product
+        stats = trpo_step(policy, params, enc, b_actions, b_adv, args)
+        update_time = time.time() - update_start
+
+        sps = int(global_step / (time.time() - start_time))
+        writer.add_scalar("losses/surrogate", stats["surrogate"], global_step)
+        writer.add_scalar("losses/surrogate_improvement", stats["surrogate"] - stats["surrogate_before"], global_step)
+        writer.add_scalar("losses/kl", stats["kl"], global_step)
+        writer.add_scalar("losses/value_loss", v_loss, global_step)
+        writer.add_scalar("losses/entropy", stats["entropy"], global_step)
+        writer.add_scalar("losses/explained_variance", explained_variance(values.reshape(-1), returns.reshape(-1)),
+                          global_step)
+        writer.add_scalar("charts/line_search_steps", stats["line_search_steps"], global_step)
+        writer.add_scalar("charts/step_accepted", float(stats["accepted"]), global_step)
+        writer.add_scalar("charts/SPS", sps, global_step)
+        writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
+        writer.add_scalar("time/update_seconds", update_time, global_step)
+        writer.add_scalar("time/value_fit_seconds", t_value, global_step)
+        writer.add_scalar("time/grad_seconds", stats["grad_seconds"], global_step)
+        writer.add_scalar("time/cg_seconds", stats["cg_seconds"], global_step)
+        writer.add_scalar("time/line_search_seconds", stats["line_search_seconds"], global_step)
+        bar.update(args.batch_size)
+        bar.set_postfix(ret=f"{np.mean(recent_returns):.1f}" if recent_returns else "-", kl=f"{stats['kl']:.4f}",
+                        sps=sps)
+
+    bar.close()
+    mean_recent = float(np.mean(recent_returns)) if recent_returns else float("nan")
+    print(f"{run_name}: {global_step} steps, mean return of the last {len(recent_returns)} episodes "
+          f"{mean_recent:.2f}, {int(global_step / (time.time() - start_time))} steps/s")
+
+    if args.save_model:
+        model_path = f"runs/{run_name}/{args.exp_name}.pt"
+        save_checkpoint(model_path, policy, value_net, obs_rms, args, obs_dim, act_dim)
+        print(f"model saved to {model_path}")
+        returns_eval = evaluate(policy, obs_rms, args.env_id, args.eval_episodes, seed=args.seed + 10_000,
+                                device=device)
+        for i, r in enumerate(returns_eval):
+            writer.add_scalar("eval/episodic_return", r, i)
+        print(f"eval: {np.mean(returns_eval):.2f} +- {np.std(returns_eval):.2f} over {len(returns_eval)} episodes")
+
+    envs.close()
+    writer.close()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
