@@ -1,0 +1,176 @@
+"""Tests of the benchmark harness benchmark/run.py: the reader against hand-computed numbers from
+event files written here, resume, the --quick mode end to end on ppo_cartpole.py, missing scripts."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, read_scalars
+
+_spec = importlib.util.spec_from_file_location("bench_run", os.path.join(ROOT, "benchmark", "run.py"))
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_run"] = bench  # dataclasses look their module up there
+_spec.loader.exec_module(bench)
+
+
+def _write_events(folder, tag, values, steps=None, sps=None, t0=1000.0):
+    """One TensorBoard run folder: `tag` = values at the given steps (wall time t0 + step / 10)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    steps = steps if steps is not None else [10 * (i + 1) for i in range(len(values))]
+    w = SummaryWriter(folder)
+    for step, v in zip(steps, values):
+        w.add_scalar(tag, v, step, walltime=t0 + step / 10)
+    for step, v in (sps or []):
+        w.add_scalar("charts/SPS", v, step, walltime=t0 + step / 10)
+    w.close()
+
+
+def _harness(*flags, cwd=ROOT, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "run.py"), *flags], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_reader_mean_of_last_100_then_population_std(tmp_path):
+    # seed 1: 150 episodes 0..149 -> last 100 are 50..149, mean 99.5
+    # seed 2: only 40 episodes 1..40 (fewer than 100: all count) -> 20.5
+    # seed 3: 20 episodes of 1000 then 100 of 7, two episodes per step -> the 1000s fall out -> 7.0
+    dirs = {s: str(tmp_path / f"seed{s}" / "runs" / "r") for s in (1, 2, 3)}
+    _write_events(dirs[1], "charts/episodic_return", list(range(150)), sps=[(100, 50.0), (1500, 300.0)])
+    _write_events(dirs[2], "charts/episodic_return", list(range(1, 41)), sps=[(400, 500.0)])
+    _write_events(dirs[3], "charts/episodic_return", [1000.0] * 20 + [7.0] * 100,
+                  steps=[10 * (i // 2 + 1) for i in range(120)], sps=[(600, 700.0)])
+    agg = bench.aggregate({s: str(tmp_path / f"seed{s}") for s in (1, 2, 3)})
+    assert [agg["per_seed"][s]["final"] for s in (1, 2, 3)] == pytest.approx([99.5, 20.5, 7.0])
+    assert [agg["per_seed"][s]["episodes"] for s in (1, 2, 3)] == [150, 40, 120]
+    # mean 127 / 3; population std sqrt(((99.5-m)^2 + (20.5-m)^2 + (7-m)^2) / 3) = 40.7969,
+    # not the sample std (49.9658)
+    assert agg["mean"] == pytest.approx(42.333333, abs=1e-5)
+    assert agg["std"] == pytest.approx(40.796923, abs=1e-5)
+    assert agg["sps"] == pytest.approx((300 + 500 + 700) / 3)  # the LAST logged SPS of each seed
+    # wall time from the events (no marker): seed 1 spans steps 10..1500 -> 149 s
+    assert agg["per_seed"][1]["wall_seconds"] == pytest.approx(149.0, abs=1e-3)
+    assert agg["per_seed"][1]["last_step"] == 1500
+    # a different window: ICPI's 10 episodes
+    assert bench.aggregate({1: str(tmp_path / "seed1")}, last_n=10)["mean"] == pytest.approx(144.5)
+    # a seed without a single episode counts as missing, not as 0
+    assert bench.mean_std([float("nan"), 2.0, 4.0]) == (3.0, 1.0)
+
+
+def _marker_run(runs_dir, setting, seed, values, seconds=12.0):
+    """A finished run as the runner leaves it: events under runs/ and a done.json marker."""
+    job = bench.Job(setting, seed, os.path.join(runs_dir, bench.run_id(setting, seed)),
+                    bench.command(setting, seed) if bench.present(setting.script) else ["python", "x.py"],
+                    "python benchmark/run.py (test)")
+    _write_events(os.path.join(job.run_dir, "runs", "r"), bench.SCRIPTS[setting.script].tag, values,
+                  steps=list(range(1, len(values) + 1)))
+    bench.write_marker(job, seconds)
+    return job
+
+
+def test_report_regret_tag_from_markers(tmp_path):
+    # ICPI-type logs: charts/regret against real steps, last 10 episodes per seed; the script itself
+    # need not exist for the report.
+    oracle = next(s for s in bench.SETTINGS if s.script == "icpi_chain" and s.env == "chain" and s.name == "oracle")
+    runs = str(tmp_path / "runs")
+    _marker_run(runs, oracle, 1, [1.0] * 5 + [0.5] * 10, seconds=10)  # last 10 -> 0.5
+    _marker_run(runs, oracle, 2, [0.1, 0.3], seconds=30)  # 2 episodes -> 0.2
+    md = str(tmp_path / "out" / "results.md")
+    assert bench.main(["--mode", "report", "--scripts", "icpi_chain", "--runs-dir", runs, "--results-md", md,
+                       "--plots-dir", str(tmp_path / "out")]) == 0
+    rows = json.load(open(str(tmp_path / "out" / "results.json")))["rows"]
+    assert len(rows) == 1 and rows[0]["tag"] == "charts/regret" and rows[0]["seeds"] == [1, 2]
+    assert rows[0]["mean"] == pytest.approx(0.35) and rows[0]["std"] == pytest.approx(0.15)
+    assert rows[0]["wall_seconds"] == pytest.approx(20.0)
+    text = open(md).read()
+    assert "`icpi_chain.py` | chain | oracle | 85 | 1 2 | 0.35 ± 0.15 (charts/regret)" in text
+    with open(str(tmp_path / "out" / "icpi_chain.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # a second report of another setting keeps this row (rows accumulate in results.json)
+    tab = next(s for s in bench.SETTINGS if s.script == "icpi_chain" and s.env == "chain" and s.name == "tabular-q")
+    _marker_run(runs, tab, 1, [0.0] * 3)
+    bench.main(["--mode", "report", "--scripts", "icpi_chain", "--settings", "tabular-q", "--runs-dir", runs,
+                "--results-md", md, "--plots-dir", str(tmp_path / "out")])
+    rows = json.load(open(str(tmp_path / "out" / "results.json")))["rows"]
+    assert [(r["setting"], r["mean"]) for r in rows] == [("oracle", pytest.approx(0.35)), ("tabular-q", 0.0)]
+
+
+def test_missing_script_is_skipped_with_a_message(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(bench.SCRIPTS, "no_such_script", bench.Script("no_such_script.py"))
+    registry = [bench.S("no_such_script", "CartPole-v1", "x", 1000, (1, 2))]
+    runs = str(tmp_path / "runs")
+    rc = bench.main(["--runs-dir", runs, "--results-md", str(tmp_path / "r.md"), "--plots-dir", str(tmp_path)],
+                    registry=registry)
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "skip: no_such_script.py not present yet -> CartPole-v1 x skipped" in out
+    assert not os.path.exists(runs) and not os.path.exists(str(tmp_path / "r.md"))
+
+
+def test_is_complete_needs_the_marker_with_the_same_command(tmp_path):
+    s = bench.S("ppo_cartpole", "CartPole-v1", "default", 2048, (1,))
+    job = _marker_run(str(tmp_path), s, 1, [1.0, 2.0])
+    assert bench.is_complete(job.run_dir, bench.command(s, 1))
+    assert not bench.is_complete(job.run_dir, bench.command(s, 2))  # another command: not this run
+    os.remove(os.path.join(job.run_dir, bench.MARKER))
+    assert not bench.is_complete(job.run_dir)  # events without a marker: interrupted
+
+
+def test_quick_end_to_end_on_ppo_cartpole_and_resume(tmp_path):
+    runs, out = str(tmp_path / "runs"), str(tmp_path / "out")
+    flags = ("--quick", "--scripts", "ppo_cartpole", "--envs", "CartPole-v1", "--workers", "2", "--runs-dir", runs,
+             "--results-md", os.path.join(out, "results.md"), "--plots-dir", out)
+    # an interrupted earlier run of seed 1 (events, no marker) must be cleared, not mixed in
+    s1 = bench.S("ppo_cartpole", "CartPole-v1", "default", bench.SCRIPTS["ppo_cartpole"].quick_steps, (1,))
+    stale = os.path.join(runs, bench.run_id(s1, 1))
+    _write_events(os.path.join(stale, "runs", "old"), "charts/episodic_return", [9999.0] * 5)
+
+    proc = _harness(*flags)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "running 2 runs, 2 at a time" in proc.stdout
+    assert not os.path.exists(os.path.join(stale, "runs", "old"))
+    rows = json.load(open(os.path.join(out, "results.json")))["rows"]
+    assert len(rows) == 1 and rows[0]["seeds"] == [1, 2] and rows[0]["steps"] == 2048
+    # the table's number is the mean of each seed's last 100 logged returns, read independently here
+    finals = []
+    for seed in (1, 2):
+        rd = os.path.join(runs, bench.run_id(s1, seed))
+        (sub,) = os.listdir(os.path.join(rd, "runs"))
+        vals = [v for _, v in read_scalars(os.path.join(rd, "runs", sub), "charts/episodic_return")]
+        assert 30 < len(vals) and max(vals) < 500
+        finals.append(sum(vals[-100:]) / len(vals[-100:]))
+    assert rows[0]["per_seed"] == {"1": pytest.approx(finals[0]), "2": pytest.approx(finals[1])}
+    assert rows[0]["mean"] == pytest.approx(sum(finals) / 2)
+    assert rows[0]["std"] == pytest.approx(abs(finals[0] - finals[1]) / 2)
+    assert rows[0]["sps"] > 0
+    table = open(os.path.join(out, "results.md")).read()
+    assert "| `ppo_cartpole.py` | CartPole-v1 | default | 2,048 | 1 2 |" in table
+    assert "490.04 ± 6.12 (CleanRL ppo.py" in table and "python ppo_cartpole.py --env-id CartPole-v1" in table
+    assert "cores" in table and "torch " in table and "gymnasium " in table
+    with open(os.path.join(out, "ppo_cartpole.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    # resume: both runs are complete, nothing is launched, the event files stay as they were
+    events = sorted(os.path.join(dp, f) for dp, _, fs in os.walk(runs) for f in fs if "tfevents" in f)
+    mtimes = [os.path.getmtime(p) for p in events]
+    proc = _harness(*flags)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("skip (complete): ppo_cartpole CartPole-v1 default 2048 steps") == 2
+    assert "running" not in proc.stdout
+    assert [os.path.getmtime(p) for p in events] == mtimes
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--scripts", "nope"), "error: unknown script 'nope'"),
+    (("--envs", "NoSuchEnv-v0"), "error: no setting uses env 'NoSuchEnv-v0'"),
+    (("--workers", "0"), "error: --workers must be at least 1"),
+])
+def test_bad_input_one_clear_sentence(tmp_path, flags, message):
+    proc = _harness(*flags, "--runs-dir", str(tmp_path))
+    assert proc.returncode != 0
+    assert message in proc.stderr and "Traceback" not in proc.stderr
