@@ -178,6 +178,16 @@ def sample_categorical(logits: np.ndarray, rng: np.random.Generator) -> np.ndarr
     return np.minimum((cdf <= u).sum(-1), logits.shape[-1] - 1)
 
 
+def mlp_forward_numpy(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
+    """Forward pass of a ReLU MLP given as [(W, b), ...] with W of shape (in, out); no activation
+    after the last layer. The rollout runs the actor this way: for a batch of 4 observations a
+    numpy matmul costs ~1 us where an nn.Module call costs ~20 us of Python dispatch."""
+    for W, b in layers[:-1]:
+        x = np.maximum(x @ W + b, 0.0)
+    W, b = layers[-1]
+    return x @ W + b
+
+
 def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
     var_y = np.var(y_true)
     return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
@@ -250,6 +260,11 @@ class Agent(nn.Module):
 
     def log_probs(self, x: torch.Tensor) -> torch.Tensor:
         return F.log_softmax(self.actor(x), dim=-1)
+
+    def actor_layers_numpy(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """A numpy copy of the actor's weights for `mlp_forward_numpy` (refresh after each update)."""
+        linears = [m for m in self.actor if isinstance(m, nn.Linear)]
+        return [(m.weight.detach().cpu().numpy().T.copy(), m.bias.detach().cpu().numpy().copy()) for m in linears]
 
     def act(self, x: torch.Tensor, rng: np.random.Generator, greedy: bool = False) -> np.ndarray:
         """Actions for a batch of observations, as a numpy array (sampled, or the mode)."""
@@ -395,12 +410,18 @@ def main(args: Args) -> None:
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
         rollout_start = time.time()
+        # The parameters are fixed during the rollout: act with a numpy copy of the actor (same
+        # function, without the per-call overhead of torch modules on a batch of 4 observations).
+        actor_layers = agent.actor_layers_numpy() if device.type == "cpu" else None
 
         with torch.inference_mode():
             for step in range(T):
                 global_step += N
                 obs_buf[step] = next_obs
-                action = agent.act(torch.from_numpy(next_obs).to(device), action_rng)
+                if actor_layers is not None:
+                    action = sample_categorical(mlp_forward_numpy(actor_layers, next_obs), action_rng)
+                else:
+                    action = agent.act(torch.from_numpy(next_obs).to(device), action_rng)
                 actions_buf[step] = action
                 next_obs, reward, terminations, truncations, infos = envs.step(action)
                 next_obs = next_obs.astype(np.float32)

@@ -143,3 +143,21 @@ def test_sample_categorical_matches_softmax():
     freq1 = np.bincount(draws[:, 1], minlength=3) / len(draws)
     assert np.allclose(freq0, [0.25, 0.75, 0.0], atol=0.015)
     assert np.allclose(freq1, [0.5, 0.25, 0.25], atol=0.015)
+
+
+def test_numpy_actor_matches_torch_actor():
+    # the rollout samples from a numpy copy of the actor: it must compute the same logits
+    torch.manual_seed(0)
+    agent = ppo.Agent(4, 3, hidden=16)
+    x = torch.randn(7, 4)
+    expected = agent.actor(x).detach().numpy()
+    layers = agent.actor_layers_numpy()
+    got = ppo.mlp_forward_numpy(layers, x.numpy())
+    assert got.shape == (7, 3)
+    assert np.allclose(got, expected, atol=1e-5)
+    # a snapshot, not a view: changing the module afterwards leaves the copy as it was, and a
+    # fresh export sees the change
+    with torch.no_grad():
+        agent.actor[0].weight.add_(1.0)
+    assert np.array_equal(ppo.mlp_forward_numpy(layers, x.numpy()), got)
+    assert not np.allclose(ppo.mlp_forward_numpy(agent.actor_layers_numpy(), x.numpy()), got, atol=1e-3)
