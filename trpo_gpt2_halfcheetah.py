@@ -538,6 +538,9 @@ def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[d
     transformer, tokenizer = load_transformer(args, need_tok, config_dict)
     policy = GPT2Policy(transformer, obs_dim, act_dim, args.state_encoding, args.embed_tokens, tokenizer,
                         args.instruction, args.hidden_size, args.text_decimals)
+    if args.state_encoding == "embed" and not args.instruction:
+        # no token enters the model: the token embeddings are unused, so not TRPO parameters
+        transformer.get_input_embeddings().weight.requires_grad_(False)
     if args.finetune_blocks >= 0:
         for p in transformer.parameters():
             p.requires_grad_(False)

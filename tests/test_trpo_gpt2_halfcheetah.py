@@ -260,6 +260,10 @@ def test_finetune_blocks_trains_only_last_blocks_and_head(tiny_gpt2_dir):
         if n.startswith(("transformer.h.0.", "transformer.wte", "transformer.wpe")):
             assert not changed, n
     assert not torch.equal(policy.proj.weight.detach(), before["proj.weight"])
+    # all blocks (-1) with the embed encoding and no instruction: everything but the unused token embeddings
+    policy = trpo.build_policy(trpo.Args(llm=tiny_gpt2_dir), 3, 2)
+    frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}
+    assert frozen == {"transformer.wte.weight"}
 
 
 # ------------------------------------------------------------------------------------------------
