@@ -488,8 +488,10 @@ def fit_value_lbfgs(value_net: ValueNet, obs: torch.Tensor, targets: torch.Tenso
 def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dict] = None):
     """GPT-2 (transformers GPT2Model, eager attention so the KL can be differentiated twice) and,
     when needed, its tokenizer. Dropout is set to 0 in the config. Never falls back silently."""
+    from huggingface_hub.utils import logging as hub_logging
     from transformers import AutoTokenizer, GPT2Config, GPT2Model
 
+    hub_logging.set_verbosity_error()  # no retry chatter: a failure ends in the one paragraph below
     no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     tokenizer = None
     try:
@@ -719,7 +721,7 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
         return float(loss), float(kl)
 
     x0 = flat_params(params)
-    loss_before, _ = eval_fn(x0)
+    loss_before = float(-advantages.mean())  # at the old parameters every ratio is 1
     accepted, xnew, tried = line_search(eval_fn, x0, fullstep, expected_full, args.max_kl,
                                         args.max_backtracks, args.accept_ratio)
     loss_after, kl_after = eval_fn(xnew)  # also leaves the accepted (or old) parameters in place
