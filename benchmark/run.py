@@ -226,6 +226,8 @@ class Args:
     """throughput mode: timed runs of each program"""
     throughput_steps: Optional[int] = None
     """throughput mode: steps per timed run (default: per script)"""
+    force: bool = False
+    """run again even when a run is complete (its folder is replaced)"""
     timeout: Optional[float] = None
     """seconds after which one run is killed and counted as failed (default: none)"""
 
@@ -362,7 +364,8 @@ def is_complete(run_dir: str, cmd: Optional[list[str]] = None) -> bool:
         return False
 
 
-def plan(selected: list[S], runs_dir: str, harness_cmd: str = "") -> tuple[list[Job], list[str], list[str]]:
+def plan(selected: list[S], runs_dir: str, harness_cmd: str = "", force: bool = False
+         ) -> tuple[list[Job], list[str], list[str]]:
     """Jobs to run, plus messages for what is skipped (missing script, already complete)."""
     jobs, missing, done = [], [], []
     for s in selected:
@@ -372,7 +375,7 @@ def plan(selected: list[S], runs_dir: str, harness_cmd: str = "") -> tuple[list[
         for seed in s.seeds:
             rd = os.path.join(runs_dir, run_id(s, seed))
             cmd = command(s, seed)
-            if is_complete(rd, cmd):
+            if is_complete(rd, cmd) and not force:
                 done.append(f"skip (complete): {s.script} {s.env} {s.name} {s.steps} steps seed {seed}")
             else:
                 jobs.append(Job(s, seed, rd, cmd, harness_cmd))
@@ -384,6 +387,7 @@ def execute(job: Job, nice: int = 0, timeout: Optional[float] = None) -> tuple[i
     if os.path.isdir(job.run_dir):  # an interrupted or outdated run: start clean
         shutil.rmtree(job.run_dir)
     os.makedirs(job.run_dir)
+    code = code_version(script_path(job.setting.script))
     preexec = (lambda: os.nice(nice)) if nice > 0 else None
     t0 = time.time()
     with open(os.path.join(job.run_dir, LOG), "w") as log:
@@ -400,11 +404,43 @@ def execute(job: Job, nice: int = 0, timeout: Optional[float] = None) -> tuple[i
             rc = -9
     seconds = time.time() - t0
     if rc == 0:
-        write_marker(job, seconds, nice)
+        write_marker(job, seconds, nice, code)
     return rc, seconds
 
 
-def write_marker(job: Job, seconds: float, nice: int = 0) -> None:
+def code_version(path: str) -> dict:
+    """The commit checked out and whether `path` is exactly as committed there (else its blob hash),
+    so that a result says which code made it."""
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    rel = os.path.relpath(path, ROOT)
+    blob, committed = git("hash-object", path), git("rev-parse", f"HEAD:{rel}")
+    return {"commit": git("rev-parse", "--short", "HEAD"), "blob": blob[:12], "as_committed": bool(blob) and
+            blob == committed}
+
+
+def code_text(code: Optional[dict], script: str) -> str:
+    if not code or not code.get("commit"):
+        return "code version not recorded"
+    if code["as_committed"]:
+        return f"{script}.py blob {code['blob']}, as committed in {code['commit']}"
+    return f"{script}.py blob {code['blob']}, uncommitted changes on top of {code['commit']}"
+
+
+def code_texts(codes: list[Optional[dict]], script: str) -> list[str]:
+    """One line per distinct version of the script's file among the seeds (the first commit it was seen at)."""
+    by_blob: dict = {}
+    for c in codes:
+        key = c["blob"] if c and c.get("commit") else None
+        by_blob.setdefault(key, c)
+    return [code_text(c, script) for c in by_blob.values()]
+
+
+def write_marker(job: Job, seconds: float, nice: int = 0, code: Optional[dict] = None) -> None:
     """The completion marker: the command (for resume) and everything the reader needs about the run."""
     s, info = job.setting, SCRIPTS[job.setting.script]
     marker = {
@@ -412,7 +448,7 @@ def write_marker(job: Job, seconds: float, nice: int = 0) -> None:
         "script": s.script, "env": s.env, "setting": s.name, "steps": s.steps, "seed": job.seed,
         "flags": list(s.flags), "tag": info.tag, "last_n": info.last_n, "x_label": info.x_label,
         "y_label": info.y_label, "refs": [asdict(r) for r in s.refs], "machine": machine(), "versions": versions(),
-        "nice": nice, "harness_command": job.harness_command,
+        "nice": os.nice(0) + nice, "harness_command": job.harness_command, "code": code,
     }
     with open(os.path.join(job.run_dir, MARKER), "w") as f:
         json.dump(marker, f, indent=1)
@@ -591,6 +627,7 @@ def make_rows(groups: dict, selected_keys: Optional[set]) -> list[dict]:
             "machine": any_marker["machine"], "versions": any_marker["versions"], "nice": any_marker["nice"],
             "harness_command": " / ".join(sorted({m["harness_command"] for _, m in seeds.values()})),
             "run_commands": commands,
+            "code": code_texts([m.get("code") for _, m in seeds.values()], key[0]),
             "finished": max(m["finished"] for _, m in seeds.values()),
         })
     return rows
@@ -654,8 +691,9 @@ def render(data: dict) -> str:
     lines += ["", "Per row: the command that made it, the per-seed numbers and the run command of each seed.", ""]
     for i, r in enumerate(data["rows"]):
         per_seed = ", ".join(f"seed {s}: {fmt(v)} ({r['episodes'][s]} episodes)" for s, v in r["per_seed"].items())
-        lines.append(f"{i + 1}. `{r['harness_command']}` (finished {r['finished']}, nice {r['nice']}). "
-                     f"{per_seed}. Each seed ran `{'`, `'.join(r['run_commands'])}`.")
+        lines.append(f"{i + 1}. `{r['harness_command']}` (finished {r['finished']}, niceness {r['nice']}). "
+                     f"{per_seed}. Each seed ran `{'`, `'.join(r['run_commands'])}` "
+                     f"({'; '.join(r.get('code', []))}).")
     if data.get("throughput"):
         lines += ["", "## Throughput (short runs, alternating with the peer on the same machine)", "",
                   "| script | flags | steps | SPS (median) | rollout / update seconds | peer | peer SPS (median) "
@@ -852,7 +890,7 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
 
     failed = []
     if args.mode == "train":
-        jobs, missing, done = plan(selected, args.runs_dir, harness_cmd)
+        jobs, missing, done = plan(selected, args.runs_dir, harness_cmd, args.force)
         for line in missing + done:
             print(line, flush=True)
         if jobs:

@@ -174,3 +174,17 @@ def test_bad_input_one_clear_sentence(tmp_path, flags, message):
     proc = _harness(*flags, "--runs-dir", str(tmp_path))
     assert proc.returncode != 0
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_throughput_mode_times_ours_against_the_peer(tmp_path):
+    md = str(tmp_path / "results.md")
+    proc = _harness("--mode", "throughput", "--quick", "--scripts", "ppo_cartpole", "--repeats", "1", "--throughput-steps", "1024",
+                    "--results-md", md)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "peer CleanRL-style ppo.py peer" in proc.stdout and "ratio" in proc.stdout
+    (t,) = json.load(open(str(tmp_path / "results.json")))["throughput"]
+    assert t["steps"] == 1024 and t["sps"] > 0 and t["peer_sps"] > 0
+    assert t["ratio"] == pytest.approx(t["sps"] / t["peer_sps"])
+    # ppo_cartpole.py logs time/rollout_seconds and time/update_seconds: the split is read back
+    assert t["rollout_s"] > 0 and t["update_s"] > 0
+    assert "## Throughput" in open(md).read()
