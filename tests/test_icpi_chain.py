@@ -467,3 +467,30 @@ def test_openai_unreachable_server_is_a_clear_error():
     with pytest.raises(SystemExit) as e:
         be.complete([ic.Request("p", 1)], "\n")
     assert "cannot get a completion" in str(e.value) and "--base-url" in str(e.value)
+
+
+def test_hf_prefix_cache_matches_full_forward(tiny_gpt2_dir):
+    import torch
+
+    args = ic.Args(model=f"hf:{tiny_gpt2_dir}", max_tokens=6, temperature=0.0)
+    be = ic.HFBackend(args.model, args)
+    prefix = "assert state == 3\nstate = left()\nassert not done\n\n"
+    query = "assert state == 5\nstate = right()\n"
+    cands = ["assert done", "assert not done"]
+    ids = be._ids(prefix) + be._ids(query)
+    with torch.no_grad():
+        greedy = be.model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                                   pad_token_id=be.tok.pad_token_id)[0, len(ids):].tolist()
+    want_text = be.tok.decode(greedy, skip_special_tokens=True).split("\n")[0]
+    full = []
+    for c in cands:
+        c_ids = be._ids(c + "\n")
+        with torch.no_grad():
+            logits = be.model(torch.tensor([ids + c_ids])).logits[0]
+        full.append(float(torch.log_softmax(logits[len(ids) - 1:-1], -1)[torch.arange(len(c_ids)), c_ids].sum()))
+    for _ in range(2):  # twice: the prefix KV must come back unchanged after each use
+        text, n = be.complete([ic.Request(prefix + query, 1, None, prefix)], "\n")[0]
+        assert text == want_text and n >= 1
+        choice, _ = be.complete([ic.Request(prefix + query, 1, cands, prefix)], "\n")[0]
+        assert choice == cands[int(np.argmax(full))]
+    assert len(be._prefixes) == 1
