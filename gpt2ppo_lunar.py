@@ -44,7 +44,6 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import tyro
 
 
@@ -301,13 +300,18 @@ class History:
 
 
 @torch.no_grad()
-def state_values(critic: nn.Module, history: History, flat_rows: np.ndarray, chunk: int = 256) -> torch.Tensor:
+def state_values(critic: nn.Module, history: History, flat_rows: np.ndarray, chunk: int = 256,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
     """V of the states at `flat_rows`, each from its own window, computed in a few batched passes
-    over the segments (the caller sets eval mode: no dropout)."""
+    over the segments (the caller sets eval mode: no dropout). Returned on the CPU."""
     seg_rows, seg_of, back = history.segments(flat_rows)
-    per_pos = torch.cat([critic(*history.windows(seg_rows[i:i + chunk])) for i in range(0, len(seg_rows), chunk)])
-    K = history.K
-    return per_pos[torch.from_numpy(seg_of), torch.from_numpy(K - 1 - back)]
+    per_pos = torch.cat([critic(*to_device(history.windows(seg_rows[i:i + chunk]), device)).cpu()
+                         for i in range(0, len(seg_rows), chunk)])
+    return per_pos[torch.from_numpy(seg_of), torch.from_numpy(history.K - 1 - back)]
+
+
+def to_device(window: tuple, device: torch.device | str) -> tuple:
+    return tuple(x.to(device) for x in window)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -653,29 +657,30 @@ def main(args: Args) -> None:
 
             # Values of every state of the rollout (and of the state it ended in) in a few batched
             # critic calls, with the same windows the update will gather; dropout off.
-            values_all = state_values(critic, history, rows_all).view(N, T + 1).T.cpu().numpy()  # (T+1, N)
+            values_all = state_values(critic, history, rows_all, device=device).view(N, T + 1).T.numpy()  # (T+1, N)
             values = values_all[:T]
             next_values = values_all[1:].copy()  # for a done step this row is another episode ...
             if truncated_at:  # ... replaced by V(final obs) where the episode was truncated
                 windows = [torch.cat(parts) for parts in zip(*[w for _, _, w in truncated_at])]
-                v_final = critic(*windows)[:, -1].cpu().numpy()
+                v_final = critic(*to_device(windows, device))[:, -1].cpu().numpy()
                 for (step, i, _), v in zip(truncated_at, v_final):
                     next_values[step, i] = v
             advantages, returns = compute_gae(rewards_buf, values, next_values, terminations_buf, dones_buf,
                                               args.gamma, args.gae_lambda)
-            b_obs = torch.from_numpy(history.obs[:, K - 1:K - 1 + T].transpose(1, 0, 2).reshape(T * N, obs_dim))
-            b_actions = torch.from_numpy(act_buf.reshape((T * N,) + act_buf.shape[2:]))
+            b_obs = history.obs[:, K - 1:K - 1 + T].transpose(1, 0, 2).reshape(T * N, obs_dim)  # a copy
+            b_obs = torch.from_numpy(b_obs).to(device)
+            b_actions = torch.from_numpy(act_buf.reshape((T * N,) + act_buf.shape[2:])).to(device)
             b_logprobs, _ = actor.log_prob_entropy(b_obs, b_actions)
         rollout_time = time.time() - rollout_start
 
         b_obs, b_logprobs = b_obs.clone(), b_logprobs.clone()  # out of inference mode
-        b_advantages = torch.from_numpy(advantages.reshape(-1)).clone()
+        b_advantages = torch.from_numpy(advantages.reshape(-1)).to(device)
         # The critic trains on segments: all states of a segment get their value from one pass,
         # each at its own token (the same windows as the values above, see `state_values`).
         seg_rows, seg_of, back = history.segments(rows_train)
-        seg_targets = torch.zeros(len(seg_rows), K)
-        seg_read = torch.zeros(len(seg_rows), K, dtype=torch.bool)
-        seg_targets[seg_of, K - 1 - back] = torch.from_numpy(returns.reshape(-1))
+        seg_targets = torch.zeros(len(seg_rows), K, device=device)
+        seg_read = torch.zeros(len(seg_rows), K, dtype=torch.bool, device=device)
+        seg_targets[seg_of, K - 1 - back] = torch.from_numpy(returns.reshape(-1)).to(device)
         seg_read[seg_of, K - 1 - back] = True
         seg_inds = np.arange(len(seg_rows))
 
@@ -690,7 +695,7 @@ def main(args: Args) -> None:
             shuffle_rng.shuffle(seg_inds)
             seg_batches = np.array_split(seg_inds, n_minibatches)  # as many critic steps as actor steps
             for k, start in enumerate(range(0, batch, args.minibatch_size)):
-                mb = torch.from_numpy(b_inds[start:start + args.minibatch_size])
+                mb = torch.from_numpy(b_inds[start:start + args.minibatch_size]).to(device)
                 newlogprob, entropy = actor.log_prob_entropy(b_obs[mb], b_actions[mb])
                 mb_adv = b_advantages[mb]
                 if args.norm_adv and len(mb) > 1:
@@ -706,8 +711,8 @@ def main(args: Args) -> None:
                 actor_opt.step()
 
                 if len(seg_batches[k]) > 0:
-                    smb = torch.from_numpy(seg_batches[k])
-                    newvalue = critic(*history.windows(seg_rows[seg_batches[k]]))
+                    smb = torch.from_numpy(seg_batches[k]).to(device)
+                    newvalue = critic(*to_device(history.windows(seg_rows[seg_batches[k]]), device))
                     read = seg_read[smb]
                     critic_loss = 0.5 * ((newvalue[read] - seg_targets[smb][read]) ** 2).mean()
                     critic_opt.zero_grad()

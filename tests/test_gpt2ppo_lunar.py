@@ -1,7 +1,6 @@
 import glob
 import math
 import os
-from collections import deque
 
 import gymnasium as gym
 import numpy as np
