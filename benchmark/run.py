@@ -174,17 +174,19 @@ class Peer:
     """a file relative to the repository root (None: no peer, just time the script)"""
     peer_flags: tuple[str, ...] = ()
     peer_label: str = ""
-    peer_thread_limit: bool = False
-    """False: the peer runs with torch's default thread count (as CleanRL does)"""
+    peer_thread_limit: bool = True
+    """True: the peer gets the same one-thread limit as ours (OMP_NUM_THREADS=1). False: torch's default
+    thread count, as CleanRL runs; on a loaded machine that oversubscribes the cores and the peer's
+    speed collapses (measured here: ~160 steps/s at load 7), so the ratio would say more about the load"""
 
 
 THROUGHPUT: list[Peer] = [
     Peer("ppo_cartpole", "CartPole-v1", (), "benchmark/cleanrl_style_ppo.py", (), "CleanRL-style ppo.py peer"),
     Peer("gpt2ppo_lunar", "LunarLander-v3", ("--critic", "gpt2"), "gpt2ppo_lunar.py", ("--critic", "mlp"),
-         "gpt2ppo --critic mlp (limit: gpt2 < 3x its wall time)", peer_thread_limit=True),
+         "gpt2ppo --critic mlp (limit: gpt2 < 3x its wall time)"),
     Peer("trpo_gpt2_halfcheetah", "HalfCheetah-v5", ("--policy", "gpt2", "--llm-init", "random", "--state-encoding",
                                                      "embed"), "trpo_gpt2_halfcheetah.py", ("--policy", "mlp"),
-         "trpo --policy mlp", peer_thread_limit=True),
+         "trpo --policy mlp"),
     Peer("icpi_chain", "chain", ("--model", "oracle"), None),
 ]
 
@@ -226,6 +228,8 @@ class Args:
     """throughput mode: timed runs of each program"""
     throughput_steps: Optional[int] = None
     """throughput mode: steps per timed run (default: per script)"""
+    peer_default_threads: bool = False
+    """throughput mode: run the peer with torch's default thread count (as CleanRL does) instead of 1"""
     force: bool = False
     """run again even when a run is complete (its folder is replaced)"""
     timeout: Optional[float] = None
@@ -449,6 +453,7 @@ def write_marker(job: Job, seconds: float, nice: int = 0, code: Optional[dict] =
         "flags": list(s.flags), "tag": info.tag, "last_n": info.last_n, "x_label": info.x_label,
         "y_label": info.y_label, "refs": [asdict(r) for r in s.refs], "machine": machine(), "versions": versions(),
         "nice": os.nice(0) + nice, "harness_command": job.harness_command, "code": code,
+        "load_at_end": round(os.getloadavg()[0], 2),
     }
     with open(os.path.join(job.run_dir, MARKER), "w") as f:
         json.dump(marker, f, indent=1)
@@ -629,6 +634,7 @@ def make_rows(groups: dict, selected_keys: Optional[set]) -> list[dict]:
             "run_commands": commands,
             "code": code_texts([m.get("code") for _, m in seeds.values()], key[0]),
             "finished": max(m["finished"] for _, m in seeds.values()),
+            "load": [m["load_at_end"] for _, m in seeds.values() if "load_at_end" in m],
         })
     return rows
 
@@ -691,19 +697,26 @@ def render(data: dict) -> str:
     lines += ["", "Per row: the command that made it, the per-seed numbers and the run command of each seed.", ""]
     for i, r in enumerate(data["rows"]):
         per_seed = ", ".join(f"seed {s}: {fmt(v)} ({r['episodes'][s]} episodes)" for s, v in r["per_seed"].items())
-        lines.append(f"{i + 1}. `{r['harness_command']}` (finished {r['finished']}, niceness {r['nice']}). "
+        load = f", 1-minute load average at the runs' ends {min(r['load'])}-{max(r['load'])}" if r.get("load") else ""
+        lines.append(f"{i + 1}. `{r['harness_command']}` (finished {r['finished']}, niceness {r['nice']}{load}). "
                      f"{per_seed}. Each seed ran `{'`, `'.join(r['run_commands'])}` "
                      f"({'; '.join(r.get('code', []))}).")
     if data.get("throughput"):
         lines += ["", "## Throughput (short runs, alternating with the peer on the same machine)", "",
-                  "| script | flags | steps | SPS (median) | rollout / update seconds | peer | peer SPS (median) "
-                  "| ratio | repeats | machine |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "Ours always runs with one torch thread; the peer's threads are in the table. Rollout / update: "
+                  "seconds of one run spent collecting and updating (median run), from `time/rollout_seconds` and "
+                  "`time/update_seconds`.", "",
+                  "| script | flags | steps | SPS (median) | rollout / update seconds | peer | peer threads "
+                  "| peer SPS (median) | ratio | repeats | machine |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for t in data["throughput"]:
             split = "-" if t["rollout_s"] is None else f"{t['rollout_s']:.1f} / {t['update_s']:.1f}"
             lines.append(f"| `{t['script']}.py` | `{' '.join(t['flags']) or '(defaults)'}` | {t['steps']:,} | "
-                         f"{fmt(t['sps'], 0)} | {split} | {t['peer_label'] or '-'} | {fmt(t['peer_sps'], 0)} | "
+                         f"{fmt(t['sps'], 0)} | {split} | {t['peer_label'] or '-'} | {t.get('peer_threads') or '-'} | "
+                         f"{fmt(t['peer_sps'], 0)} | "
                          f"{fmt(t['ratio'])} | {t['repeats']} | {mid[t['machine'] + '; ' + t['versions']]} |")
-        lines += ["", "Commands: " + "; ".join(f"`{t['harness_command']}`" for t in data["throughput"])]
+        lines += [""] + [f"- `{t['harness_command']}`" + (f": 1-minute load average {t['load'][0]} before, "
+                                                           f"{t['load'][1]} after" if "load" in t else "")
+                         for t in data["throughput"]]
     lines += ["", "Machines:", ""] + [f"- {v}: {k}" for k, v in mid.items()]
     return "\n".join(lines) + "\n"
 
@@ -832,12 +845,14 @@ def throughput(args: Args, harness_cmd: str) -> list[dict]:
                 peer_cmd = [sys.executable, peer_path, info.env_flag, p.env, info.steps_flag, str(steps),
                             *p.peer_flags, *extra]
         ours, peer = [], []
+        load0 = round(os.getloadavg()[0], 2)
+        peer_limit = p.peer_thread_limit and not args.peer_default_threads
         try:
             for _ in range(args.repeats):  # alternate, so a competing process slows both alike
                 if peer_cmd:
-                    peer.append(timed_run(peer_cmd, p.peer_thread_limit, steps))
+                    peer.append(timed_run(peer_cmd, peer_limit, steps))
                 ours.append(timed_run(ours_cmd, True, steps))
-                print(f"{p.script} {' '.join(p.flags)}: {ours[-1]['sps']:.0f} steps/s"
+                print(f"{' '.join([p.script, *p.flags])}: {ours[-1]['sps']:.0f} steps/s"
                       + (f"; peer ({p.peer_label}): {peer[-1]['sps']:.0f} steps/s" if peer else ""), flush=True)
         except RuntimeError as e:
             print(f"throughput: {p.script} failed: {e}", flush=True)
@@ -845,12 +860,15 @@ def throughput(args: Args, harness_cmd: str) -> list[dict]:
         sps = statistics.median(r["sps"] for r in ours)
         peer_sps = statistics.median(r["sps"] for r in peer) if peer else float("nan")
         split = [r for r in ours if r["rollout_s"] is not None]
-        t = {"label": f"{p.script} {p.env} {' '.join(p.flags)} {steps}", "script": p.script, "env": p.env,
+        t = {"label": f"{p.script} {p.env} {' '.join(p.flags)} {steps} {peer_limit}", "script": p.script,
+             "env": p.env,
              "flags": list(p.flags), "steps": steps, "sps": sps, "peer_label": p.peer_label if peer else "",
              "peer_sps": peer_sps, "ratio": sps / peer_sps if peer else float("nan"), "repeats": args.repeats,
+             "peer_threads": ("1 (OMP_NUM_THREADS=1)" if peer_limit else "torch default") if peer else "",
              "rollout_s": statistics.median(r["rollout_s"] for r in split) if split else None,
              "update_s": statistics.median(r["update_s"] for r in split) if split else None,
-             "machine": machine(), "versions": versions(), "harness_command": harness_cmd}
+             "machine": machine(), "versions": versions(), "harness_command": harness_cmd,
+             "load": [load0, round(os.getloadavg()[0], 2)]}
         msg = f"{p.script}: median {sps:.0f} steps/s"
         if t["rollout_s"] is not None:
             msg += f" (rollout {t['rollout_s']:.1f} s, update {t['update_s']:.1f} s per run)"

@@ -178,8 +178,8 @@ def test_bad_input_one_clear_sentence(tmp_path, flags, message):
 
 def test_throughput_mode_times_ours_against_the_peer(tmp_path):
     md = str(tmp_path / "results.md")
-    proc = _harness("--mode", "throughput", "--quick", "--scripts", "ppo_cartpole", "--repeats", "1", "--throughput-steps", "1024",
-                    "--results-md", md)
+    proc = _harness("--mode", "throughput", "--quick", "--scripts", "ppo_cartpole", "--repeats", "1",
+                    "--throughput-steps", "1024", "--results-md", md)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "peer CleanRL-style ppo.py peer" in proc.stdout and "ratio" in proc.stdout
     (t,) = json.load(open(str(tmp_path / "results.json")))["throughput"]
