@@ -91,6 +91,10 @@ class Args:
     batch: bool = True
     """run the |A| rollouts in lockstep and batch their calls (False: one call per prediction, as the
     original did; used by the benchmark)"""
+    order_seed: Literal["step", "episode"] = "step"
+    """prompt orders and sampling seeds derive from (real step, kind, action) [step], or from (episodes
+    in the buffer, kind, action) [episode: the prompts then only change when the buffer does, which
+    lets the caches work across the steps of an episode; faster, not the paper's per-step reshuffle]"""
     prefix_cache: bool = True
     """hf: keep the key/value cache of each prompt's examples (shared by all queries of a kind and action
     within a real step) and run only the query and the answer on top of it, one query at a time; on a
@@ -826,13 +830,18 @@ class HFBackend:
         torch = self.torch
         q_ids = self._ids(r.prompt[len(r.prefix):])
         if r.candidates is not None:
-            scores = []
+            # the query runs once on top of the examples; each candidate only on top of both
+            logits, cache, n = self._with_prefix(r.prefix, q_ids)
+            first, nq, scores = logits[-1:], n + len(q_ids), []
             for c in r.candidates:
                 c_ids = self._ids(c + stop)
-                logits, cache, n = self._with_prefix(r.prefix, q_ids + c_ids)
-                self._rollback(cache, n)
-                logp = torch.log_softmax(logits[len(q_ids):len(q_ids) + len(c_ids)], -1)
+                with torch.inference_mode():
+                    out = self.model(input_ids=torch.tensor([c_ids], device=self.device), past_key_values=cache,
+                                     use_cache=True)
+                self._rollback(cache, nq)
+                logp = torch.log_softmax(torch.cat([first, out.logits[0, :-1].float()]), -1)
                 scores.append(float(logp[torch.arange(len(c_ids)), torch.tensor(c_ids)].sum()))
+            self._rollback(cache, n)
             best = int(np.argmax(scores))
             return r.candidates[best], len(self._ids(r.candidates[best] + stop))
         logits, cache, n = self._with_prefix(r.prefix, q_ids)
@@ -1178,12 +1187,18 @@ class Agent:
         return len(acts) == self.domain.n_actions and dones == {True, False} and bool(self.policy_episodes())
 
     # --- prompts ---
+    def order_key(self) -> int:
+        """The step part of the prompt seeds: the real step (default, as the brief asks), or with
+        --order-seed episode the number of stored episodes, so that all steps of an episode (same
+        buffer) see the same prompts and share the example KV cache and the completion cache."""
+        return self.real_step if self.args.order_seed == "step" else 10 ** 6 + len(self.episodes)
+
     def examples(self, kind: str, action: int, done: Optional[bool], attempt: int) -> list[str]:
         """The clipped, ordered examples of one prompt; the order's seed is (run seed, real step, kind,
         action, done, attempt), so every query of a step shares the prefix (and the cache)."""
         key = (kind, action, done, attempt)
         if key not in self._examples:
-            rng = np.random.default_rng(prompt_seed(self.args.seed, self.real_step, KINDS[kind],
+            rng = np.random.default_rng(prompt_seed(self.args.seed, self.order_key(), KINDS[kind],
                                                     -1 if action is None else action,
                                                     -1 if done is None else int(done), attempt))
             d, h, b = self.domain, self.args.hints, self.args.balance
@@ -1239,7 +1254,7 @@ class Agent:
                 if not ex:
                     continue  # nothing to learn from (e.g. next state after an action that always ends)
                 it = items[i]
-                seed = prompt_seed(self.args.seed, self.real_step, KINDS[kind], -1 if it.get("action") is None
+                seed = prompt_seed(self.args.seed, self.order_key(), KINDS[kind], -1 if it.get("action") is None
                                    else it["action"], attempt, 7)
                 cands = candidates_for(self.domain, kind) if self.scoring == "logprob" else None
                 reqs.append(Request(prompt, seed, cands, join_prompt(ex, "")))

@@ -36,7 +36,7 @@ class Bench:
     """random episodes in the replay buffer before timing"""
     steps: int = 3
     """real steps timed per mode (each one |A| simulated rollouts)"""
-    modes: str = "original,batched-sample,ours-sample,ours"
+    modes: str = "original,batched-sample,ours-sample,ours,ours-episode-order"
     """comma-separated subset of the modes below"""
     out: str = "benchmark/icpi_speed.json"
     """where to write the numbers"""
@@ -48,6 +48,8 @@ MODES = {
     "batched-sample": (True, True, False, "sample"),
     "ours-sample": (True, True, True, "sample"),
     "ours": (True, True, True, "logprob"),
+    # the same with --order-seed episode: the timed steps all fall in one episode (same buffer)
+    "ours-episode-order": (True, True, True, "logprob"),
 }
 
 
@@ -75,7 +77,8 @@ def main(b: Bench) -> None:
     results = {}
     for name in b.modes.split(","):
         batch, use_cache, prefix, scoring = MODES[name]
-        args = replace(base, batch=batch, prefix_cache=prefix, scoring=scoring, no_cache=not use_cache)
+        args = replace(base, batch=batch, prefix_cache=prefix, scoring=scoring, no_cache=not use_cache,
+                       order_seed="episode" if name.endswith("episode-order") else "step")
         if backend is None:
             backend = ic.make_backend(args, domain, np.random.default_rng(1))
         backend.prefix_cache, backend._prefixes = prefix, {}

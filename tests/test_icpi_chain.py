@@ -494,3 +494,14 @@ def test_hf_prefix_cache_matches_full_forward(tiny_gpt2_dir):
         choice, _ = be.complete([ic.Request(prefix + query, 1, cands, prefix)], "\n")[0]
         assert choice == cands[int(np.argmax(full))]
     assert len(be._prefixes) == 1
+
+
+def test_order_seed_episode_keeps_prompts_within_an_episode():
+    eps = [[T((s,), a, 0, False, (s,)) for s in range(8) for a in (0, 2)] + [T((4,), 1, 1, True, (4,))]]
+    a = agent_with(ic.Chain(), eps, order_seed="episode")
+    p1 = a.build("next", {"state": (5,), "action": 2, "reward": 0}, 0)[0]
+    a.real_step, a._examples = 7, {}
+    assert a.build("next", {"state": (5,), "action": 2, "reward": 0}, 0)[0] == p1
+    a.add_episode(ic.Episode([T((2,), 2, 0, False, (3,))]))
+    a._examples = {}
+    assert a.build("next", {"state": (5,), "action": 2, "reward": 0}, 0)[0] != p1
