@@ -107,7 +107,7 @@ class S:
 
 SCRIPTS = {
     "ppo_cartpole": Script("ppo_cartpole.py"),
-    "trpo_gpt2_halfcheetah": Script("trpo_gpt2_halfcheetah.py", quick_steps=512, quick_flags=("--batch-size", "256"),
+    "trpo_gpt2_halfcheetah": Script("trpo_gpt2_halfcheetah.py", quick_steps=500, quick_flags=("--batch-size", "250"),
                                     throughput_steps=15_000),
     "gpt2ppo_lunar": Script("gpt2ppo_lunar.py", quick_steps=512, quick_flags=("--steps-per-epoch", "256"),
                             throughput_steps=2048 * 3),
@@ -768,7 +768,8 @@ def plot(groups: dict, scripts: list[str], plots_dir: str, points: int = 200) ->
                 ax.set_ylabel(f"{marker['y_label']} (mean of last {marker['last_n']} episodes)")
             ax.set_title(env)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, loc="best")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7, loc="best")
         fig.tight_layout()
         os.makedirs(plots_dir, exist_ok=True)
         path = os.path.join(plots_dir, f"{script}.png")
