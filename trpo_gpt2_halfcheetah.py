@@ -571,6 +571,11 @@ def validate_args(args: Args) -> None:
         sys.exit("error: --fvp-subsample must be >= 1.")
     if args.total_timesteps < 1:
         sys.exit("error: --total-timesteps must be >= 1.")
+    if args.capture_video:
+        import importlib.util
+
+        if importlib.util.find_spec("moviepy") is None:
+            sys.exit("error: --capture-video needs the moviepy package (pip install moviepy).")
 
 
 def save_checkpoint(path: str, policy: nn.Module, value_net: ValueNet, obs_rms: RunningMeanStd, args: Args,

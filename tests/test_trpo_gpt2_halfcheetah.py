@@ -1,4 +1,5 @@
 import glob
+import importlib.util
 import os
 
 import numpy as np
@@ -361,6 +362,8 @@ def test_gpt2_text_encoding_smoke(tmp_path, tiny_gpt2_dir):
     (("--num-envs", "7"), "must divide --batch-size"),
     (("--eval-checkpoint", "missing.pt"), "does not exist"),
     (("--policy", "lstm"), "--policy must be"),
+    pytest.param(("--policy", "mlp", "--capture-video"), "moviepy", marks=pytest.mark.skipif(
+        importlib.util.find_spec("moviepy") is not None, reason="moviepy is installed")),
 ])
 def test_bad_input_one_clear_sentence(tmp_path, flags, message):
     proc = run_script(SCRIPT, *flags, cwd=str(tmp_path), check=False)
