@@ -103,6 +103,10 @@ class S:
     refs: tuple[Ref, ...] = ()
     quick: bool = True
     """False: too heavy even at a tiny budget (e.g. loads a real language model); --quick skips it"""
+    tag: Optional[str] = None
+    """the scalar to aggregate and plot, if not the script's (e.g. charts/discounted_return)"""
+    last_n: Optional[int] = None
+    """episodes averaged per seed, if not the script's"""
 
 
 SCRIPTS = {
@@ -450,9 +454,9 @@ def write_marker(job: Job, seconds: float, nice: int = 0, code: Optional[dict] =
     marker = {
         "command": display_cmd(job.cmd), "wall_seconds": seconds, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
         "script": s.script, "env": s.env, "setting": s.name, "steps": s.steps, "seed": job.seed,
-        "flags": list(s.flags), "tag": info.tag, "last_n": info.last_n, "x_label": info.x_label,
-        "y_label": info.y_label, "refs": [asdict(r) for r in s.refs], "machine": machine(), "versions": versions(),
-        "nice": os.nice(0) + nice, "harness_command": job.harness_command, "code": code,
+        "flags": list(s.flags), "tag": s.tag or info.tag, "last_n": s.last_n or info.last_n, "x_label": info.x_label,
+        "y_label": s.tag or info.y_label, "refs": [asdict(r) for r in s.refs], "machine": machine(),
+        "versions": versions(), "nice": os.nice(0) + nice, "harness_command": job.harness_command, "code": code,
         "load_at_end": round(os.getloadavg()[0], 2),
     }
     with open(os.path.join(job.run_dir, MARKER), "w") as f:

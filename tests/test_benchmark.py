@@ -67,7 +67,7 @@ def _marker_run(runs_dir, setting, seed, values, seconds=12.0):
     job = bench.Job(setting, seed, os.path.join(runs_dir, bench.run_id(setting, seed)),
                     bench.command(setting, seed) if bench.present(setting.script) else ["python", "x.py"],
                     "python benchmark/run.py (test)")
-    _write_events(os.path.join(job.run_dir, "runs", "r"), bench.SCRIPTS[setting.script].tag, values,
+    _write_events(os.path.join(job.run_dir, "runs", "r"), setting.tag or bench.SCRIPTS[setting.script].tag, values,
                   steps=list(range(1, len(values) + 1)))
     bench.write_marker(job, seconds)
     return job
@@ -98,6 +98,17 @@ def test_report_regret_tag_from_markers(tmp_path):
                 "--results-md", md, "--plots-dir", str(tmp_path / "out")])
     rows = json.load(open(str(tmp_path / "out" / "results.json")))["rows"]
     assert [(r["setting"], r["mean"]) for r in rows] == [("oracle", pytest.approx(0.35)), ("tabular-q", 0.0)]
+
+
+def test_a_setting_may_name_its_own_tag_and_window(tmp_path):
+    s = bench.S("ppo_cartpole", "CartPole-v1", "lengths", 1000, (1,), tag="charts/episodic_length", last_n=2)
+    runs, md = str(tmp_path / "runs"), str(tmp_path / "results.md")
+    _marker_run(runs, s, 1, [5.0, 6.0, 9.0])
+    assert bench.main(["--mode", "report", "--runs-dir", runs, "--results-md", md, "--plots-dir", str(tmp_path)],
+                      registry=[s]) == 0
+    (row,) = json.load(open(str(tmp_path / "results.json")))["rows"]
+    assert row["tag"] == "charts/episodic_length" and row["mean"] == pytest.approx(7.5)
+    assert "7.50 ± 0.00 (charts/episodic_length)" in open(md).read()
 
 
 def test_missing_script_is_skipped_with_a_message(tmp_path, monkeypatch, capsys):
