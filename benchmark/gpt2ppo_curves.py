@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -46,13 +47,15 @@ class Args:
     """only plot this JSON file (to the same name with .png)"""
 
 
-def returns_of(run_dir: str) -> tuple[list[int], list[float]]:
+def returns_of(run_dir: str) -> tuple[list[int], list[float], float]:
+    """Episodic returns (steps, values) and the critic's mean explained variance over the last 10 epochs."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
     acc.Reload()
     ev = acc.Scalars("charts/episodic_return")
-    return [e.step for e in ev], [e.value for e in ev]
+    ex_var = float(np.nanmean([e.value for e in acc.Scalars("losses/explained_variance")][-10:]))
+    return [e.step for e in ev], [e.value for e in ev], ex_var
 
 
 def moving(x: list[float], n: int = 100) -> np.ndarray:
@@ -75,9 +78,11 @@ def plot(path: str) -> None:
         total = max(r["total_timesteps"] for r in runs)
         grid = np.linspace(0, total, 200)
         curves = np.stack([np.interp(grid, r["steps"], moving(r["returns"]), left=np.nan) for r in runs])
-        mean = np.nanmean(curves, 0)
-        ax.plot(grid, mean, label=f"{label} ({len(runs)} seeds)")
-        ax.fill_between(grid, np.nanmin(curves, 0), np.nanmax(curves, 0), alpha=0.2)
+        with warnings.catch_warnings():  # before the first finished episode every seed is NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean, lo, hi = np.nanmean(curves, 0), np.nanmin(curves, 0), np.nanmax(curves, 0)
+        ax.plot(grid, mean, label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        ax.fill_between(grid, lo, hi, alpha=0.2)
     ax.set_xlabel("environment steps")
     ax.set_ylabel("return (100-episode moving average)")
     ax.set_title(results[0]["env_id"])
@@ -110,11 +115,12 @@ def main(args: Args) -> None:
                 if proc.returncode != 0:
                     print(proc.stderr[-2000:], file=sys.stderr)
                     sys.exit(f"error: run failed: {' '.join(cmd)}")
-                steps, rets = returns_of(glob.glob(os.path.join(cwd, "runs", "*"))[0])
+                steps, rets, ex_var = returns_of(glob.glob(os.path.join(cwd, "runs", "*"))[0])
             final = float(np.mean(rets[-100:])) if rets else float("nan")
             results.append({"env_id": args.env_id, "config": config, "seed": seed,
                             "total_timesteps": args.total_timesteps, "wall_s": round(wall, 1),
                             "final_mean_last100": final, "episodes": len(rets),
+                            "explained_variance_last10_epochs": round(ex_var, 3),
                             "command": "python gpt2ppo_lunar.py " + " ".join(shlex.quote(c) for c in cmd[2:]),
                             "steps": steps, "returns": [round(r, 2) for r in rets]})
             json.dump(results, open(args.out, "w"))
