@@ -51,6 +51,8 @@ def main():
     ap.add_argument("--runs", nargs="+", required=True, help="run folders or glob patterns")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmark", "trpo_halfcheetah.png"))
     ap.add_argument("--last", type=int, default=30, help="summarise the mean of the last N episodes")
+    ap.add_argument("--at", type=int, nargs="*", default=[300000, 600000],
+                    help="also the mean return of the episodes ending within 30k steps before these steps")
     a = ap.parse_args()
     runs = sorted({r for pat in a.runs for r in glob.glob(pat)})
     import matplotlib
@@ -59,14 +61,22 @@ def main():
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    print(f"| run | env steps | mean return, last {a.last} episodes | best batch mean |")
-    print("|---|---|---|---|")
+    styles = {"543": "-", "1": "--", "2": ":"}
+    at_cols = "".join(f" at {x // 1000}k |" for x in a.at)
+    print(f"| run | env steps | mean return, last {a.last} episodes | best batch mean |{at_cols}")
+    print("|---|---|---|---|" + "---|" * len(a.at))
     for run in runs:
         xs, ys, steps, rets = curve(run)
         if not len(xs):
             continue
-        ax.plot(xs, ys, label=label_of(run), lw=1.2)
-        print(f"| {label_of(run)} | {int(steps.max()):,} | {rets[-a.last:].mean():.1f} | {ys.max():.1f} |")
+        gpt2 = "gpt2" in label_of(run)
+        ax.plot(xs, ys, label=label_of(run), lw=1.2, color="tab:orange" if gpt2 else "tab:blue",
+                ls=styles[label_of(run).split(" seed ")[1]] if label_of(run).split(" seed ")[1] in styles else "-")
+        at_vals = ""
+        for x in a.at:
+            m = (steps > x - 30000) & (steps <= x)
+            at_vals += f" {rets[m].mean():.1f} |" if m.any() and steps.max() >= x else " - |"
+        print(f"| {label_of(run)} | {int(steps.max()):,} | {rets[-a.last:].mean():.1f} | {ys.max():.1f} |{at_vals}")
     ax.axhline(1803, color="k", ls="--", lw=0.8, label="SB3-contrib TRPO, 1M steps (1803)")
     ax.set_xlabel("environment steps")
     ax.set_ylabel("training episodic return (per-batch mean)")

@@ -4,8 +4,8 @@ time split of one TRPO update (value fit / surrogate gradient / CG / line search
 Part 1 (rollout, in process): for each policy, the same per-step work as the script's rollout
 loop (normalise the observation, policy forward, sample the Gaussian, step 10 HalfCheetah-v5
 envs) is timed over K steps, and so is the bare `GPT2Model` forward on inputs of the same shape
-(K calls); the overhead is 1 - bare / rollout. Both are interleaved in blocks so that load from
-other processes on a shared machine hits them alike.
+(K calls); the overhead is 1 - bare / rollout (medians of per-step times). The two alternate step
+by step so that load from other processes on a shared machine hits them alike.
 
 Part 2 (update, the real script as a subprocess): `time/*` scalars of one or two updates read
 back from TensorBoard.
@@ -60,7 +60,7 @@ def make_llm_folder(root: str, small: bool) -> str:
     return folder
 
 
-def rollout_vs_bare(policy, obs_dim: int, steps: int, block: int = 5) -> dict:
+def rollout_vs_bare(policy, obs_dim: int, steps: int) -> dict:
     envs = gym.vector.SyncVectorEnv([lambda: gym.make("HalfCheetah-v5") for _ in range(N_ENVS)],
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     low, high = envs.single_action_space.low, envs.single_action_space.high
@@ -78,29 +78,26 @@ def rollout_vs_bare(policy, obs_dim: int, steps: int, block: int = 5) -> dict:
             L = (1 if policy.embed_tokens == "one" else obs_dim) + policy.prefix_ids.numel()
     d = policy.transformer.config.n_embd
     x_bare = torch.randn(N_ENVS, L, d)
-    t_roll = t_bare = 0.0
-    done_steps = 0
+    t_roll, t_bare = [], []
+    mask = torch.ones(N_ENVS, L, dtype=torch.long)
     with torch.no_grad():
         policy(torch.from_numpy(obs)), policy.transformer(inputs_embeds=x_bare)  # warm-up
-        while done_steps < steps:
+        for _ in range(steps):  # alternate step by step: background load hits both alike
             t0 = time.perf_counter()
-            for _ in range(block):
-                mean = policy(torch.from_numpy(obs)).numpy()
-                action = (mean + np.exp(log_std) * torch.randn(mean.shape, dtype=torch.float64).numpy()).astype(
-                    np.float32)
-                raw, reward, term, trunc, infos = envs.step(np.clip(action, low, high))
-                rms.update(raw)
-                obs = rms.normalize(raw)
-            t_roll += time.perf_counter() - t0
+            mean = policy(torch.from_numpy(obs)).numpy()
+            action = (mean + np.exp(log_std) * torch.randn(mean.shape, dtype=torch.float64).numpy()).astype(
+                np.float32)
+            raw, reward, term, trunc, infos = envs.step(np.clip(action, low, high))
+            rms.update(raw)
+            obs = rms.normalize(raw)
+            t_roll.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            for _ in range(block):
-                policy.transformer(inputs_embeds=x_bare, attention_mask=torch.ones(N_ENVS, L, dtype=torch.long))
-            t_bare += time.perf_counter() - t0
-            done_steps += block
+            policy.transformer(inputs_embeds=x_bare, attention_mask=mask)
+            t_bare.append(time.perf_counter() - t0)
     envs.close()
-    return {"tokens": L, "steps": done_steps, "env_steps_per_s": done_steps * N_ENVS / t_roll,
-            "rollout_ms_per_step": 1000 * t_roll / done_steps, "bare_forward_ms": 1000 * t_bare / done_steps,
-            "overhead": 1 - t_bare / t_roll}
+    roll, bare = float(np.median(t_roll)), float(np.median(t_bare))  # medians: robust to load spikes
+    return {"tokens": L, "steps": steps, "env_steps_per_s": N_ENVS / roll, "rollout_ms_per_step": 1000 * roll,
+            "bare_forward_ms": 1000 * bare, "overhead": 1 - bare / roll}
 
 
 def update_split(flags: list[str], cwd: str) -> dict:
@@ -125,12 +122,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-gpt2-small-update", action="store_true")
+    ap.add_argument("--part", choices=["all", "rollout", "update"], default="all",
+                    help="run one part only (the other part's results are kept from an existing --out file)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmark", "out", "trpo_speed.json"))
     a = ap.parse_args()
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="trpo_speed_")
     small_dir, gpt2_dir = make_llm_folder(tmp, small=False), make_llm_folder(tmp, small=True)
-    results = {"rollout": {}, "update": {}, "machine": os.uname().nodename, "time": time.ctime()}
+    results = {"rollout": {}, "update": {}}
+    if a.part != "all" and os.path.exists(a.out):
+        with open(a.out) as f:
+            results = json.load(f)
+    results[f"time_{a.part}"] = time.ctime()
 
     steps = 10 if a.quick else 40
     for name, folder, init, enc, tokens, k in [
@@ -139,8 +142,8 @@ def main():
         ("gpt2-2x128 text", small_dir, "pretrained", "text", "one", steps),
         ("gpt2-small embed one", gpt2_dir, "random", "embed", "one", steps),
         ("gpt2-small embed per-dim", gpt2_dir, "random", "embed", "per-dim", steps // 2),
-        ("gpt2-small text", gpt2_dir, "random", "text", "one", max(5, steps // 8)),
-    ]:
+        ("gpt2-small text", gpt2_dir, "random", "text", "one", max(5, steps // 4)),
+    ] if a.part != "update" else []:
         args = trpo.Args(llm=folder, llm_init=init, state_encoding=enc, embed_tokens=tokens)
         torch.manual_seed(0)
         policy = trpo.build_policy(args, 17, 6)
@@ -164,7 +167,7 @@ def main():
         runs.append(("gpt2-small embed one, batch 200, fvp-subsample 5, finetune-blocks 2",
                      ["--llm", gpt2_dir, "--llm-init", "random", "--batch-size", "200", "--total-timesteps", "200",
                       "--fvp-subsample", "5", "--finetune-blocks", "2"]))
-    for name, flags in runs:
+    for name, flags in runs if a.part != "rollout" else []:
         cwd = os.path.join(tmp, f"run{len(results['update'])}")
         os.makedirs(cwd)
         results["update"][name] = u = update_split(flags, cwd)

@@ -375,3 +375,23 @@ def test_bad_input_one_clear_sentence(tmp_path, flags, message):
 def test_help_is_fast(tmp_path):
     proc = run_script(SCRIPT, "--help", cwd=str(tmp_path))
     assert "--fvp-subsample" in proc.stdout and "--state-encoding" in proc.stdout
+
+
+def test_chunked_update_equals_whole_batch_update():
+    # --update-chunk splits the gradient, the Fisher-vector products and the line search into chunks;
+    # the step must be the same as with the whole batch in one piece.
+    results = []
+    for chunk in (16384, 7):
+        torch.manual_seed(0)
+        policy = trpo.MLPPolicy(3, 2, hidden=8).double()
+        params = list(policy.parameters())
+        g = torch.Generator().manual_seed(1)
+        obs = torch.randn(40, 3, generator=g, dtype=torch.float64)
+        actions = torch.randn(40, 2, generator=g, dtype=torch.float64)
+        adv = torch.randn(40, generator=g, dtype=torch.float64)
+        args = trpo.Args(update_chunk=chunk, fvp_subsample=3)
+        stats = trpo.trpo_step(policy, params, policy.encode(obs), actions, adv, args)
+        results.append((trpo.flat_params(params), stats["kl"], stats["accepted"]))
+    assert results[0][2] and results[1][2]
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-10)
+    assert results[0][1] == pytest.approx(results[1][1], rel=1e-8)
