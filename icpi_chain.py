@@ -792,6 +792,7 @@ class HFBackend:
         self.name = spec
         self.temperature, self.max_tokens = args.temperature, args.max_tokens
         self.prefix_cache, self._prefixes = args.prefix_cache, {}
+        self.forward_tokens = 0  # token positions run through the model (a load-independent cost measure)
         cfg = self.model.config
         self.max_context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         self._count = lru_cache(maxsize=200_000)(lambda s: len(self.tok(s, add_special_tokens=False)["input_ids"]))
@@ -811,6 +812,7 @@ class HFBackend:
             p = self._ids(prefix)
             with torch.inference_mode():
                 out = self.model(input_ids=torch.tensor([p], device=self.device), use_cache=True)
+            self.forward_tokens += len(p)
             entry = (out.past_key_values, len(p), out.logits[0, -1].float())
             if len(self._prefixes) >= 32:
                 self._prefixes.pop(next(iter(self._prefixes)))
@@ -818,6 +820,7 @@ class HFBackend:
         cache, n, last = entry
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True)
+        self.forward_tokens += len(ids)
         return torch.cat([last[None], out.logits[0].float()]), cache, n
 
     @staticmethod
@@ -839,6 +842,7 @@ class HFBackend:
                     out = self.model(input_ids=torch.tensor([c_ids], device=self.device), past_key_values=cache,
                                      use_cache=True)
                 self._rollback(cache, nq)
+                self.forward_tokens += len(c_ids)
                 logp = torch.log_softmax(torch.cat([first, out.logits[0, :-1].float()]), -1)
                 scores.append(float(logp[torch.arange(len(c_ids)), torch.tensor(c_ids)].sum()))
             self._rollback(cache, n)
@@ -864,6 +868,7 @@ class HFBackend:
                 o = self.model(input_ids=torch.tensor([[t_id]], device=self.device), past_key_values=cache,
                                use_cache=True)
             nxt = o.logits[0, -1].float()
+            self.forward_tokens += 1
         self._rollback(cache, n)
         return text.split(stop)[0], len(out_ids)
 
@@ -885,6 +890,8 @@ class HFBackend:
                 temperature=self.temperature if sample else None, top_p=1.0 if sample else None, top_k=0 if sample else None,
                 stop_strings=[stop], tokenizer=self.tok, pad_token_id=self.tok.pad_token_id)
         results = []
+        # prompt positions (padding included: it is computed) plus one position per generated step
+        self.forward_tokens += int(enc["input_ids"].numel()) + out.shape[0] * (out.shape[1] - enc["input_ids"].shape[1])
         for row in out[:, enc["input_ids"].shape[1]:]:
             ids = [i for i in row.tolist() if i != self.tok.pad_token_id]
             text = self.tok.decode(ids, skip_special_tokens=True)
@@ -909,6 +916,7 @@ class HFBackend:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.inference_mode():
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+        self.forward_tokens += int(ids.numel())
         logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
         flat = [(float(logp[k, width - 1 - n:].sum()), n) for k, n in enumerate(spans)]
         out, k = [], 0

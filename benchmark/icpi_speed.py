@@ -103,29 +103,33 @@ def main(b: Bench) -> None:
         per_step = []
         for k, s in enumerate(states):
             agent.real_step, agent.stats = k, ic.StepStats()
-            t0 = time.time()
+            t0, f0 = time.time(), getattr(backend, "forward_tokens", 0)
             _, q = agent.act(s)
             per_step.append({"seconds": time.time() - t0, **vars(agent.stats),
+                             "forward_tokens": getattr(backend, "forward_tokens", 0) - f0,
                              "q": [round(float(x), 3) for x in q]})
         results[name] = {"steps": per_step, "agreement": agree,
                          "mean_seconds": float(np.mean([p["seconds"] for p in per_step])),
-                         "mean_calls": float(np.mean([p["calls"] for p in per_step]))}
-        print(f"{name}: {results[name]['mean_seconds']:.1f} s and {results[name]['mean_calls']:.1f} model calls "
+                         "mean_calls": float(np.mean([p["calls"] for p in per_step])),
+                         "mean_forward_tokens": float(np.mean([p["forward_tokens"] for p in per_step]))}
+        print(f"{name}: {results[name]['mean_seconds']:.1f} s, {results[name]['mean_forward_tokens']:.0f} token "
+              f"positions through the model and {results[name]['mean_calls']:.1f} model calls "
               f"per real step; agreement {agree}", flush=True)
     with open(b.out, "w") as f:
         json.dump({"bench": vars(b), "results": results}, f, indent=1)
     ref = results.get("original", {}).get("mean_seconds")
     print("\n| mode | batch | completion cache | prefix KV cache | scoring | s / real step | model calls / step | "
-          "cache hits / step | invalid / step | fallbacks / step | done agree | reward agree | next agree | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "token positions / step | cache hits / step | invalid / step | fallbacks / step | done agree | reward agree | next agree | speed-up (wall; token positions) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ref_tok = results.get("original", {}).get("mean_forward_tokens")
     for name, r in results.items():
         batch, use_cache, prefix, scoring = MODES[name]
         st = r["steps"]
         ag = {k: f"{v[0]}/{v[1]}" for k, v in r["agreement"].items()}
-        print(f"| {name} | {batch} | {use_cache} | {prefix} | {scoring} | {r['mean_seconds']:.1f} | {r['mean_calls']:.1f} | "
+        print(f"| {name} | {batch} | {use_cache} | {prefix} | {scoring} | {r['mean_seconds']:.1f} | {r['mean_calls']:.1f} | {r['mean_forward_tokens']:.0f} | "
               f"{np.mean([p['cache_hits'] for p in st]):.1f} | {np.mean([p['invalid'] for p in st]):.1f} | "
               f"{np.mean([p['fallbacks'] for p in st]):.1f} | {ag['done']} | {ag['reward']} | {ag['next']} | "
-              f"{speed(ref, r['mean_seconds'])} |")
+              f"{speed(ref, r['mean_seconds'])} (tokens {speed(ref_tok, r['mean_forward_tokens'])}) |")
 
 
 if __name__ == "__main__":
