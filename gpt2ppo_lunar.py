@@ -21,9 +21,14 @@ Efficient history: each env's trajectory is stored once per rollout (plus the la
 carried over from the previous rollout); a window is gathered by index (`build_windows`), with a
 mask that stops at the episode's first step. The same function builds the windows for the values
 of the rollout and for the minibatches of the update. Only the actor runs per env step; all
-values come from a few large batched critic calls.
+values come from a few large batched critic calls, and states whose windows are prefixes of one
+another (the first context_len steps of an episode) share one pass. On a CPU the exact design is
+slow (every later state has its own 127-token window): `--value-stride 64` lets windows start only
+every 64 steps, so 64 states share each pass (measured ~6x the MLP critic's cost per epoch instead
+of ~74x; benchmark/gpt2ppo_results.md), at the price of windows holding 1..64 steps.
 
     python gpt2ppo_lunar.py                                  # GPT2PPO on LunarLander-v3, Table I
+    python gpt2ppo_lunar.py --value-stride 64                # the same, CPU-friendly windows
     python gpt2ppo_lunar.py --critic mlp                     # the PPO baseline
     python gpt2ppo_lunar.py --env-id Acrobot-v1 --seed 1
     python gpt2ppo_lunar.py --save-model
