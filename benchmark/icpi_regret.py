@@ -32,6 +32,8 @@ AGENTS = {  # name: flags of icpi_chain.py
     "smollm2": ["--model", "smollm2"],
     "smollm2-episode-order": ["--model", "smollm2", "--order-seed", "episode"],
 }
+COLORS = {"oracle": "tab:orange", "matching": "tab:blue", "tabular-q": "tab:green", "smollm2": "tab:red",
+          "smollm2-episode-order": "tab:purple"}
 PAPER = {  # ICPI with code-davinci-002, read off the paper's figures (reference/icpi.md), 4 seeds
     "chain": "ICPI ~0 by ~40 steps; Tabular Q ~0 by 60-80 (85 steps shown)",
     "maze": "ICPI ~0 by ~120 steps (130 shown)",
@@ -123,7 +125,7 @@ def report(results: dict, plot_path: str) -> None:
             curves = np.array([curve(r["regrets"], total) for r in runs])
             mean = np.nanmean(curves, axis=0)
             x = np.arange(len(mean)) * 10 + 10
-            ax.plot(x, mean, marker="o", ms=3, label=f"{agent} ({len(runs)} seeds)")
+            ax.plot(x, mean, marker="o", ms=3, label=f"{agent} ({len(runs)} seeds)", color=COLORS.get(agent))
             allr = [(s, v) for r in runs for s, v in r["regrets"]]
             first = [v for s, v in allr if s < total / 4]
             last = [v for s, v in allr if s >= 3 * total / 4]
