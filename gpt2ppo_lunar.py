@@ -37,6 +37,7 @@ of ~74x; benchmark/gpt2ppo_results.md), at the price of windows holding 1..64 st
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import sys
@@ -569,6 +570,8 @@ def main(args: Args) -> None:
 
     check_args(args)
     args.max_timestep = check_env_id(args.env_id, args.max_timestep)
+    if args.capture_video and importlib.util.find_spec("moviepy") is None:
+        sys.exit("error: --capture-video needs the moviepy package (pip install moviepy).")
     args.num_steps = args.steps_per_epoch // args.num_envs
     args.num_iterations = args.total_timesteps // args.steps_per_epoch
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"

@@ -20,6 +20,7 @@ GAE, update loop, TensorBoard), with these differences:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import sys
@@ -350,6 +351,8 @@ def main(args: Args) -> None:
     from tqdm import tqdm
 
     check_env_id(args.env_id)
+    if args.capture_video and importlib.util.find_spec("moviepy") is None:
+        sys.exit("error: --capture-video needs the moviepy package (pip install moviepy).")
     args.batch_size = int(args.num_envs * args.num_steps)
     args.minibatch_size = int(args.batch_size // args.num_minibatches)
     args.num_iterations = args.total_timesteps // args.batch_size

@@ -347,3 +347,14 @@ def test_learns_cartpole_with_gpt2_critic(tmp_path):
     # a random policy averages ~22; seeds 1, 2, 3 reach 283, 250, 227 over their last 30 episodes here
     assert np.mean(rets[:20]) < 40
     assert np.mean(rets[-30:]) > 100, np.mean(rets[-30:])
+
+
+def test_capture_video_without_moviepy_is_one_clear_sentence(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("moviepy") is not None:
+        pytest.skip("moviepy is installed here, so --capture-video records instead of failing")
+    proc = run_script("gpt2ppo_lunar.py", "--capture-video", "--total-timesteps", "4096", cwd=str(tmp_path), check=False)
+    assert proc.returncode != 0
+    assert "--capture-video needs the moviepy package" in proc.stderr
+    assert "Traceback" not in proc.stderr

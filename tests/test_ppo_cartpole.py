@@ -161,3 +161,14 @@ def test_numpy_actor_matches_torch_actor():
         agent.actor[0].weight.add_(1.0)
     assert np.array_equal(ppo.mlp_forward_numpy(layers, x.numpy()), got)
     assert not np.allclose(ppo.mlp_forward_numpy(agent.actor_layers_numpy(), x.numpy()), got, atol=1e-3)
+
+
+def test_capture_video_without_moviepy_is_one_clear_sentence(tmp_path, script="ppo_cartpole.py"):
+    import importlib.util
+
+    if importlib.util.find_spec("moviepy") is not None:
+        pytest.skip("moviepy is installed here, so --capture-video records instead of failing")
+    proc = run_script(script, "--capture-video", "--total-timesteps", "4096", cwd=str(tmp_path), check=False)
+    assert proc.returncode != 0
+    assert "--capture-video needs the moviepy package" in proc.stderr
+    assert "Traceback" not in proc.stderr
