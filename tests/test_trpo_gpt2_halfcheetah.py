@@ -170,24 +170,6 @@ def test_line_search_rejects_a_surrogate_lowering_step():
     assert not ok
 
 
-def test_gae_truncation_bootstrapped_termination_not():
-    # Two envs, three steps, gamma 0.9, lambda 0.8 (hand-computed below).
-    # env 0 is truncated at t=1: its TD error keeps gamma * V(final obs) = 0.9 * 2.0.
-    # env 1 terminates at t=1: its V(final obs) = 5.0 must be ignored.
-    rewards = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 0.0]])
-    values = np.array([[0.5, 1.0], [0.6, 1.0], [0.7, 1.0]])
-    next_values = np.array([[0.6, 1.0], [2.0, 5.0], [0.9, 2.0]])
-    terminations = np.array([[0.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
-    dones = np.array([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
-    adv, ret = trpo.compute_gae(rewards, values, next_values, terminations, dones, 0.9, 0.8)
-    # env 0: A2 = 1 + .81 - .7 = 1.11; A1 = 1 + 1.8 - .6 = 2.2 (episode boundary);
-    #        A0 = (1 + .54 - .5) + .72 * 2.2 = 2.624
-    # env 1: A2 = .9*2 - 1 = .8; A1 = 1 - 1 = 0 (terminal); A0 = .9 - 1 + .72 * 0 = -.1
-    expected = np.array([[2.624, -0.1], [2.2, 0.0], [1.11, 0.8]])
-    assert np.allclose(adv, expected, atol=1e-9)
-    assert np.allclose(ret, expected + values, atol=1e-9)
-
-
 def test_running_mean_std_matches_numpy_and_clips():
     rng = np.random.default_rng(0)
     data = rng.normal(3.0, 2.0, size=(101, 4))
