@@ -419,6 +419,43 @@ class MLPCritic(nn.Module):
         return self.net(states).squeeze(-1)  # (B, K): the value of the state at every position
 
 
+def attention_with_fast_dropout(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                                **kwargs):
+    """GPT-2 attention for transformers' AttentionInterface: torch's fused SDPA when there is no
+    dropout (eval passes, or --dropout 0), else the textbook computation with the dropout mask
+    drawn by `torch.rand_like(p) >= dropout` and the kept probabilities scaled by 1 / (1 - dropout).
+
+    This is the same inverted dropout as torch's, only drawn faster: on a CPU, SDPA with
+    dropout_p > 0 runs its slow math path and draws the mask with bernoulli_, ~4x slower than
+    rand_like here, and the attention-probability dropout (B x heads x L x L draws per layer) is
+    what made Table I's dropout 0.5 double the critic's training time (benchmark/gpt2ppo_results.md).
+    `attention_mask` is transformers' boolean SDPA mask (True = may attend), or None for a purely
+    causal batch. Fully masked rows (the padded positions) get a finite, unused output."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if dropout == 0.0:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling,
+                                      **kwargs)
+    L, S = query.shape[-2], key.shape[-2]
+    scores = (query * (query.shape[-1] ** -0.5 if scaling is None else scaling)) @ key.transpose(-1, -2)
+    if attention_mask is None:
+        attention_mask = torch.ones(L, S, dtype=torch.bool, device=query.device).tril(S - L)
+    bias = torch.zeros(attention_mask.shape, dtype=scores.dtype, device=scores.device)
+    probs = (scores + bias.masked_fill_(~attention_mask, torch.finfo(scores.dtype).min)).softmax(-1)
+    keep = torch.rand_like(probs).ge_(dropout)  # 1.0 with probability 1 - dropout, else 0.0
+    return ((probs * keep) @ (value / (1.0 - dropout))).transpose(1, 2).contiguous(), None
+
+
+def register_fast_dropout_attention() -> str:
+    """Register `attention_with_fast_dropout` (and SDPA's boolean masks for it) with transformers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register("gpt2ppo_fast_dropout", attention_with_fast_dropout)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("gpt2ppo_fast_dropout", sdpa_mask)
+    return "gpt2ppo_fast_dropout"
+
+
 class GPT2Critic(nn.Module):
     """Decision-Transformer-style critic: a GPT2Model (transformers) over the window's tokens.
 
@@ -438,7 +475,8 @@ class GPT2Critic(nn.Module):
         config = GPT2Config(vocab_size=1, n_positions=2 * context_len, n_embd=hidden, n_layer=n_layer,
                             n_head=n_head, n_inner=4 * hidden, resid_pdrop=dropout, embd_pdrop=dropout,
                             attn_pdrop=dropout, use_cache=False,
-                            bos_token_id=None, eos_token_id=None)
+                            bos_token_id=None, eos_token_id=None,
+                            attn_implementation=register_fast_dropout_attention())
         self.gpt2 = GPT2Model(config)
         with torch.no_grad():
             self.gpt2.wpe.weight.zero_()
@@ -452,6 +490,13 @@ class GPT2Critic(nn.Module):
 
     def forward(self, states, actions, timesteps, mask):
         B, K, _ = states.shape
+        # Left-padded columns that are padding in EVERY window of the batch change nothing (they are
+        # masked and there are no position embeddings): drop them, so that a batch of short windows
+        # (early in episodes) costs only its longest window. Their values come back as 0 (unused).
+        first = int(mask.any(0).to(torch.int8).argmax()) if bool(mask.any()) else 0
+        if first > 0:
+            v = self.forward(states[:, first:], actions[:, first:], timesteps[:, first:], mask[:, first:])
+            return nn.functional.pad(v, (first, 0))
         t = self.embed_timestep(timesteps.clamp(max=self.max_timestep))
         s = self.embed_state(states) + t
         a = self.embed_action(actions) + t

@@ -185,6 +185,49 @@ def test_padding_is_masked_and_positions_contribute_nothing():
     assert abs(v_shifted.item() - v_short.item()) > 1e-4
 
 
+def test_fast_dropout_attention_matches_sdpa_and_drops_at_the_right_rate():
+    """The training-pass attention (math path, own dropout draw) computes what torch's SDPA does."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(3, 2, 7, 4), torch.randn(3, 2, 7, 4), torch.randn(3, 2, 7, 4)
+    allowed = torch.ones(7, 7, dtype=torch.bool).tril().expand(3, 1, 7, 7).clone()
+    allowed[0, :, :, :3] = False  # window 0 is left-padded by 3 steps
+    allowed[0, :, :3, 0] = True  # (its padded rows attend somewhere: only their finiteness matters)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)
+    tiny, _ = g2.attention_with_fast_dropout(None, q, k, v, allowed, dropout=1e-12)  # the math path
+    assert torch.allclose(tiny, ref, atol=1e-6)
+    causal, _ = g2.attention_with_fast_dropout(None, q, k, v, None, dropout=1e-12)  # mask None: causal
+    ref_causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    assert torch.allclose(causal, ref_causal, atol=1e-6)
+    # with dropout p the kept weights are scaled by 1/(1-p): with v = one-hot columns the output IS
+    # the dropped-and-rescaled weight matrix, so the rate and the scale can be read off it
+    p, L = 0.5, 64
+    eye = torch.eye(L).expand(40, 1, L, L)
+    w, _ = g2.attention_with_fast_dropout(None, torch.zeros(40, 1, L, L), torch.zeros(40, 1, L, L), eye, None,
+                                          dropout=p)
+    w = w.transpose(1, 2)[:, 0]  # (40, L, L): row i = uniform 1/(i+1) weights, dropped, rescaled
+    base = torch.ones(L, L).tril() / torch.arange(1, L + 1)[:, None]
+    kept = w > 0
+    assert torch.allclose(w[kept], (base / (1 - p)).expand_as(w)[kept], atol=1e-6)
+    assert abs(kept.float().sum().item() / (40 * base.gt(0).sum().item()) - (1 - p)) < 0.01
+    assert not (w[:, ~base.gt(0)] != 0).any()  # nothing above the diagonal
+
+
+def test_all_padding_columns_are_trimmed_without_changing_values():
+    critic = _tiny_critic(K=8).eval()
+    torch.manual_seed(4)
+    s, a, t = torch.randn(3, 8, 3), torch.randn(3, 8, 2), torch.randint(0, 40, (3, 8))
+    mask = torch.zeros(3, 8, dtype=torch.bool)
+    mask[0, 5:], mask[1, 3:], mask[2, 6:] = True, True, True  # columns 0..2 are padding everywhere
+    with torch.no_grad():
+        v = critic(s, a, t, mask)
+        # reference: each window alone, through the untrimmed GPT-2 (the longest window forces 5 columns)
+        for i in range(3):
+            first = int(mask[i].int().argmax())
+            alone = critic(s[i:i + 1, first:], a[i:i + 1, first:], t[i:i + 1, first:], mask[i:i + 1, first:])
+            assert torch.allclose(v[i, first:], alone[0], atol=1e-5)
+    assert (v[:, :3] == 0).all() and v.shape == (3, 8)
+
+
 def test_dropout_only_in_training_mode():
     critic = _tiny_critic(K=4, dropout=0.5)
     s, a, t, m = torch.randn(3, 4, 3), torch.randn(3, 4, 2), torch.arange(4).repeat(3, 1), torch.ones(3, 4).bool()
