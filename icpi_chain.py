@@ -117,6 +117,10 @@ class Args:
     """concurrent HTTP requests for `openai:` models"""
     device: str = "auto"
     """torch device for hf models: auto (cuda when available), cpu, cuda"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """weights and activations of hf models: auto = bfloat16 on CUDA, float32 on CPU. bfloat16 on a CPU
+    with AMX (Intel Sapphire Rapids and later) prefills ~3x faster than float32 (benchmark/icpi_results.md)
+    and changes the answers slightly; it is part of the completion-cache key"""
     torch_threads: int = 1
     """torch intra-op threads on CPU"""
     progress: bool = True
@@ -772,24 +776,25 @@ class HFBackend:
         self.torch = torch
         torch.set_num_threads(args.torch_threads)
         folder, gguf = resolve_hf_spec(spec)
-        try:
-            folder, gguf = convert_gguf_once(folder, gguf) if gguf else (folder, None)
-            kw = {"gguf_file": gguf} if gguf else {}
-            self.tok = AutoTokenizer.from_pretrained(folder, **kw)
-            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
-        except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            sys.exit(f"error: cannot load model '{spec}' (hubs are unreachable offline: give a local folder "
-                     f"or .gguf file): {first}")
         want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         if args.device == "cuda" and not torch.cuda.is_available():
             sys.exit("error: --device cuda was asked but no CUDA device is available.")
         self.device = torch.device("cuda" if want_cuda else "cpu")
+        self.dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if want_cuda else "float32")
+        try:
+            folder, gguf = convert_gguf_once(folder, gguf) if gguf else (folder, None)
+            kw = {"gguf_file": gguf} if gguf else {}
+            self.tok = AutoTokenizer.from_pretrained(folder, **kw)
+            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, self.dtype), **kw)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            sys.exit(f"error: cannot load model '{spec}' (hubs are unreachable offline: give a local folder "
+                     f"or .gguf file): {first}")
         self.model.to(self.device).eval()
         self.tok.padding_side = "left"
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
-        self.name = spec
+        self.name = spec if self.dtype == "float32" else f"{spec}@{self.dtype}"  # the completion-cache key
         self.temperature, self.max_tokens = args.temperature, args.max_tokens
         self.prefix_cache, self._prefixes = args.prefix_cache, {}
         self.forward_tokens = 0  # token positions run through the model (a load-independent cost measure)

@@ -4,6 +4,7 @@ scoring), on the same model, the same replay buffer and the same states.
 
     python benchmark/icpi_speed.py --steps 3                  # SmolLM2-135M on the CPU
     python benchmark/icpi_speed.py --model hf:<folder> --steps 5
+    python benchmark/icpi_speed.py --dtype bfloat16 --out benchmark/icpi_speed_bf16.json
 
 Also reports how often each prediction (done, reward, next state) agrees with the true environment,
 which is what decides between `--scoring logprob` and `--scoring sample`. Appends a Markdown table to
@@ -38,6 +39,8 @@ class Bench:
     """real steps timed per mode (each one |A| simulated rollouts)"""
     modes: str = "original,batched-sample,ours-sample,ours,ours-episode-order"
     """comma-separated subset of the modes below"""
+    dtype: str = "auto"
+    """hf weights: auto (float32 on CPU), float32, bfloat16 (as icpi_chain.py's --dtype)"""
     out: str = "benchmark/icpi_speed.json"
     """where to write the numbers"""
 
@@ -72,7 +75,7 @@ def main(b: Bench) -> None:
                 break
         episodes.append(ic.Episode(ep))
     states = [domain.reset(np.random.default_rng(100 + k)) for k in range(b.steps)]
-    base = ic.Args(model=b.model, env=b.env)
+    base = ic.Args(model=b.model, env=b.env, dtype=b.dtype)
     backend = None
     results = {}
     for name in b.modes.split(","):

@@ -369,6 +369,21 @@ def test_hf_scoring_batched_equals_unbatched(tiny_gpt2_dir):
     assert len(gen) == 2 and all("\n" not in text and 0 < n <= 8 for text, n in gen)
 
 
+def test_hf_bfloat16_scores_close_to_float32_and_keys_the_cache_apart(tiny_gpt2_dir):
+    import torch
+
+    reqs = [ic.Request("assert state == 3\nstate = left()\n", 0, ["assert done", "assert not done"])]
+    backends = {d: ic.HFBackend(f"hf:{tiny_gpt2_dir}", ic.Args(model=f"hf:{tiny_gpt2_dir}", dtype=d))
+                for d in ("auto", "bfloat16")}
+    assert backends["auto"].dtype == "float32" and backends["auto"].model.dtype == torch.float32  # CPU default
+    assert backends["bfloat16"].model.dtype == torch.bfloat16
+    assert backends["auto"].name == f"hf:{tiny_gpt2_dir}"
+    assert backends["bfloat16"].name == f"hf:{tiny_gpt2_dir}@bfloat16"  # never replays float32 answers
+    (s32,), (s16,) = (backends[d].score_candidates(reqs, "\n") for d in ("auto", "bfloat16"))
+    for (lp32, n32), (lp16, n16) in zip(s32, s16):
+        assert n32 == n16 and lp16 == pytest.approx(lp32, abs=0.15)  # bf16: ~3 significant digits
+
+
 def test_missing_smollm2_wheel_is_a_clear_error(monkeypatch):
     import importlib.util
 
