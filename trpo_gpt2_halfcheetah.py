@@ -51,7 +51,9 @@ class Args:
     cuda: bool = False
     """run the networks on CUDA when available (recommended for `--policy gpt2` with GPT-2 small)"""
     bf16: bool = False
-    """CUDA only: run the rollout forward passes in bfloat16 autocast (the TRPO update stays float32)"""
+    """run the rollout forward passes of a GPT-2 policy in bfloat16 autocast, on CUDA or on the CPU (fast on
+    CPUs with AMX); the TRPO update (surrogate, KL, Fisher-vector products) stays float32, so the old
+    log-probabilities are those of the float32 policy the sampled bf16 means approximate"""
     tf32: bool = False
     """CUDA only: allow TF32 matmuls (faster; slightly less precise Fisher-vector products)"""
     torch_threads: int = 1
@@ -809,7 +811,7 @@ def main(args: Args) -> None:
     next_obs = obs_rms.normalize(raw_obs)
     global_step = 0
     start_time = time.time()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_cuda and args.bf16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     bar = tqdm(total=args.num_iterations * args.batch_size, unit="step", disable=None if args.progress else True,
                dynamic_ncols=True)
 

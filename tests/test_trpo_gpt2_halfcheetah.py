@@ -327,11 +327,11 @@ def test_gpt2_embed_instruction_smoke_and_checkpoint(tmp_path, tiny_gpt2_dir):
     assert float(out.split(": ")[1].split()[0]) == pytest.approx(eval_in_run, abs=0.01)
 
 
-def test_gpt2_text_encoding_smoke(tmp_path, tiny_gpt2_dir):
-    cwd = str(tmp_path)
+def test_gpt2_text_encoding_smoke_with_bf16_rollouts(tmp_path, tiny_gpt2_dir):
+    cwd = str(tmp_path)  # --bf16: the rollout forwards in bfloat16 autocast (CPU here), the update float32
     run_script(SCRIPT, "--llm", tiny_gpt2_dir, "--state-encoding", "text", "--instruction", "run forward",
                "--finetune-blocks", "1", "--batch-size", "100", "--num-envs", "2", "--total-timesteps", "100",
-               "--fvp-subsample", "4", "--cg-iters", "5", cwd=cwd)
+               "--fvp-subsample", "4", "--cg-iters", "5", "--bf16", cwd=cwd)
     run = only_run_dir(cwd)
     assert len(read_scalars(run, "losses/kl")) == 1
     assert 0 <= read_scalars(run, "losses/kl")[0][1] <= 0.01
