@@ -24,8 +24,8 @@ of the rollout and for the minibatches of the update. Only the actor runs per en
 values come from a few large batched critic calls, and states whose windows are prefixes of one
 another (the first context_len steps of an episode) share one pass. On a CPU the exact design is
 slow (every later state has its own 127-token window): `--value-stride 64` lets windows start only
-every 64 steps, so 64 states share each pass (measured ~6x the MLP critic's cost per epoch instead
-of ~74x; benchmark/gpt2ppo_results.md), at the price of windows holding 1..64 steps.
+every 64 steps, so 64 states share each pass (measured 4.5x the MLP critic's cost per epoch instead
+of ~50x; benchmark/gpt2ppo_results.md), at the price of windows holding 1..64 steps.
 
     python gpt2ppo_lunar.py                                  # GPT2PPO on LunarLander-v3, Table I
     python gpt2ppo_lunar.py --value-stride 64                # the same, CPU-friendly windows
