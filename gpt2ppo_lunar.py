@@ -483,6 +483,12 @@ class GPT2Critic(nn.Module):
         self.gpt2.wpe.weight.requires_grad_(False)
         self.gpt2.wte.weight.requires_grad_(False)  # unused: tokens come in as inputs_embeds
         self.embed_timestep = nn.Embedding(max_timestep + 1, hidden)
+        # The timestep embedding stands in for GPT-2's position embedding, so it gets GPT-2's initializer
+        # (N(0, 0.02)), not nn.Embedding's N(0, 1) (which the Decision Transformer's code kept): with N(0, 1)
+        # each token is ~40x more "which timestep" than "which state" after the embedding LayerNorm, and
+        # the critic first has to unlearn 64k random numbers. Measured on LunarLander (307k steps, context
+        # 1, 2 seeds): N(0, 1) -81 and -54, N(0, 0.02) 190 and 43 (benchmark/gpt2ppo_results.md).
+        nn.init.normal_(self.embed_timestep.weight, std=config.initializer_range)
         self.embed_state = nn.Linear(obs_dim, hidden)
         self.embed_action = nn.Linear(act_dim, hidden)
         self.embed_ln = nn.LayerNorm(hidden)

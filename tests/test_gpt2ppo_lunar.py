@@ -228,6 +228,12 @@ def test_all_padding_columns_are_trimmed_without_changing_values():
     assert (v[:, :3] == 0).all() and v.shape == (3, 8)
 
 
+def test_timestep_embedding_starts_small_like_gpt2_position_embeddings():
+    critic = _tiny_critic(K=4, max_t=2000)
+    std = critic.embed_timestep.weight.std().item()
+    assert std == pytest.approx(critic.gpt2.config.initializer_range, rel=0.1)  # 0.02, not nn.Embedding's 1
+
+
 def test_dropout_only_in_training_mode():
     critic = _tiny_critic(K=4, dropout=0.5)
     s, a, t, m = torch.randn(3, 4, 3), torch.randn(3, 4, 2), torch.arange(4).repeat(3, 1), torch.ones(3, 4).bool()
