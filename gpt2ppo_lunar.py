@@ -16,6 +16,9 @@ Done right where the authors' code (andreicozma1/ECE517-Final-Project) was not:
     policy's probability vectors);
   * episodes run to the env's own time limit (theirs cut every env at 500 steps), and a time-limit
     truncation is bootstrapped with V(final observation) computed from THAT episode's history.
+Also: the timestep embedding is initialised like GPT-2's position embeddings, N(0, 0.02), not with
+nn.Embedding's N(0, 1) that the Decision Transformer's code kept; with N(0, 1) the GPT-2 critic
+failed on LunarLander (benchmark/gpt2ppo_results.md).
 
 Efficient history: each env's trajectory is stored once per rollout (plus the last context-1 rows
 carried over from the previous rollout); a window is gathered by index (`build_windows`), with a
