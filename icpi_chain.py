@@ -1424,6 +1424,10 @@ def main(args: Args) -> None:
         sys.exit("error: --attempts and --recency must be at least 1.")
     if args.no_cache and args.require_cache:
         sys.exit("error: --require-cache and --no-cache contradict each other.")
+    is_hf = args.model == "smollm2" or args.model.startswith("hf:")
+    if args.dtype != "auto" and not (is_hf and args.algo != "tabular-q"):
+        sys.exit(f"error: --dtype {args.dtype} applies to in-process models (smollm2, hf:...) only; "
+                 f"'{args.model}' with --algo {args.algo} would ignore it.")
     if args.require_cache and not os.path.isfile(os.path.expanduser(args.cache)):
         sys.exit(f"error: --require-cache: the cache file {args.cache} does not exist.")
     from torch.utils.tensorboard import SummaryWriter

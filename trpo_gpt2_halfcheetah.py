@@ -569,6 +569,8 @@ def validate_args(args: Args) -> None:
         sys.exit(f"error: --embed-tokens must be 'one' or 'per-dim', not '{args.embed_tokens}'.")
     if args.num_envs < 1 or args.batch_size % args.num_envs:
         sys.exit(f"error: --num-envs {args.num_envs} must divide --batch-size {args.batch_size}.")
+    if args.bf16 and args.policy != "gpt2":
+        sys.exit("error: --bf16 applies to --policy gpt2 only (the MLP policy runs in float64).")
     if args.fvp_subsample < 1:
         sys.exit("error: --fvp-subsample must be >= 1.")
     if args.total_timesteps < 1:

@@ -398,7 +398,8 @@ def test_bad_inputs_exit_with_one_sentence(tmp_path):
     for flags, needle in [(("--model", "nonsense"), "unknown --model"),
                           (("--model", f"hf:{tmp_path}/missing.gguf"), "does not exist"),
                           (("--model", "oracle", "--require-cache", "--cache", f"{tmp_path}/none.sqlite"),
-                           "does not exist")]:
+                           "does not exist"),
+                          (("--model", "openai:some-model", "--dtype", "bfloat16"), "--dtype bfloat16 applies to")]:
         proc = run_script("icpi_chain.py", *flags, cwd=cwd, check=False)
         assert proc.returncode != 0 and "error:" in proc.stderr and needle in proc.stderr
         assert "Traceback" not in proc.stderr

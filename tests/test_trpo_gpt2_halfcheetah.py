@@ -344,6 +344,7 @@ def test_gpt2_text_encoding_smoke_with_bf16_rollouts(tmp_path, tiny_gpt2_dir):
     (("--num-envs", "7"), "must divide --batch-size"),
     (("--eval-checkpoint", "missing.pt"), "does not exist"),
     (("--policy", "lstm"), "--policy must be"),
+    (("--policy", "mlp", "--bf16"), "--bf16 applies to --policy gpt2 only"),
     pytest.param(("--policy", "mlp", "--capture-video"), "moviepy", marks=pytest.mark.skipif(
         importlib.util.find_spec("moviepy") is not None, reason="moviepy is installed")),
 ])
