@@ -46,7 +46,8 @@ class Args:
     torch_deterministic: bool = True
     """sets `torch.backends.cudnn.deterministic`"""
     cuda: bool = False
-    """use CUDA when available (the networks are tiny: CPU is faster here)"""
+    """train on CUDA (an error if torch sees no CUDA device; the networks are tiny: CPU is faster here;
+    `--eval-checkpoint` always evaluates on the CPU)"""
     torch_threads: int = 1
     """torch intra-op threads; 1 is fastest for these tiny networks and lets runs go in parallel"""
     track: bool = False
@@ -344,6 +345,8 @@ def run_eval_only(args: Args) -> None:
 
 def main(args: Args) -> None:
     torch.set_num_threads(args.torch_threads)
+    if args.cuda and not torch.cuda.is_available():  # never fall back to the CPU silently
+        sys.exit("error: --cuda was given but torch sees no CUDA device.")
     if args.eval_checkpoint is not None:
         run_eval_only(args)
         return
@@ -372,7 +375,7 @@ def main(args: Args) -> None:
     )
 
     seed_everything(args.seed, args.torch_deterministic)
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    device = torch.device("cuda" if args.cuda else "cpu")
 
     # SAME_STEP autoreset: the obs returned on a done step is already the next episode's first
     # obs, and the real last obs sits in info["final_obs"]. Every row of the buffer is then a

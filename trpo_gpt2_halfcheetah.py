@@ -49,7 +49,8 @@ class Args:
     torch_deterministic: bool = True
     """sets `torch.backends.cudnn.deterministic`"""
     cuda: bool = False
-    """run the networks on CUDA when available (recommended for `--policy gpt2` with GPT-2 small)"""
+    """run the networks on CUDA, also for `--eval-checkpoint` (an error if torch sees no CUDA device;
+    recommended for `--policy gpt2` with GPT-2 small)"""
     bf16: bool = False
     """run the rollout forward passes of a GPT-2 policy in bfloat16 autocast, on CUDA or on the CPU (fast on
     CPUs with AMX); the TRPO update (surrogate, KL, Fisher-vector products) stays float32, so the old
@@ -571,6 +572,8 @@ def validate_args(args: Args) -> None:
         sys.exit(f"error: --num-envs {args.num_envs} must divide --batch-size {args.batch_size}.")
     if args.bf16 and args.policy != "gpt2":
         sys.exit("error: --bf16 applies to --policy gpt2 only (the MLP policy runs in float64).")
+    if args.tf32 and not args.cuda:
+        sys.exit("error: --tf32 applies to CUDA matmuls only; add --cuda.")
     if args.fvp_subsample < 1:
         sys.exit("error: --fvp-subsample must be >= 1.")
     if args.total_timesteps < 1:
@@ -644,7 +647,8 @@ def run_eval_only(args: Args) -> None:
     env_id = train_args["env_id"]
     check_env_id(env_id)
     seed_everything(args.seed, args.torch_deterministic)
-    returns = evaluate(policy, obs_rms, env_id, args.eval_episodes, seed=args.seed)
+    device = torch.device("cuda" if args.cuda else "cpu")  # main() has checked that CUDA is there
+    returns = evaluate(policy.to(device), obs_rms, env_id, args.eval_episodes, seed=args.seed, device=device)
     run_name = f"{env_id}__{args.exp_name}-eval__{args.seed}__{int(time.time())}"
     writer = SummaryWriter(f"runs/{run_name}")
     for i, r in enumerate(returns):
@@ -749,6 +753,8 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
 
 def main(args: Args) -> None:
     torch.set_num_threads(args.torch_threads)
+    if args.cuda and not torch.cuda.is_available():  # never fall back to the CPU silently
+        sys.exit("error: --cuda was given but torch sees no CUDA device.")
     if args.eval_checkpoint is not None:
         run_eval_only(args)
         return
@@ -760,9 +766,7 @@ def main(args: Args) -> None:
     args.num_steps = args.batch_size // args.num_envs
     args.num_iterations = -(-args.total_timesteps // args.batch_size)
     seed_everything(args.seed, args.torch_deterministic)
-    use_cuda = args.cuda and torch.cuda.is_available()
-    if args.cuda and not use_cuda:
-        sys.exit("error: --cuda was given but torch sees no CUDA device.")
+    use_cuda = args.cuda  # main() has checked that CUDA is there
     device = torch.device("cuda" if use_cuda else "cpu")
     if use_cuda and args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True

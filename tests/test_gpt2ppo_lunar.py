@@ -358,6 +358,10 @@ def test_bad_arguments_in_process(kw, message):
     (("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
     (("--env-id", "Blackjack-v1"), "needs a flat Box observation"),
     (("--eval-checkpoint", "missing.pt"), "does not exist"),
+    pytest.param(("--cuda",), "torch sees no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="a CUDA device is present")),
+    pytest.param(("--eval-checkpoint", "missing.pt", "--cuda"), "torch sees no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")),
 ])
 def test_bad_input_one_clear_sentence(tmp_path, flags, message):
     proc = run_script("gpt2ppo_lunar.py", *flags, cwd=str(tmp_path), check=False)

@@ -96,6 +96,10 @@ def test_checkpoint_save_load_evaluate(tmp_path):
     (("--env-id", "Pendulum-v1"), "needs a Discrete action space"),
     (("--eval-checkpoint", "missing.pt"), "does not exist"),
     (("--total-timesteps", "10"), "below one rollout"),
+    pytest.param(("--cuda",), "torch sees no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="a CUDA device is present")),
+    pytest.param(("--eval-checkpoint", "missing.pt", "--cuda"), "torch sees no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")),
 ])
 def test_bad_input_one_clear_sentence(tmp_path, flags, message):
     proc = run_script("ppo_cartpole.py", *flags, cwd=str(tmp_path), check=False)

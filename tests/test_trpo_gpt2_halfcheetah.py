@@ -345,6 +345,11 @@ def test_gpt2_text_encoding_smoke_with_bf16_rollouts(tmp_path, tiny_gpt2_dir):
     (("--eval-checkpoint", "missing.pt"), "does not exist"),
     (("--policy", "lstm"), "--policy must be"),
     (("--policy", "mlp", "--bf16"), "--bf16 applies to --policy gpt2 only"),
+    pytest.param(("--policy", "mlp", "--cuda"), "torch sees no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="a CUDA device is present")),
+    pytest.param(("--eval-checkpoint", "missing.pt", "--cuda"), "torch sees no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")),
+    (("--policy", "mlp", "--tf32"), "--tf32 applies to CUDA matmuls only"),
     pytest.param(("--policy", "mlp", "--capture-video"), "moviepy", marks=pytest.mark.skipif(
         importlib.util.find_spec("moviepy") is not None, reason="moviepy is installed")),
 ])
