@@ -1,8 +1,12 @@
 """Device check of trpo_gpt2_halfcheetah.py on CUDA: runs named configurations, prints the time/* scalars,
-KL, acceptance and the peak CUDA memory (torch.cuda.max_memory_allocated) of each."""
+KL, acceptance and the peak CUDA memory (torch.cuda.max_memory_allocated) of each.
+
+    python benchmark/gpu/trpo_gpu.py B A      # what benchmark/gpu/trpo_h100_*.txt hold (B alone, then A)
+    python benchmark/gpu/trpo_gpu.py T        # a CPU dry run of the driver itself (MLP policy, no --cuda)
+"""
 import glob, json, os, runpy, subprocess, sys, tempfile, time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "trpo_gpt2_halfcheetah.py")
 
 if sys.argv[1] == "--child":  # run the script in-process, then report the peak memory
@@ -55,6 +59,7 @@ for name in sys.argv[1:]:
         ckpt = glob.glob(os.path.join(cwd, "runs", "*", "*.pt")) + glob.glob(os.path.join(cwd, "runs", "*", "*", "*.pt"))
         print("checkpoints:", ckpt)
         if ckpt:
-            p = subprocess.run([sys.executable, SCRIPT, "--eval-checkpoint", ckpt[0], "--eval-episodes", "2", "--cuda",
+            dev = ["--cuda"] if "--cuda" in flags else []
+            p = subprocess.run([sys.executable, SCRIPT, "--eval-checkpoint", ckpt[0], "--eval-episodes", "2", *dev,
                                 "--no-progress"], cwd=cwd, capture_output=True, text=True)
-            print(f"== eval on cuda: rc {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
+            print(f"== eval {' '.join(dev)}: rc {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
