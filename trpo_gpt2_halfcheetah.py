@@ -766,9 +766,8 @@ def main(args: Args) -> None:
     args.num_steps = args.batch_size // args.num_envs
     args.num_iterations = -(-args.total_timesteps // args.batch_size)
     seed_everything(args.seed, args.torch_deterministic)
-    use_cuda = args.cuda  # main() has checked that CUDA is there
-    device = torch.device("cuda" if use_cuda else "cpu")
-    if use_cuda and args.tf32:
+    device = torch.device("cuda" if args.cuda else "cpu")  # main() has checked that CUDA is there
+    if args.cuda and args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     # float64 for the MLP (as the reference; cheap), float32 for GPT-2 (its native precision)
