@@ -1,11 +1,17 @@
-"""Benchmark harness: run the scripts over seeds and settings, read their TensorBoard logs back,
-and write the results table (benchmark/results.md) and the learning-curve plots (benchmark/*.png).
+"""Benchmark harness: every number and plot in the README comes from here. It runs the scripts over seeds
+and settings, reads their TensorBoard logs back into the results store (benchmark/results/, one JSON file
+per result), and renders benchmark/results.md and the plots (benchmark/plots/) from that store.
 
-    python benchmark/run.py --scripts ppo_cartpole --envs CartPole-v1          # train, then report
-    python benchmark/run.py --mode report                                      # table + plots only
-    python benchmark/run.py --mode throughput --scripts ppo_cartpole           # short timed runs
+    python benchmark/run.py --mode report                                      # results.md + plots, seconds
     python benchmark/run.py --mode list                                        # the registry
+    python benchmark/run.py --scripts ppo_cartpole --envs CartPole-v1          # train what is missing, store, report
+    python benchmark/run.py --mode throughput --scripts ppo_cartpole           # short timed runs vs. the peer
+    python benchmark/run.py --mode speed --speed gpt2ppo-lunar-strided         # one SPEED measurement
     python benchmark/run.py --quick                                            # everything, tiny budget
+
+Files (benchmark/README.md has the layout): run.py = this registry + CLI + runner; bench_reader.py = event
+files -> numbers; bench_store.py = the results store; bench_report.py = results.md and plots;
+bench_speed.py = the speed measurements and the GPU imports (benchmark/gpu/).
 
 How it works:
   * Every (script, env, setting, steps, seed) is one process, started in its own folder
@@ -15,10 +21,11 @@ How it works:
   * A run that exits 0 gets a marker `done.json` (its command, wall time, and what the reader
     needs). A run whose marker holds the same command is complete and is skipped (resume); a
     folder without a marker is an interrupted run: it is cleared and run again.
-  * Reader: the mean of the last `last_n` (100) episodes per seed, then mean +- std across seeds.
-    The std is the POPULATION std (numpy's np.std, ddof=0), as openrlbenchmark computes it.
-  * Results accumulate in benchmark/results.json (one row per script/env/setting/steps); the
-    Markdown table is rendered from all rows, so a run of one setting never drops the others.
+  * Reader: per seed the mean of the last `last_n` (100) episodes (or of the episodes in the last
+    `last_fraction` of the steps), then mean +- std across seeds. The std is the POPULATION std
+    (numpy's np.std, ddof=0), as openrlbenchmark computes it.
+  * Store: one file per (script, env, setting, steps) under benchmark/results/<script>/, holding every
+    seed's episode series; a new measurement of the same key replaces its file, others stay.
 
 Add a setting: one `S(...)` line in SETTINGS below. A script that is not in the repository yet
 is skipped with a message.
@@ -26,10 +33,8 @@ is skipped with a message.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -39,7 +44,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Literal, Optional
@@ -48,7 +52,14 @@ import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-MARKER = "done.json"
+sys.path.insert(0, HERE)
+
+import bench_reader as reader  # noqa: E402
+import bench_report as report  # noqa: E402
+import bench_speed as speed  # noqa: E402
+import bench_store as store  # noqa: E402
+from bench_reader import MARKER, aggregate, complete_runs, final_mean, make_rows, mean_std, read_scalars  # noqa: E402,F401
+
 LOG = "run.log"
 
 
@@ -81,13 +92,16 @@ class Script:
     tag: str = "charts/episodic_return"
     """the scalar the table and the plots aggregate"""
     last_n: int = 100
-    """episodes averaged per seed at the end of a run"""
+    """episodes averaged per seed at the end of a run (also the plots' running-mean window)"""
     x_label: str = "environment steps"
     y_label: str = "episodic return"
     quick_steps: int = 2048
     quick_flags: tuple[str, ...] = ()
     """extra flags in --quick mode (e.g. a smaller batch so that the tiny budget is one update)"""
     throughput_steps: int = 50_000
+    last_fraction: Optional[float] = None
+    """if set, the per-seed number is the mean of the episodes that ended in this last fraction of the
+    steps (ICPI: 0.25, the last quarter) instead of the last `last_n` episodes"""
 
 
 @dataclass(frozen=True)
@@ -102,11 +116,13 @@ class S:
     flags: tuple[str, ...] = ()
     refs: tuple[Ref, ...] = ()
     quick: bool = True
-    """False: too heavy even at a tiny budget (e.g. loads a real language model); --quick skips it"""
+    """False: too heavy even at a tiny budget (e.g. loads a real language model, needs a GPU); --quick skips it"""
     tag: Optional[str] = None
     """the scalar to aggregate and plot, if not the script's (e.g. charts/discounted_return)"""
     last_n: Optional[int] = None
     """episodes averaged per seed, if not the script's"""
+    last_fraction: Optional[float] = None
+    """the script's last_fraction overridden (see Script)"""
 
 
 SCRIPTS = {
@@ -115,11 +131,12 @@ SCRIPTS = {
                                     throughput_steps=15_000),
     "gpt2ppo_lunar": Script("gpt2ppo_lunar.py", quick_steps=512, quick_flags=("--steps-per-epoch", "256"),
                             throughput_steps=2048 * 3),
-    # ICPI: the curve is regret per episode against REAL environment steps (tag agreed: charts/regret);
-    # episodes are <= 8 steps long, so the final number averages the last 10 episodes.
+    # ICPI: the curve is regret per episode against REAL environment steps (tag charts/regret); the number is
+    # the mean regret of the episodes that ended in the last quarter of the real steps (episodes are <= 8 steps
+    # long); the curve is a running mean of 10 episodes.
     "icpi_chain": Script("icpi_chain.py", env_flag="--env", steps_flag="--total-steps", tag="charts/regret",
                          last_n=10, x_label="real environment steps", y_label="regret (normalised)",
-                         quick_steps=16, throughput_steps=40),
+                         quick_steps=16, throughput_steps=40, last_fraction=0.25),
 }
 
 CLEANRL_CP = Ref(490.04, 6.12, "CleanRL ppo.py, 500k steps, 3 seeds")
@@ -136,34 +153,53 @@ SEED2_ACRO_GPT = Ref(-150, None, "seed 002 GPT2PPO at epoch 150, read off its pl
 ICPI_CHAIN = Ref(0.0, None, "ICPI paper, code-davinci-002: ~0 regret by ~40 steps, read off its figure")
 ICPI_MAZE = Ref(0.0, None, "ICPI paper, code-davinci-002: ~0 regret by ~120 steps, read off its figure")
 GPT2PPO_EPOCHS = 150 * 2048
+TRPO_2X128 = ("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "128", "--llm-heads", "2", "--fvp-subsample", "5")
+GPT2PPO_SEEDS = (123, 124, 125)
+STRIDE64 = ("--critic", "gpt2", "--value-stride", "64")
+SMOLLM2_BF16 = ("--model", "smollm2", "--dtype", "bfloat16")
 
-# One line per setting. Entries whose script is not in the repository yet are skipped with a message;
-# their flags are the ones their issues specify (the script's owner adjusts them when it lands).
+# One line per setting: exactly the seeds, steps and flags of what the README reports. Entries whose script is
+# not in the repository yet are skipped with a message.
 SETTINGS: list[S] = [
     S("ppo_cartpole", "CartPole-v1", "default", 500_000, (1, 2, 3), refs=(CLEANRL_CP, BASELINES_CP)),
     S("ppo_cartpole", "Acrobot-v1", "default", 500_000, (1, 2, 3), refs=(CLEANRL_ACRO,)),
-    S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "mlp", 1_000_000, (1, 2, 3), ("--policy", "mlp"),
-      refs=(SB3_TRPO_HC, ZOO_TRPO_HC)),
-    S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "gpt2-random-embed", 100_000, (1, 2, 3),
-      ("--policy", "gpt2", "--llm-init", "random", "--state-encoding", "embed"), refs=(SB3_TRPO_HC,), quick=False),
-    S("gpt2ppo_lunar", "LunarLander-v3", "mlp", GPT2PPO_EPOCHS, (1, 2, 3), ("--critic", "mlp"),
+    # TRPO: the number is the mean training return of the last 30 episodes (the last 2 updates of 15000 steps)
+    S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "mlp", 1_000_000, (543, 1, 2), ("--policy", "mlp"),
+      refs=(SB3_TRPO_HC, ZOO_TRPO_HC), last_n=30),
+    S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "gpt2-2x128-random", 1_000_000, (543, 1, 2), TRPO_2X128,
+      refs=(SB3_TRPO_HC, ZOO_TRPO_HC), last_n=30),
+    S("gpt2ppo_lunar", "LunarLander-v3", "mlp", GPT2PPO_EPOCHS, GPT2PPO_SEEDS, ("--critic", "mlp"),
       refs=(SEED2_LUNAR_PPO, ZOO_LUNAR)),
-    S("gpt2ppo_lunar", "LunarLander-v3", "gpt2", GPT2PPO_EPOCHS, (1, 2, 3), ("--critic", "gpt2"),
+    S("gpt2ppo_lunar", "LunarLander-v3", "gpt2-stride64", GPT2PPO_EPOCHS, GPT2PPO_SEEDS, STRIDE64,
       refs=(SEED2_LUNAR_GPT, ZOO_LUNAR)),
-    S("gpt2ppo_lunar", "LunarLander-v3", "mlp", 1_000_000, (1, 2, 3), ("--critic", "mlp"), refs=(ZOO_LUNAR,)),
-    S("gpt2ppo_lunar", "LunarLander-v3", "gpt2", 1_000_000, (1, 2, 3), ("--critic", "gpt2"), refs=(ZOO_LUNAR,)),
-    S("gpt2ppo_lunar", "Acrobot-v1", "mlp", GPT2PPO_EPOCHS, (1, 2, 3), ("--critic", "mlp"),
+    S("gpt2ppo_lunar", "LunarLander-v3", "gpt2-stride64-dropout0.1", GPT2PPO_EPOCHS, GPT2PPO_SEEDS,
+      STRIDE64 + ("--dropout", "0.1"), refs=(SEED2_LUNAR_GPT, ZOO_LUNAR)),
+    S("gpt2ppo_lunar", "LunarLander-v3", "gpt2-exact-cuda", GPT2PPO_EPOCHS, GPT2PPO_SEEDS, ("--critic", "gpt2", "--cuda"),
+      refs=(SEED2_LUNAR_GPT, ZOO_LUNAR), quick=False),
+    S("gpt2ppo_lunar", "LunarLander-v3", "mlp", 1_000_000, GPT2PPO_SEEDS, ("--critic", "mlp"), refs=(ZOO_LUNAR,)),
+    S("gpt2ppo_lunar", "LunarLander-v3", "gpt2-stride64", 1_000_000, GPT2PPO_SEEDS, STRIDE64, refs=(ZOO_LUNAR,)),
+    S("gpt2ppo_lunar", "LunarLander-v3", "gpt2-stride64-dropout0.1", 1_000_000, GPT2PPO_SEEDS,
+      STRIDE64 + ("--dropout", "0.1"), refs=(ZOO_LUNAR,)),
+    S("gpt2ppo_lunar", "Acrobot-v1", "mlp", GPT2PPO_EPOCHS, GPT2PPO_SEEDS, ("--critic", "mlp"),
       refs=(SEED2_ACRO_PPO, ZOO_ACRO, CLEANRL_ACRO)),
-    S("gpt2ppo_lunar", "Acrobot-v1", "gpt2", GPT2PPO_EPOCHS, (1, 2, 3), ("--critic", "gpt2"),
+    S("gpt2ppo_lunar", "Acrobot-v1", "gpt2-stride64", GPT2PPO_EPOCHS, GPT2PPO_SEEDS, STRIDE64,
       refs=(SEED2_ACRO_GPT, ZOO_ACRO, CLEANRL_ACRO)),
+    S("gpt2ppo_lunar", "Acrobot-v1", "gpt2-stride64-dropout0.1", GPT2PPO_EPOCHS, GPT2PPO_SEEDS,
+      STRIDE64 + ("--dropout", "0.1"), refs=(SEED2_ACRO_GPT, ZOO_ACRO, CLEANRL_ACRO)),
+    S("gpt2ppo_lunar", "Acrobot-v1", "gpt2-exact-cuda", GPT2PPO_EPOCHS, GPT2PPO_SEEDS, ("--critic", "gpt2", "--cuda"),
+      refs=(SEED2_ACRO_GPT, ZOO_ACRO, CLEANRL_ACRO), quick=False),
+    S("gpt2ppo_lunar", "Acrobot-v1", "mlp", 1_000_000, GPT2PPO_SEEDS, ("--critic", "mlp"), refs=(ZOO_ACRO,)),
+    S("gpt2ppo_lunar", "Acrobot-v1", "gpt2-stride64", 1_000_000, GPT2PPO_SEEDS, STRIDE64, refs=(ZOO_ACRO,)),
+    S("gpt2ppo_lunar", "Acrobot-v1", "gpt2-stride64-dropout0.1", 1_000_000, GPT2PPO_SEEDS,
+      STRIDE64 + ("--dropout", "0.1"), refs=(ZOO_ACRO,)),
     S("icpi_chain", "chain", "oracle", 85, (1, 2, 3, 4), ("--model", "oracle"), refs=(ICPI_CHAIN,)),
     S("icpi_chain", "chain", "matching", 85, (1, 2, 3, 4), ("--model", "matching"), refs=(ICPI_CHAIN,)),
     S("icpi_chain", "chain", "tabular-q", 85, (1, 2, 3, 4), ("--algo", "tabular-q"), refs=(ICPI_CHAIN,)),
-    S("icpi_chain", "chain", "smollm2", 85, (1, 2, 3, 4), (), refs=(ICPI_CHAIN,), quick=False),
+    S("icpi_chain", "chain", "smollm2-bf16", 85, (1, 2, 3, 4), SMOLLM2_BF16, refs=(ICPI_CHAIN,), quick=False),
     S("icpi_chain", "maze", "oracle", 130, (1, 2, 3, 4), ("--model", "oracle"), refs=(ICPI_MAZE,)),
     S("icpi_chain", "maze", "matching", 130, (1, 2, 3, 4), ("--model", "matching"), refs=(ICPI_MAZE,)),
     S("icpi_chain", "maze", "tabular-q", 130, (1, 2, 3, 4), ("--algo", "tabular-q"), refs=(ICPI_MAZE,)),
-    S("icpi_chain", "maze", "smollm2", 130, (1, 2, 3, 4), (), refs=(ICPI_MAZE,), quick=False),
+    S("icpi_chain", "maze", "smollm2-bf16", 130, (1, 2, 3, 4), SMOLLM2_BF16, refs=(ICPI_MAZE,), quick=False),
 ]
 
 
@@ -195,6 +231,30 @@ THROUGHPUT: list[Peer] = [
 ]
 
 
+@dataclass(frozen=True)
+class Speed:
+    """Speed mode: one measurement of a kind in bench_speed.py (trpo, gpt2ppo, icpi), with that kind's flags."""
+
+    name: str
+    kind: str
+    flags: tuple[str, ...] = ()
+    note: str = ""
+
+
+SPEED: list[Speed] = [
+    Speed("trpo-rollout", "trpo", ("--part", "rollout"), "policy step vs bare GPT-2 forward, HalfCheetah-v5"),
+    Speed("trpo-update", "trpo", ("--part", "update"), "seconds per TRPO update, split"),
+    Speed("gpt2ppo-lunar-strided", "gpt2ppo", ("--epochs", "3", "--repeats", "2", "--configs", "mlp",
+                                               "gpt2 --value-stride 64", "gpt2 --value-stride 64 --dropout 0.0")),
+    Speed("gpt2ppo-lunar-exact", "gpt2ppo", ("--epochs", "1", "--configs", "mlp", "gpt2")),
+    Speed("gpt2ppo-acrobot-exact", "gpt2ppo", ("--env-id", "Acrobot-v1", "--epochs", "1", "--configs", "mlp", "gpt2",
+                                               "gpt2 --value-stride 64")),
+    Speed("icpi-fp32", "icpi", ("--steps", "3", "--modes", "original,ours,ours-episode-order"),
+          "SmolLM2-135M, float32 on the CPU"),
+    Speed("icpi-bf16", "icpi", ("--steps", "3", "--modes", "original,ours,ours-episode-order", "--dtype", "bfloat16"),
+          "SmolLM2-135M, bfloat16 weights on the CPU"),
+]
+
 # ----------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------
@@ -202,9 +262,11 @@ THROUGHPUT: list[Peer] = [
 
 @dataclass
 class Args:
-    mode: Literal["train", "report", "throughput", "list"] = "train"
-    """train: run what is missing, then report; report: table + plots from existing runs;
-    throughput: short timed runs (alternating with a peer where one is named); list: show the registry"""
+    mode: Literal["train", "collect", "report", "throughput", "speed", "list"] = "train"
+    """train: run what is missing, store it, report; collect: store the complete runs under --runs-dir, report;
+    report: results.md + plots from the results store alone (seconds, no training); throughput: short timed
+    runs (alternating with a peer where one is named); speed: the SPEED entries named by --speed; list: the
+    registry"""
     scripts: tuple[str, ...] = ()
     """scripts to include, by name (e.g. ppo_cartpole); empty: all"""
     envs: tuple[str, ...] = ()
@@ -223,11 +285,13 @@ class Args:
     """tiny budget for everything (tests the harness; writes under benchmark/out/quick by default)"""
     runs_dir: Optional[str] = None
     """where run folders go (default benchmark/out/runs, git-ignored; --quick: benchmark/out/quick/runs)"""
+    results_dir: Optional[str] = None
+    """the results store, one JSON file per result (default benchmark/results; --quick:
+    benchmark/out/quick/results)"""
     results_md: Optional[str] = None
-    """the Markdown table (default benchmark/results.md; --quick: benchmark/out/quick/results.md);
-    its rows are kept in a .json file next to it"""
+    """the Markdown report (default benchmark/results.md; --quick: benchmark/out/quick/results.md)"""
     plots_dir: Optional[str] = None
-    """where the PNGs go (default benchmark/; --quick: benchmark/out/quick)"""
+    """where the PNGs go (default benchmark/plots; --quick: benchmark/out/quick)"""
     repeats: int = 3
     """throughput mode: timed runs of each program"""
     throughput_steps: Optional[int] = None
@@ -238,15 +302,18 @@ class Args:
     """run again even when a run is complete (its folder is replaced)"""
     timeout: Optional[float] = None
     """seconds after which one run is killed and counted as failed (default: none)"""
+    speed: tuple[str, ...] = ()
+    """speed mode: the SPEED entries to measure, by name (empty: all of them, which takes hours on a CPU)"""
 
 
 def resolve_paths(args: Args) -> Args:
     base = os.path.join(HERE, "out", "quick") if args.quick else None
     runs_dir = args.runs_dir or (os.path.join(base, "runs") if base else os.path.join(HERE, "out", "runs"))
+    results_dir = args.results_dir or (os.path.join(base, "results") if base else os.path.join(HERE, "results"))
     results_md = args.results_md or (os.path.join(base, "results.md") if base else os.path.join(HERE, "results.md"))
-    plots_dir = args.plots_dir or (base if base else HERE)
-    return replace(args, runs_dir=os.path.abspath(runs_dir), results_md=os.path.abspath(results_md),
-                   plots_dir=os.path.abspath(plots_dir))
+    plots_dir = args.plots_dir or (base if base else os.path.join(HERE, "plots"))
+    return replace(args, runs_dir=os.path.abspath(runs_dir), results_dir=os.path.abspath(results_dir),
+                   results_md=os.path.abspath(results_md), plots_dir=os.path.abspath(plots_dir))
 
 
 def validate(args: Args, registry: list[S]) -> None:
@@ -268,6 +335,12 @@ def validate(args: Args, registry: list[S]) -> None:
         sys.exit(f"error: --steps must be positive, got {args.steps}.")
     if args.repeats < 1:
         sys.exit(f"error: --repeats must be at least 1, got {args.repeats}.")
+    names = {s.name for s in SPEED}
+    for name in args.speed:
+        if name not in names:
+            sys.exit(f"error: unknown speed entry '{name}'; the registry has: {', '.join(sorted(names))}.")
+    if args.speed and args.mode != "speed":
+        sys.exit("error: --speed names speed entries; it needs --mode speed.")
 
 
 def select(args: Args, registry: list[S]) -> list[S]:
@@ -318,7 +391,6 @@ def thread_env(limit: bool = True) -> dict:
     if limit:
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     return env
-
 
 # ----------------------------------------------------------------------------------------------
 # Runner
@@ -431,32 +503,17 @@ def code_version(path: str) -> dict:
             blob == committed}
 
 
-def code_text(code: Optional[dict], script: str) -> str:
-    if not code or not code.get("commit"):
-        return "code version not recorded"
-    if code["as_committed"]:
-        return f"{script}.py blob {code['blob']}, as committed in {code['commit']}"
-    return f"{script}.py blob {code['blob']}, uncommitted changes on top of {code['commit']}"
-
-
-def code_texts(codes: list[Optional[dict]], script: str) -> list[str]:
-    """One line per distinct version of the script's file among the seeds (the first commit it was seen at)."""
-    by_blob: dict = {}
-    for c in codes:
-        key = c["blob"] if c and c.get("commit") else None
-        by_blob.setdefault(key, c)
-    return [code_text(c, script) for c in by_blob.values()]
-
-
 def write_marker(job: Job, seconds: float, nice: int = 0, code: Optional[dict] = None) -> None:
     """The completion marker: the command (for resume) and everything the reader needs about the run."""
     s, info = job.setting, SCRIPTS[job.setting.script]
     marker = {
         "command": display_cmd(job.cmd), "wall_seconds": seconds, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
         "script": s.script, "env": s.env, "setting": s.name, "steps": s.steps, "seed": job.seed,
-        "flags": list(s.flags), "tag": s.tag or info.tag, "last_n": s.last_n or info.last_n, "x_label": info.x_label,
-        "y_label": s.tag or info.y_label, "refs": [asdict(r) for r in s.refs], "machine": machine(),
-        "versions": versions(), "nice": os.nice(0) + nice, "harness_command": job.harness_command, "code": code,
+        "flags": list(s.flags), "tag": s.tag or info.tag, "last_n": s.last_n or info.last_n,
+        "last_fraction": s.last_fraction if s.last_fraction is not None else info.last_fraction,
+        "x_label": info.x_label, "y_label": s.tag or info.y_label, "refs": [asdict(r) for r in s.refs],
+        "machine": report.machine(), "versions": report.versions(), "nice": os.nice(0) + nice,
+        "harness_command": job.harness_command, "code": code,
         "load_at_end": round(os.getloadavg()[0], 2),
     }
     with open(os.path.join(job.run_dir, MARKER), "w") as f:
@@ -480,325 +537,6 @@ def run_jobs(jobs: list[Job], workers: int, nice: int = 0, timeout: Optional[flo
         list(pool.map(one, jobs))
     return failed
 
-
-# ----------------------------------------------------------------------------------------------
-# Reader
-# ----------------------------------------------------------------------------------------------
-
-
-def read_scalars(run_dir: str, tag: str) -> list[tuple[int, float, float]]:
-    """(step, value, wall_time) of every `tag` event in the event files under `run_dir`, in write order
-    (one TensorBoard run folder after another, by name)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    folders = sorted({os.path.dirname(p) for p in
-                      glob.glob(os.path.join(run_dir, "**", "events.out.tfevents.*"), recursive=True)})
-    out = []
-    for folder in folders:
-        acc = EventAccumulator(folder, size_guidance={"scalars": 0})
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            out += [(e.step, e.value, e.wall_time) for e in acc.Scalars(tag)]
-    return out
-
-
-def final_mean(values: list[float], last_n: int) -> float:
-    """Mean of the last `last_n` values (all of them when there are fewer); nan when there are none."""
-    tail = values[-last_n:]
-    return sum(tail) / len(tail) if tail else float("nan")
-
-
-def mean_std(xs: list[float]) -> tuple[float, float]:
-    """Mean and POPULATION std (ddof=0, numpy's np.std) across seeds, ignoring nan seeds."""
-    xs = [x for x in xs if x == x]
-    if not xs:
-        return float("nan"), float("nan")
-    return statistics.fmean(xs), statistics.pstdev(xs)
-
-
-def aggregate(run_dirs: dict[int, str], tag: str = "charts/episodic_return", last_n: int = 100,
-              wall_seconds: Optional[dict[int, float]] = None) -> dict:
-    """Per seed: mean of the last `last_n` episodes of `tag`, final SPS, last step, wall time;
-    across seeds: mean and population std of the per-seed means, mean SPS, mean wall time."""
-    per_seed = {}
-    for seed, rd in sorted(run_dirs.items()):
-        values = [v for _, v, _ in read_scalars(rd, tag)]
-        sps = read_scalars(rd, "charts/SPS")
-        events = read_scalars(rd, tag) or sps
-        if wall_seconds and seed in wall_seconds:
-            wall = wall_seconds[seed]
-        elif events:
-            wall = events[-1][2] - events[0][2]
-        else:
-            wall = float("nan")
-        per_seed[seed] = {
-            "final": final_mean(values, last_n), "episodes": len(values),
-            "sps": sps[-1][1] if sps else float("nan"),
-            "last_step": max([e[0] for e in events], default=0), "wall_seconds": wall,
-        }
-    mean, std = mean_std([p["final"] for p in per_seed.values()])
-    sps_values = [p["sps"] for p in per_seed.values() if p["sps"] == p["sps"]]
-    walls = [p["wall_seconds"] for p in per_seed.values() if p["wall_seconds"] == p["wall_seconds"]]
-    return {"per_seed": per_seed, "mean": mean, "std": std,
-            "sps": statistics.fmean(sps_values) if sps_values else float("nan"),
-            "wall_seconds": statistics.fmean(walls) if walls else float("nan")}
-
-
-def complete_runs(runs_dir: str) -> dict[tuple, dict[int, tuple[str, dict]]]:
-    """Complete runs found under `runs_dir`, grouped by (script, env, setting, steps): {seed: (dir, marker)}."""
-    groups: dict[tuple, dict[int, tuple[str, dict]]] = {}
-    for path in sorted(glob.glob(os.path.join(runs_dir, "*", MARKER))):
-        try:
-            with open(path) as f:
-                m = json.load(f)
-        except (OSError, json.JSONDecodeError):
-            continue
-        key = (m["script"], m["env"], m["setting"], m["steps"])
-        groups.setdefault(key, {})[m["seed"]] = (os.path.dirname(path), m)
-    return groups
-
-
-def curve(run_dir: str, tag: str, window: int) -> tuple[list[int], list[float]]:
-    """(steps, running mean of the last `window` episodes) of one run, the metric of the table as a curve."""
-    events = read_scalars(run_dir, tag)
-    steps, means, tail, total = [], [], [], 0.0
-    for step, value, _ in events:
-        tail.append(value)
-        total += value
-        if len(tail) > window:
-            total -= tail.pop(0)
-        steps.append(step)
-        means.append(total / len(tail))
-    return steps, means
-
-
-# ----------------------------------------------------------------------------------------------
-# Machine, table, plots
-# ----------------------------------------------------------------------------------------------
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = "no GPU"
-    if shutil.which("nvidia-smi"):
-        try:
-            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                   text=True, timeout=10).stdout.strip().splitlines()
-            gpu = ", ".join(names) if names else gpu
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return f"{cpu}, {os.cpu_count()} cores, {gpu}"
-
-
-def versions() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    parts = [f"python {platform.python_version()}"]
-    for pkg in ("torch", "gymnasium", "transformers", "numpy", "tensorboard"):
-        try:
-            parts.append(f"{pkg} {version(pkg)}")
-        except PackageNotFoundError:
-            parts.append(f"{pkg} -")
-    return ", ".join(parts)
-
-
-def fmt(x: float, digits: int = 2) -> str:
-    return "n/a" if x != x else f"{x:.{digits}f}"
-
-
-def duration(seconds: float) -> str:
-    if seconds != seconds:
-        return "n/a"
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
-
-
-def make_rows(groups: dict, selected_keys: Optional[set]) -> list[dict]:
-    """One table row per (script, env, setting, steps) group of complete runs."""
-    rows = []
-    for key, seeds in groups.items():
-        if selected_keys is not None and key not in selected_keys:
-            continue
-        any_marker = next(iter(seeds.values()))[1]
-        agg = aggregate({seed: d for seed, (d, _) in seeds.items()}, any_marker["tag"], any_marker["last_n"],
-                        {seed: m["wall_seconds"] for seed, (_, m) in seeds.items()})
-        commands = sorted({re.sub(r"(--seed) \d+", r"\1 {seed}", m["command"]) for _, m in seeds.values()})
-        rows.append({
-            "script": key[0], "env": key[1], "setting": key[2], "steps": key[3], "seeds": sorted(seeds),
-            "mean": agg["mean"], "std": agg["std"], "tag": any_marker["tag"], "last_n": any_marker["last_n"],
-            "per_seed": {str(s): p["final"] for s, p in agg["per_seed"].items()},
-            "episodes": {str(s): p["episodes"] for s, p in agg["per_seed"].items()},
-            "sps": agg["sps"], "wall_seconds": agg["wall_seconds"], "refs": any_marker["refs"],
-            "machine": any_marker["machine"], "versions": any_marker["versions"], "nice": any_marker["nice"],
-            "harness_command": " / ".join(sorted({m["harness_command"] for _, m in seeds.values()})),
-            "run_commands": commands,
-            "code": code_texts([m.get("code") for _, m in seeds.values()], key[0]),
-            "finished": max(m["finished"] for _, m in seeds.values()),
-            "load": [m["load_at_end"] for _, m in seeds.values() if "load_at_end" in m],
-        })
-    return rows
-
-
-def row_order(row: dict) -> tuple:
-    keys = [(s.script, s.env, s.name) for s in SETTINGS]
-    k = (row["script"], row["env"], row["setting"])
-    return (keys.index(k) if k in keys else len(keys), row["steps"])
-
-
-def load_rows(json_path: str) -> dict:
-    if os.path.isfile(json_path):
-        with open(json_path) as f:
-            return json.load(f)
-    return {"rows": [], "throughput": []}
-
-
-def write_results(md_path: str, new_rows: list[dict], throughput: Optional[list[dict]] = None) -> None:
-    """Merge the new rows into the .json next to `md_path` (same key replaces) and render the Markdown."""
-    json_path = os.path.splitext(md_path)[0] + ".json"
-    data = load_rows(json_path)
-    keys = {(r["script"], r["env"], r["setting"], r["steps"]) for r in new_rows}
-    data["rows"] = sorted([r for r in data["rows"] if (r["script"], r["env"], r["setting"], r["steps"]) not in keys]
-                          + new_rows, key=row_order)
-    if throughput:
-        labels = {t["label"] for t in throughput}
-        data["throughput"] = [t for t in data.get("throughput", []) if t["label"] not in labels] + throughput
-    os.makedirs(os.path.dirname(md_path) or ".", exist_ok=True)
-    with open(json_path, "w") as f:
-        json.dump(data, f, indent=1)
-    with open(md_path, "w") as f:
-        f.write(render(data))
-
-
-def render(data: dict) -> str:
-    machines = sorted({r["machine"] + "; " + r["versions"] for r in data["rows"]} |
-                      {t["machine"] + "; " + t["versions"] for t in data.get("throughput", [])})
-    mid = {m: f"M{i + 1}" for i, m in enumerate(machines)}
-    lines = [
-        "# Benchmark results",
-        "",
-        "Written by `benchmark/run.py` (do not edit by hand; rows live in `results.json`).",
-        "Ours: per seed the mean of the last N episodes (N = 100 for returns, 10 for ICPI regret), then mean ± "
-        "population std (ddof=0) across seeds, the openrlbenchmark convention. SPS: the run's final `charts/SPS`, "
-        "mean over seeds; wall: one run's wall time, mean over seeds. Runs were launched in parallel (`--workers`) "
-        "on a machine SHARED with other jobs: SPS and wall times are contended and only comparable within one "
-        "side-by-side measurement (see Throughput).",
-        "",
-        "| # | script | env | setting | steps | seeds | ours (mean ± std) | reference (source) | SPS | wall / run "
-        "| machine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for i, r in enumerate(data["rows"]):
-        refs = "; ".join(Ref(**x).text() for x in r["refs"]) or "-"
-        metric = "" if r["tag"] == "charts/episodic_return" else f" ({r['tag']})"
-        lines.append(f"| {i + 1} | `{r['script']}.py` | {r['env']} | {r['setting']} | {r['steps']:,} | "
-                     f"{' '.join(map(str, r['seeds']))} | {fmt(r['mean'])} ± {fmt(r['std'])}{metric} | {refs} | "
-                     f"{fmt(r['sps'], 0)} | {duration(r['wall_seconds'])} | "
-                     f"{mid[r['machine'] + '; ' + r['versions']]} |")
-    lines += ["", "Per row: the command that made it, the per-seed numbers and the run command of each seed.", ""]
-    for i, r in enumerate(data["rows"]):
-        per_seed = ", ".join(f"seed {s}: {fmt(v)} ({r['episodes'][s]} episodes)" for s, v in r["per_seed"].items())
-        load = f", 1-minute load average at the runs' ends {min(r['load'])}-{max(r['load'])}" if r.get("load") else ""
-        lines.append(f"{i + 1}. `{r['harness_command']}` (finished {r['finished']}, niceness {r['nice']}{load}). "
-                     f"{per_seed}. Each seed ran `{'`, `'.join(r['run_commands'])}` "
-                     f"({'; '.join(r.get('code', []))}).")
-    if data.get("throughput"):
-        lines += ["", "## Throughput (short runs, alternating with the peer on the same machine)", "",
-                  "Ours always runs with one torch thread; the peer's threads are in the table. Rollout / update: "
-                  "seconds of one run spent collecting and updating (median run), from `time/rollout_seconds` and "
-                  "`time/update_seconds`.", "",
-                  "| script | flags | steps | SPS (median) | rollout / update seconds | peer | peer threads "
-                  "| peer SPS (median) | ratio | repeats | machine |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for t in data["throughput"]:
-            split = "-" if t["rollout_s"] is None else f"{t['rollout_s']:.1f} / {t['update_s']:.1f}"
-            lines.append(f"| `{t['script']}.py` | `{' '.join(t['flags']) or '(defaults)'}` | {t['steps']:,} | "
-                         f"{fmt(t['sps'], 0)} | {split} | {t['peer_label'] or '-'} | {t.get('peer_threads') or '-'} | "
-                         f"{fmt(t['peer_sps'], 0)} | "
-                         f"{fmt(t['ratio'])} | {t['repeats']} | {mid[t['machine'] + '; ' + t['versions']]} |")
-        lines += [""] + [f"- `{t['harness_command']}`" + (f": 1-minute load average {t['load'][0]} before, "
-                                                           f"{t['load'][1]} after" if "load" in t else "")
-                         for t in data["throughput"]]
-    lines += ["", "Machines:", ""] + [f"- {v}: {k}" for k, v in mid.items()]
-    return "\n".join(lines) + "\n"
-
-
-def plot(groups: dict, scripts: list[str], plots_dir: str, points: int = 200) -> list[str]:
-    """One PNG per script (`{plots_dir}/{script}.png`), one panel per env that script has runs on; every
-    setting of that env (from any script) on the same axes: mean over seeds with a ±std band, and the
-    published references as horizontal lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    written = []
-    for script in scripts:
-        envs = sorted({k[1] for k in groups if k[0] == script}, key=lambda e: [s.env for s in SETTINGS].index(e)
-                      if e in [s.env for s in SETTINGS] else 999)
-        if not envs:
-            continue
-        fig, axes = plt.subplots(1, len(envs), figsize=(6 * len(envs), 4.2), squeeze=False)
-        for ax, env in zip(axes[0], envs):
-            refs, marker = {}, None
-            for key in sorted((k for k in groups if k[1] == env), key=lambda k: (k[0] != script, k)):
-                seeds = groups[key]
-                marker = next(iter(seeds.values()))[1]
-                curves = [curve(d, marker["tag"], marker["last_n"]) for d, _ in seeds.values()]
-                curves = [c for c in curves if c[0]]
-                if not curves:
-                    continue
-                grid = np.linspace(0, max(c[0][-1] for c in curves), points)
-                ys = np.array([np.interp(grid, c[0], c[1], left=np.nan, right=np.nan) for c in curves])
-                with warnings.catch_warnings():  # grid points before any seed's first episode are nan
-                    warnings.simplefilter("ignore", RuntimeWarning)
-                    mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
-                label = f"{key[0]} {key[2]} ({len(curves)} seeds)"
-                if any(k[1] == env and k[:3] == key[:3] and k[3] != key[3] for k in groups):
-                    label += f" {key[3]:,} steps"
-                few = int(np.isfinite(mean).sum()) <= 2  # e.g. every episode ended on the last step
-                line, = ax.plot(grid, mean, label=label, marker="o" if few else None)
-                ax.fill_between(grid, mean - std, mean + std, color=line.get_color(), alpha=0.2)
-                for r in marker["refs"]:
-                    refs[(r["value"], r["source"])] = r
-            for i, r in enumerate(refs.values()):
-                ax.axhline(r["value"], color="k", linestyle=["--", ":", "-."][i % 3], linewidth=1,
-                           label=Ref(**r).text())
-            if marker:
-                ax.set_xlabel(marker["x_label"])
-                ax.set_ylabel(f"{marker['y_label']} (mean of last {marker['last_n']} episodes)")
-            ax.set_title(env)
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        os.makedirs(plots_dir, exist_ok=True)
-        path = os.path.join(plots_dir, f"{script}.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    return written
-
-
-def report(args: Args, selected: list[S]) -> None:
-    groups = complete_runs(args.runs_dir)
-    keys = {(s.script, s.env, s.name, s.steps) for s in selected}
-    rows = make_rows(groups, keys)
-    for r in rows:
-        print(f"{r['script']} {r['env']} {r['setting']} {r['steps']:,} steps, seeds {r['seeds']}: "
-              f"{fmt(r['mean'])} +- {fmt(r['std'])} (population std), SPS {fmt(r['sps'], 0)}, "
-              f"wall {duration(r['wall_seconds'])}/run", flush=True)
-    if not rows:
-        print(f"report: no complete runs for the selection under {args.runs_dir}", flush=True)
-        return
-    write_results(args.results_md, rows)
-    print(f"wrote {args.results_md}", flush=True)
-    scripts = sorted({r["script"] for r in rows}, key=list(SCRIPTS).index)
-    for path in plot(groups, scripts, args.plots_dir):
-        print(f"wrote {path}", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -859,7 +597,7 @@ def throughput(args: Args, harness_cmd: str) -> list[dict]:
                 ours.append(timed_run(ours_cmd, True, steps))
                 print(f"{' '.join([p.script, *p.flags])}: {ours[-1]['sps']:.0f} steps/s"
                       + (f"; peer ({p.peer_label}): {peer[-1]['sps']:.0f} steps/s" if peer else ""), flush=True)
-        except RuntimeError as e:
+        except RuntimeError as e:  # one failing script does not stop the others
             print(f"throughput: {p.script} failed: {e}", flush=True)
             continue
         sps = statistics.median(r["sps"] for r in ours)
@@ -872,7 +610,7 @@ def throughput(args: Args, harness_cmd: str) -> list[dict]:
              "peer_threads": ("1 (OMP_NUM_THREADS=1)" if peer_limit else "torch default") if peer else "",
              "rollout_s": statistics.median(r["rollout_s"] for r in split) if split else None,
              "update_s": statistics.median(r["update_s"] for r in split) if split else None,
-             "machine": machine(), "versions": versions(), "harness_command": harness_cmd,
+             "machine": report.machine(), "versions": report.versions(), "harness_command": harness_cmd,
              "load": [load0, round(os.getloadavg()[0], 2)]}
         msg = f"{p.script}: median {sps:.0f} steps/s"
         if t["rollout_s"] is not None:
@@ -882,6 +620,66 @@ def throughput(args: Args, harness_cmd: str) -> list[dict]:
         print(msg, flush=True)
         results.append(t)
     return results
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Store, report, speed
+# ----------------------------------------------------------------------------------------------
+
+
+def collect(args: Args, selected: list[S]) -> int:
+    """Read the complete runs of the selected settings under --runs-dir into the results store."""
+    groups = complete_runs(args.runs_dir)
+    keys = {(s.script, s.env, s.name, s.steps) for s in selected}
+    rows = make_rows(groups, keys)
+    for r in rows:
+        path = store.write_row(args.results_dir, r)
+        r = store.derive(r)
+        print(f"{r['script']} {r['env']} {r['setting']} {r['steps']:,} steps, seeds {r['seeds']}: "
+              f"{report.fmt(r['mean'])} +- {report.fmt(r['std'])} (population std), SPS {report.fmt(r['sps'], 0)}, "
+              f"wall {report.duration(r['wall_seconds'])}/run -> {os.path.relpath(path, ROOT)}", flush=True)
+    if not rows:
+        print(f"collect: no complete runs for the selection under {args.runs_dir}", flush=True)
+    return len(rows)
+
+
+def write_report(args: Args, registry: list[S]) -> None:
+    """results.md and the plots, from the results store alone."""
+    data = store.load(args.results_dir)
+    if not any(data.values()) and not os.path.isdir(args.results_dir):
+        print(f"report: the results store {args.results_dir} is empty; nothing to write", flush=True)
+        return
+    order = [(s.script, s.env, s.name) for s in registry]
+    os.makedirs(os.path.dirname(args.results_md) or ".", exist_ok=True)
+    with open(args.results_md, "w") as f:
+        f.write(report.render(data, order))
+    print(f"wrote {args.results_md} ({len(data['rows'])} rows, {len(data['throughput'])} throughput, "
+          f"{len(data['speed'])} speed entries)", flush=True)
+    for path in report.plot(data["rows"], args.plots_dir, list(SCRIPTS)):
+        print(f"wrote {path}", flush=True)
+
+
+def run_speed(args: Args, harness_cmd: str) -> int:
+    failed = 0
+    for entry in SPEED:
+        if args.speed and entry.name not in args.speed:
+            continue
+        print(f"speed {entry.name} ({entry.kind} {shlex.join(entry.flags)})", flush=True)
+        t0 = time.time()
+        try:
+            data = speed.KINDS[entry.kind](list(entry.flags))
+        except (RuntimeError, subprocess.CalledProcessError) as e:
+            print(f"speed: {entry.name} failed: {e}", file=sys.stderr, flush=True)
+            failed += 1
+            continue
+        path = store.write_speed(args.results_dir, {
+            "name": entry.name, "kind": entry.kind, "flags": list(entry.flags), "note": entry.note,
+            "source": "harness", "harness_command": harness_cmd, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "seconds": round(time.time() - t0, 1), "machine": report.machine(), "versions": report.versions(),
+            "load": round(os.getloadavg()[0], 2), "data": data})
+        print(f"wrote {os.path.relpath(path, ROOT)}", flush=True)
+    return failed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -901,15 +699,28 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
         for s in selected:
             state = "present" if present(s.script) else "script not present yet -> skipped"
             refs = "; ".join(r.text() for r in s.refs) or "-"
-            print(f"{s.script:22s} {s.env:15s} {s.name:18s} {s.steps:>9,} seeds {s.seeds} "
+            print(f"{s.script:22s} {s.env:15s} {s.name:26s} {s.steps:>9,} seeds {s.seeds} "
                   f"flags {' '.join(s.flags) or '-'} | ref {refs} | {state}")
+        for p in THROUGHPUT:
+            print(f"throughput {p.script} {p.env} {' '.join(p.flags) or '-'} vs {p.peer_file or '(no peer)'} "
+                  f"{' '.join(p.peer_flags)}")
+        for e in SPEED:
+            print(f"speed {e.name:24s} kind {e.kind:8s} flags {shlex.join(e.flags)}")
+        return 0
+    if args.mode == "report":
+        write_report(args, registry)
         return 0
     if args.mode == "throughput":
         results = throughput(args, harness_cmd)
+        for t in results:
+            print(f"wrote {os.path.relpath(store.write_throughput(args.results_dir, t), ROOT)}", flush=True)
         if results:
-            write_results(args.results_md, [], results)
-            print(f"wrote {args.results_md}", flush=True)
+            write_report(args, registry)
         return 0
+    if args.mode == "speed":
+        failed = run_speed(args, harness_cmd)
+        write_report(args, registry)
+        return 1 if failed else 0
 
     failed = []
     if args.mode == "train":
@@ -920,7 +731,8 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
             print(f"running {len(jobs)} runs, {min(args.workers, len(jobs))} at a time, under {args.runs_dir}",
                   flush=True)
             failed = run_jobs(jobs, args.workers, args.nice, args.timeout)
-    report(args, selected)  # from whatever complete runs exist (the script itself may be absent here)
+    if collect(args, selected):  # from whatever complete runs exist (the script itself may be absent here)
+        write_report(args, registry)
     if failed:
         print(f"error: {len(failed)} run(s) failed: " + "; ".join(j.label for j in failed), file=sys.stderr)
         return 1

@@ -1,5 +1,6 @@
 """Tests of the benchmark harness benchmark/run.py: the reader against hand-computed numbers from
-event files written here, resume, the --quick mode end to end on ppo_cartpole.py, missing scripts."""
+event files written here, the results store and the report rebuilt from it, resume, the --quick mode end to
+end on ppo_cartpole.py, missing scripts, the GPU imports, a speed measurement."""
 
 import importlib.util
 import json
@@ -62,61 +63,127 @@ def test_reader_mean_of_last_100_then_population_std(tmp_path):
     assert bench.mean_std([float("nan"), 2.0, 4.0]) == (3.0, 1.0)
 
 
-def _marker_run(runs_dir, setting, seed, values, seconds=12.0):
+def _marker_run(runs_dir, setting, seed, values, seconds=12.0, steps=None):
     """A finished run as the runner leaves it: events under runs/ and a done.json marker."""
     job = bench.Job(setting, seed, os.path.join(runs_dir, bench.run_id(setting, seed)),
                     bench.command(setting, seed) if bench.present(setting.script) else ["python", "x.py"],
                     "python benchmark/run.py (test)")
     _write_events(os.path.join(job.run_dir, "runs", "r"), setting.tag or bench.SCRIPTS[setting.script].tag, values,
-                  steps=list(range(1, len(values) + 1)))
+                  steps=steps or list(range(1, len(values) + 1)))
     bench.write_marker(job, seconds)
     return job
 
 
-def test_report_regret_tag_from_markers(tmp_path):
-    # ICPI-type logs: charts/regret against real steps, last 10 episodes per seed; the script itself
-    # need not exist for the report.
+def _store(tmp_path):
+    return {"--results-dir": str(tmp_path / "out" / "results"), "--results-md": str(tmp_path / "out" / "results.md"),
+            "--plots-dir": str(tmp_path / "out" / "plots")}
+
+
+def _flags(d):
+    return [x for kv in d.items() for x in kv]
+
+
+def test_collect_regret_of_the_last_quarter_into_the_store(tmp_path):
+    # ICPI-type logs: charts/regret against real steps; per seed the mean regret of the episodes that ended in
+    # the last quarter of the 85 steps (step >= 63.75); the script itself need not exist for the reader.
     oracle = next(s for s in bench.SETTINGS if s.script == "icpi_chain" and s.env == "chain" and s.name == "oracle")
-    runs = str(tmp_path / "runs")
-    _marker_run(runs, oracle, 1, [1.0] * 5 + [0.5] * 10, seconds=10)  # last 10 -> 0.5
-    _marker_run(runs, oracle, 2, [0.1, 0.3], seconds=30)  # 2 episodes -> 0.2
-    md = str(tmp_path / "out" / "results.md")
-    assert bench.main(["--mode", "report", "--scripts", "icpi_chain", "--runs-dir", runs, "--results-md", md,
-                       "--plots-dir", str(tmp_path / "out")]) == 0
-    rows = json.load(open(str(tmp_path / "out" / "results.json")))["rows"]
-    assert len(rows) == 1 and rows[0]["tag"] == "charts/regret" and rows[0]["seeds"] == [1, 2]
-    assert rows[0]["mean"] == pytest.approx(0.35) and rows[0]["std"] == pytest.approx(0.15)
-    assert rows[0]["wall_seconds"] == pytest.approx(20.0)
-    text = open(md).read()
-    assert "`icpi_chain.py` | chain | oracle | 85 | 1 2 | 0.35 ± 0.15 (charts/regret)" in text
-    with open(str(tmp_path / "out" / "icpi_chain.png"), "rb") as f:
+    runs, out = str(tmp_path / "runs"), _store(tmp_path)
+    # seed 1 ends episodes at steps 10..60 (regret 1) and 70, 80, 85 (0.5); seed 2 at 70 and 80 (0.1, 0.3)
+    # -> finals 0.5 and 0.2; first quarter (step < 21.25): seed 1 only -> 1.0
+    _marker_run(runs, oracle, 1, [1.0] * 6 + [0.5] * 3, seconds=10, steps=[10, 20, 30, 40, 50, 60, 70, 80, 85])
+    _marker_run(runs, oracle, 2, [0.1, 0.3], seconds=30, steps=[70, 80])
+    assert bench.main(["--mode", "collect", "--scripts", "icpi_chain", "--runs-dir", runs, *_flags(out)]) == 0
+    path = os.path.join(out["--results-dir"], "icpi_chain", "chain__oracle__85.json")
+    raw = json.load(open(path))
+    assert raw["series"]["1"]["steps"] == [10, 20, 30, 40, 50, 60, 70, 80, 85] and raw["source"] == "harness"
+    (row,) = bench.store.load(out["--results-dir"])["rows"]
+    assert row["tag"] == "charts/regret" and row["seeds"] == [1, 2] and row["last_fraction"] == 0.25
+    assert row["per_seed"] == {"1": pytest.approx(0.5), "2": pytest.approx(0.2)}
+    assert row["mean"] == pytest.approx(0.35) and row["std"] == pytest.approx(0.15)
+    assert row["first_mean"] == pytest.approx(1.0)
+    assert row["wall_seconds"] == pytest.approx(20.0)
+    text = open(out["--results-md"]).read()
+    assert "| `icpi_chain.py` | chain | oracle | 85 | 1 2 | 0.350 ± 0.150 (charts/regret)" in text
+    with open(os.path.join(out["--plots-dir"], "icpi_chain.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    # a second report of another setting keeps this row (rows accumulate in results.json)
+    # another setting collected later gets its own file; the first one stays
     tab = next(s for s in bench.SETTINGS if s.script == "icpi_chain" and s.env == "chain" and s.name == "tabular-q")
-    _marker_run(runs, tab, 1, [0.0] * 3)
-    bench.main(["--mode", "report", "--scripts", "icpi_chain", "--settings", "tabular-q", "--runs-dir", runs,
-                "--results-md", md, "--plots-dir", str(tmp_path / "out")])
-    rows = json.load(open(str(tmp_path / "out" / "results.json")))["rows"]
-    assert [(r["setting"], r["mean"]) for r in rows] == [("oracle", pytest.approx(0.35)), ("tabular-q", 0.0)]
+    _marker_run(runs, tab, 1, [0.0] * 3, steps=[70, 80, 85])
+    bench.main(["--mode", "collect", "--scripts", "icpi_chain", "--settings", "tabular-q", "--runs-dir", runs,
+                *_flags(out)])
+    rows = bench.store.load(out["--results-dir"])["rows"]
+    assert sorted((r["setting"], r["mean"]) for r in rows) == [("oracle", pytest.approx(0.35)), ("tabular-q", 0.0)]
+    assert os.path.isfile(path)
 
 
 def test_a_setting_may_name_its_own_tag_and_window(tmp_path):
     s = bench.S("ppo_cartpole", "CartPole-v1", "lengths", 1000, (1,), tag="charts/episodic_length", last_n=2)
-    runs, md = str(tmp_path / "runs"), str(tmp_path / "results.md")
+    runs, out = str(tmp_path / "runs"), _store(tmp_path)
     _marker_run(runs, s, 1, [5.0, 6.0, 9.0])
-    assert bench.main(["--mode", "report", "--runs-dir", runs, "--results-md", md, "--plots-dir", str(tmp_path)],
-                      registry=[s]) == 0
-    (row,) = json.load(open(str(tmp_path / "results.json")))["rows"]
+    assert bench.main(["--mode", "collect", "--runs-dir", runs, *_flags(out)], registry=[s]) == 0
+    (row,) = bench.store.load(out["--results-dir"])["rows"]
     assert row["tag"] == "charts/episodic_length" and row["mean"] == pytest.approx(7.5)
-    assert "7.50 ± 0.00 (charts/episodic_length)" in open(md).read()
+    assert "7.50 ± 0.00 (charts/episodic_length)" in open(out["--results-md"]).read()
+
+
+def test_the_store_rederives_every_number_from_the_series(tmp_path):
+    # a row file whose stored mean disagrees with its series: loading re-derives it (last 2 episodes per seed)
+    row = {"script": "ppo_cartpole", "env": "CartPole-v1", "setting": "x", "steps": 100, "seeds": [1, 2],
+           "tag": "charts/episodic_return", "last_n": 2, "refs": [], "mean": 999.0, "std": 999.0,
+           "series": {"1": {"steps": [10, 20, 30], "values": [1.0, 2.0, 4.0]},
+                      "2": {"steps": [10, 20], "values": [10.0, 20.0]}},
+           "machine": "m", "versions": "v"}
+    bench.store.dump(row, bench.store.row_path(str(tmp_path), row))
+    (got,) = bench.store.load(str(tmp_path))["rows"]
+    assert got["per_seed"] == {"1": 3.0, "2": 15.0} and got["episodes"] == {"1": 3, "2": 2}
+    assert got["mean"] == 9.0 and got["std"] == 6.0  # population std of 3 and 15
+    # a row without a series (imported numbers only): mean and std from its per-seed values
+    row2 = dict(row, setting="y", series=None, per_seed={"1": 1.0, "2": 2.0, "3": None})
+    bench.store.dump(row2, bench.store.row_path(str(tmp_path), row2))
+    got2 = next(r for r in bench.store.load(str(tmp_path))["rows"] if r["setting"] == "y")
+    assert got2["mean"] == 1.5 and got2["std"] == 0.5  # the missing seed is left out, not counted as 0
+
+
+def test_report_rebuilds_results_md_from_the_committed_store(tmp_path):
+    # `--mode report` reproduces the committed results.md byte for byte from benchmark/results/ alone (no event
+    # files, no training), and draws the plots
+    import shutil
+    res = str(tmp_path / "results")
+    shutil.copytree(os.path.join(ROOT, "benchmark", "results"), res)
+    md, plots = str(tmp_path / "results.md"), str(tmp_path / "plots")
+    proc = _harness("--mode", "report", "--results-dir", res, "--results-md", md, "--plots-dir", plots)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rel = lambda text: text.replace(str(tmp_path) + "/", "benchmark/")  # noqa: E731
+    assert rel(open(md).read()) == open(os.path.join(ROOT, "benchmark", "results.md")).read()
+    for name in sorted(os.listdir(os.path.join(ROOT, "benchmark", "plots"))):
+        with open(os.path.join(plots, name), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_gpu_raw_outputs_are_read_not_retyped():
+    # the H100 numbers come from benchmark/gpu/'s files at every report: check two against the files' own lines
+    entries = {e["name"]: e for e in bench.speed.gpu_entries()}
+    trpo = entries["trpo-h100"]["data"]
+    b = next(v for k, v in trpo.items() if "--bf16" in k)
+    assert b["time/rollout_seconds"] == [18.0459, 17.3734] and b["cuda_memory"]["max_allocated_gib"] > 15.6
+    lunar = bench.speed.summary(entries["gpt2ppo-LunarLander-v3-h100"])
+    assert lunar["gpt2 --cuda"]["median_s"] == pytest.approx((1.88 + 1.91) / 2)  # of 2.33, 1.72, 1.91, 1.88
+    assert lunar["gpt2 --cuda"]["ratio"] == pytest.approx(1.895 / 0.685)
+    assert "H100" in entries["icpi-h100"]["machine"]
+
+
+def test_speed_kind_gpt2ppo_times_epochs():
+    data = bench.speed.gpt2ppo(["--epochs", "2", "--steps-per-epoch", "256", "--configs", "mlp"])
+    assert data["env_id"] == "LunarLander-v3" and len(data["per_epoch"]["mlp"]) == 2
+    assert all(0 < s < 60 for s in data["per_epoch"]["mlp"])
 
 
 def test_missing_script_is_skipped_with_a_message(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(bench.SCRIPTS, "no_such_script", bench.Script("no_such_script.py"))
     registry = [bench.S("no_such_script", "CartPole-v1", "x", 1000, (1, 2))]
     runs = str(tmp_path / "runs")
-    rc = bench.main(["--runs-dir", runs, "--results-md", str(tmp_path / "r.md"), "--plots-dir", str(tmp_path)],
-                    registry=registry)
+    rc = bench.main(["--runs-dir", runs, "--results-dir", str(tmp_path / "res"), "--results-md", str(tmp_path / "r.md"),
+                     "--plots-dir", str(tmp_path)], registry=registry)
     out = capsys.readouterr().out
     assert rc == 0
     assert "skip: no_such_script.py not present yet -> CartPole-v1 x skipped" in out
@@ -135,7 +202,8 @@ def test_is_complete_needs_the_marker_with_the_same_command(tmp_path):
 def test_quick_end_to_end_on_ppo_cartpole_and_resume(tmp_path):
     runs, out = str(tmp_path / "runs"), str(tmp_path / "out")
     flags = ("--quick", "--scripts", "ppo_cartpole", "--envs", "CartPole-v1", "--workers", "2", "--runs-dir", runs,
-             "--results-md", os.path.join(out, "results.md"), "--plots-dir", out)
+             "--results-dir", os.path.join(out, "results"), "--results-md", os.path.join(out, "results.md"),
+             "--plots-dir", out)
     # an interrupted earlier run of seed 1 (events, no marker) must be cleared, not mixed in
     s1 = bench.S("ppo_cartpole", "CartPole-v1", "default", bench.SCRIPTS["ppo_cartpole"].quick_steps, (1,))
     stale = os.path.join(runs, bench.run_id(s1, 1))
@@ -145,7 +213,7 @@ def test_quick_end_to_end_on_ppo_cartpole_and_resume(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "running 2 runs, 2 at a time" in proc.stdout
     assert not os.path.exists(os.path.join(stale, "runs", "old"))
-    rows = json.load(open(os.path.join(out, "results.json")))["rows"]
+    rows = bench.store.load(os.path.join(out, "results"))["rows"]
     assert len(rows) == 1 and rows[0]["seeds"] == [1, 2] and rows[0]["steps"] == 2048
     # the table's number is the mean of each seed's last 100 logged returns, read independently here
     finals = []
@@ -180,6 +248,8 @@ def test_quick_end_to_end_on_ppo_cartpole_and_resume(tmp_path):
     (("--scripts", "nope"), "error: unknown script 'nope'"),
     (("--envs", "NoSuchEnv-v0"), "error: no setting uses env 'NoSuchEnv-v0'"),
     (("--workers", "0"), "error: --workers must be at least 1"),
+    (("--mode", "speed", "--speed", "nope"), "error: unknown speed entry 'nope'"),
+    (("--speed", "icpi-fp32"), "error: --speed names speed entries; it needs --mode speed."),
 ])
 def test_bad_input_one_clear_sentence(tmp_path, flags, message):
     proc = _harness(*flags, "--runs-dir", str(tmp_path))
@@ -190,10 +260,11 @@ def test_bad_input_one_clear_sentence(tmp_path, flags, message):
 def test_throughput_mode_times_ours_against_the_peer(tmp_path):
     md = str(tmp_path / "results.md")
     proc = _harness("--mode", "throughput", "--quick", "--scripts", "ppo_cartpole", "--repeats", "1",
-                    "--throughput-steps", "1024", "--results-md", md)
+                    "--throughput-steps", "1024", "--results-md", md, "--results-dir", str(tmp_path / "results"),
+                    "--plots-dir", str(tmp_path / "plots"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "peer CleanRL-style ppo.py peer" in proc.stdout and "ratio" in proc.stdout
-    (t,) = json.load(open(str(tmp_path / "results.json")))["throughput"]
+    (t,) = bench.store.load(str(tmp_path / "results"))["throughput"]
     assert t["steps"] == 1024 and t["sps"] > 0 and t["peer_sps"] > 0
     assert t["ratio"] == pytest.approx(t["sps"] / t["peer_sps"])
     # ppo_cartpole.py logs time/rollout_seconds and time/update_seconds: the split is read back

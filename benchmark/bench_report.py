@@ -1,0 +1,211 @@
+"""Report of the benchmark harness: results.md and the plots, from the results store alone (no training,
+no event files): `python benchmark/run.py --mode report`."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import warnings
+from typing import Optional
+
+import bench_reader as reader
+import bench_speed as speed
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = "no GPU"
+    if shutil.which("nvidia-smi"):
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=10).stdout.strip().splitlines()
+            gpu = ", ".join(names) if names else gpu
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return f"{cpu}, {os.cpu_count()} cores, {gpu}"
+
+
+def versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = [f"python {platform.python_version()}"]
+    for pkg in ("torch", "gymnasium", "transformers", "numpy", "tensorboard"):
+        try:
+            parts.append(f"{pkg} {version(pkg)}")
+        except PackageNotFoundError:
+            parts.append(f"{pkg} -")
+    return ", ".join(parts)
+
+
+def fmt(x: Optional[float], digits: int = 2) -> str:
+    return "n/a" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def duration(seconds: Optional[float]) -> str:
+    if seconds is None or seconds != seconds:
+        return "n/a"
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def ref_text(r: dict) -> str:
+    num = f"{r['value']:g}" if r.get("std") is None else f"{r['value']:g} ± {r['std']:g}"
+    return f"{num} ({r['source']})"
+
+
+def row_digits(r: dict) -> int:
+    return r.get("digits", 3 if r["tag"] == "charts/regret" else 2)
+
+
+def metric_text(r: dict) -> str:
+    if r.get("last_fraction"):
+        return f"mean of the episodes in the last {r['last_fraction']:g} of the steps"
+    return f"mean of the last {r['last_n']} episodes"
+
+
+def render(data: dict, order: list[tuple]) -> str:
+    """results.md: learning rows (in registry order), then throughput, speed and GPU tables."""
+    def pos(r):
+        k = (r["script"], r["env"], r["setting"])
+        return (order.index(k) if k in order else len(order), r["script"], r["env"], r["setting"], r["steps"])
+
+    rows = sorted(data["rows"], key=pos)
+    machines = sorted({r["machine"] + "; " + r["versions"] for r in rows} |
+                      {t["machine"] + "; " + t["versions"] for t in data["throughput"]} |
+                      {t["machine"] + "; " + t["versions"] for t in data["speed"]})
+    mid = {m: f"M{i + 1}" for i, m in enumerate(machines)}
+    lines = [
+        "# Benchmark results",
+        "",
+        "Written by `python benchmark/run.py --mode report` from the files under `benchmark/results/` (do not "
+        "edit by hand). Ours: per seed the mean of the last N episodes (or, for ICPI, of the episodes that "
+        "ended in the last quarter of the real steps), then mean ± population std (ddof=0) across seeds, the "
+        "openrlbenchmark convention. SPS: the run's final `charts/SPS`, mean over seeds; wall: one run's wall "
+        "time, mean over seeds. Most runs shared a 2-core machine with other jobs: SPS and wall times are "
+        "contended and only comparable within one side-by-side measurement (Throughput, Speed).",
+        "",
+        "Source `harness`: trained by `benchmark/run.py` and read back from its runs' event files. "
+        "Source `imported`: measured before the harness held it, by the command in the row's notes; the "
+        "episode series came from that command's output file (re-derived here), or, where the event files "
+        "were lost, only per-seed numbers were kept.",
+        "",
+        "| # | script | env | setting | steps | seeds | ours (mean ± std) | reference (source) | SPS | wall / run "
+        "| machine | source |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(rows):
+        refs = "; ".join(ref_text(x) for x in r["refs"]) or "-"
+        d = row_digits(r)
+        metric = "" if r["tag"] == "charts/episodic_return" else f" ({r['tag']})"
+        lines.append(f"| {i + 1} | `{r['script']}.py` | {r['env']} | {r['setting']} | {r['steps']:,} | "
+                     f"{' '.join(map(str, r['seeds']))} | {fmt(r['mean'], d)} ± {fmt(r['std'], d)}{metric} | {refs} | "
+                     f"{fmt(r['sps'], 0)} | {duration(r['wall_seconds'])} | "
+                     f"{mid[r['machine'] + '; ' + r['versions']]} | {r.get('source', 'harness')} |")
+    lines += ["", "Per row: the flags, the metric, the per-seed numbers, and the command that made it.", ""]
+    for i, r in enumerate(rows):
+        d = row_digits(r)
+        per_seed = ", ".join(f"seed {s}: {fmt(v, d)}" + (f" ({r['episodes'][s]} episodes)" if r.get("episodes") else "")
+                             for s, v in r["per_seed"].items())
+        text = (f"{i + 1}. `{r['script']}.py {' '.join(r.get('flags', [])) or '(defaults)'}`, {metric_text(r)}"
+                f" of `{r['tag']}`. {per_seed}.")
+        if r.get("first_mean") is not None:
+            text += (f" First quarter of the steps: {fmt(r['first_mean'], d)} ± {fmt(r['first_std'], d)}.")
+        for name, extra in r.get("extra", {}).items():
+            text += (f" {name}: " + ", ".join(f"seed {s}: {fmt(v, d)}" for s, v in extra["per_seed"].items())
+                     + f"; {fmt(extra['mean'], d)} ± {fmt(extra['std'], d)}.")
+        if r.get("source") == "imported":
+            imp = r["imported"]
+            text += f" Imported: made by `{imp['command']}`"
+            if imp.get("from"):
+                text += f"; data from {imp['from']}"
+            if imp.get("note"):
+                text += f"; {imp['note']}"
+            text += "."
+        else:
+            load = (f", 1-minute load average at the runs' ends {min(r['load'])}-{max(r['load'])}"
+                    if r.get("load") else "")
+            text += (f" Made by `{r['harness_command']}` (finished {r['finished']}, niceness {r['nice']}{load}); "
+                     f"each seed ran `{'`, `'.join(r['run_commands'])}` ({'; '.join(r.get('code', []))}).")
+        text += f" File: `{r['_file']}`." if r.get("_file") else ""
+        lines.append(text)
+    if data["throughput"]:
+        lines += ["", "## Throughput (short runs, alternating with the peer on the same machine)", "",
+                  "Ours always runs with one torch thread; the peer's threads are in the table. Rollout / update: "
+                  "seconds of one run spent collecting and updating (median run), from `time/rollout_seconds` and "
+                  "`time/update_seconds`.", "",
+                  "| script | flags | steps | SPS (median) | rollout / update seconds | peer | peer threads "
+                  "| peer SPS (median) | ratio | repeats | machine |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for t in data["throughput"]:
+            split = "-" if t.get("rollout_s") is None else f"{t['rollout_s']:.1f} / {t['update_s']:.1f}"
+            ratio = t.get("ratio")
+            lines.append(f"| `{t['script']}.py` | `{' '.join(t['flags']) or '(defaults)'}` | {t['steps']:,} | "
+                         f"{fmt(t['sps'], 0)} | {split} | {t['peer_label'] or '-'} | {t.get('peer_threads') or '-'} | "
+                         f"{fmt(t.get('peer_sps'), 0)} | {fmt(ratio)} | {t['repeats']} | "
+                         f"{mid[t['machine'] + '; ' + t['versions']]} |")
+        lines += [""] + [f"- `{t['harness_command']}`" + (f": 1-minute load average {t['load'][0]} before, "
+                                                           f"{t['load'][1]} after" if t.get("load") else "")
+                         + (f" (`{t['_file']}`)" if t.get("_file") else "") for t in data["throughput"]]
+    lines += speed.render(data["speed"], {k: v for k, v in mid.items()})
+    lines += ["", "## Machines", ""] + [f"- {v}: {k}" for k, v in mid.items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int = 200) -> list[str]:
+    """One PNG per script (`{plots_dir}/{script}.png`), one panel per (env, step budget) with episode series:
+    every setting on the same axes, the table's metric as a running mean (mean over seeds, ±std band), and the
+    published references as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    written = []
+    scripts = sorted({r["script"] for r in rows if r.get("series")},
+                     key=lambda s: (script_order.index(s) if s in script_order else 99, s))
+    for script in scripts:
+        mine = [r for r in rows if r["script"] == script and r.get("series")]
+        panels = list(dict.fromkeys((r["env"], r["steps"]) for r in mine))
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+        for ax, (env, steps) in zip(axes[0], panels):
+            refs = {}
+            for r in (r for r in mine if (r["env"], r["steps"]) == (env, steps)):
+                curves = [reader.running_mean(list(zip(s["steps"], s["values"])), r["last_n"])
+                          for s in r["series"].values()]
+                curves = [c for c in curves if c[0]]
+                if not curves:
+                    continue
+                grid = np.linspace(0, max(r["steps"], max(c[0][-1] for c in curves)), points)
+                ys = np.array([np.interp(grid, c[0], c[1], left=np.nan, right=np.nan) for c in curves])
+                with warnings.catch_warnings():  # grid points before any seed's first episode are nan
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
+                few = int(np.isfinite(mean).sum()) <= 2
+                label = f"{r['setting']} ({len(curves)} seeds{', ' + r['machine_tag'] if r.get('machine_tag') else ''})"
+                line, = ax.plot(grid, mean, label=label, marker="o" if few else None, lw=1.2)
+                ax.fill_between(grid, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+                for x in r["refs"]:
+                    refs[(x["value"], x["source"])] = x
+            for i, x in enumerate(refs.values()):
+                ax.axhline(x["value"], color="k", linestyle=["--", ":", "-."][i % 3], linewidth=0.8,
+                           label=ref_text(x))
+            r0 = next(r for r in mine if (r["env"], r["steps"]) == (env, steps))
+            ax.set_xlabel(r0.get("x_label", "environment steps"))
+            ax.set_ylabel(f"{r0.get('y_label', r0['tag'])} (running mean of {r0['last_n']} episodes)", fontsize=8)
+            ax.set_title(f"{env}, {steps:,} steps", fontsize=10)
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=6, loc="best")
+        fig.tight_layout()
+        os.makedirs(plots_dir, exist_ok=True)
+        path = os.path.join(plots_dir, f"{script}.png")
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,454 @@
+"""Speed measurements of the benchmark harness (`python benchmark/run.py --mode speed --speed NAME`), one
+kind per script whose cost is not just steps per second, plus the raw GPU outputs of benchmark/gpu/:
+
+  trpo     rollout cost against the bare GPT-2 forward (in process), and the time split of one TRPO update
+           (value fit / surrogate gradient / CG / line search) read back from the real script's TensorBoard
+  gpt2ppo  wall time per epoch (2048 env steps + the PPO update) of each critic configuration, run one after
+           another in turn so that a competing process slows all alike
+  icpi     model calls, token positions and wall time per real ICPI step: the original's pattern (one
+           sampled call per prediction, no cache) against this implementation, same model/buffer/states
+
+Each kind takes its own flags (the SPEED registry entry's `flags`; `--help` via `--speed NAME --speed-help`)
+and returns a JSON-able dict that run.py stores as results/speed/<name>.json; `render` turns stored entries
+into the tables of results.md. `gpu_entries` reads benchmark/gpu/ (outputs recorded on a lent H100) into
+entries of the same kinds at every report, so those numbers are never copied by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+GPU_DIR = os.path.join(HERE, "gpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# trpo: rollout vs bare forward, update split
+# ----------------------------------------------------------------------------------------------
+
+
+def _trpo_llm_folder(root: str, small: bool) -> str:
+    """A folder with the test tokenizer and (for `small`) GPT-2 small's config.json (random init reads only the
+    config), else a 2-layer width-128 GPT-2."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from conftest import build_tiny_gpt2
+
+    folder = os.path.join(root, "gpt2_small" if small else "gpt2_2x128")
+    os.makedirs(folder, exist_ok=True)
+    build_tiny_gpt2(folder, n_layer=2, n_embd=128, n_head=2)
+    if small:
+        from transformers import GPT2Config
+
+        cfg = GPT2Config()
+        cfg.vocab_size = 50257
+        cfg.save_pretrained(folder)
+    return folder
+
+
+def _trpo_rollout_vs_bare(trpo, policy, obs_dim: int, steps: int, n_envs: int = 10) -> dict:
+    import gymnasium as gym
+    import numpy as np
+    import torch
+
+    envs = gym.vector.SyncVectorEnv([lambda: gym.make("HalfCheetah-v5") for _ in range(n_envs)],
+                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    low, high = envs.single_action_space.low, envs.single_action_space.high
+    rms = trpo.RunningMeanStd(obs_dim)
+    raw, _ = envs.reset(seed=0)
+    rms.update(raw)
+    obs = rms.normalize(raw)
+    log_std = policy.action_log_std.detach().numpy()[0]
+    with torch.no_grad():  # the bare forward's input: the shape the policy feeds the transformer
+        enc = policy.encode(torch.from_numpy(obs))
+        if "input_ids" in enc:
+            length = enc["input_ids"].shape[1] + policy.prefix_ids.numel()
+        else:
+            length = (1 if policy.embed_tokens == "one" else obs_dim) + policy.prefix_ids.numel()
+    x_bare = torch.randn(n_envs, length, policy.transformer.config.n_embd)
+    mask = torch.ones(n_envs, length, dtype=torch.long)
+    t_roll, t_bare = [], []
+    with torch.no_grad():
+        policy(torch.from_numpy(obs)), policy.transformer(inputs_embeds=x_bare)  # warm-up
+        for _ in range(steps):  # alternate step by step: background load hits both alike
+            t0 = time.perf_counter()
+            mean = policy(torch.from_numpy(obs)).numpy()
+            action = (mean + np.exp(log_std) * torch.randn(mean.shape, dtype=torch.float64).numpy()).astype(np.float32)
+            raw, *_ = envs.step(np.clip(action, low, high))
+            rms.update(raw)
+            obs = rms.normalize(raw)
+            t_roll.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            policy.transformer(inputs_embeds=x_bare, attention_mask=mask)
+            t_bare.append(time.perf_counter() - t0)
+    envs.close()
+    roll, bare = float(np.median(t_roll)), float(np.median(t_bare))  # medians: robust to load spikes
+    return {"tokens": length, "steps": steps, "env_steps_per_s": n_envs / roll, "rollout_ms_per_step": 1000 * roll,
+            "bare_forward_ms": 1000 * bare, "overhead": 1 - bare / roll}
+
+
+def _trpo_update_split(flags: list[str], cwd: str) -> dict:
+    import numpy as np
+
+    import bench_reader as reader
+
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "trpo_gpt2_halfcheetah.py"), *flags, "--no-progress"],
+                          cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"),
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-2000:])
+    out = {"wall_s": time.time() - t0, "flags": " ".join(flags)}
+    for tag in ("rollout_seconds", "update_seconds", "value_fit_seconds", "grad_seconds", "cg_seconds",
+                "line_search_seconds"):
+        vals = [v for _, v, _ in reader.read_scalars(cwd, f"time/{tag}")]
+        out[tag] = float(np.mean(vals[1:] if len(vals) > 1 else vals))  # skip the first update (warm-up)
+    out["kl"] = [round(v, 5) for _, v, _ in reader.read_scalars(cwd, "losses/kl")]
+    out["accepted"] = [v for _, v, _ in reader.read_scalars(cwd, "charts/step_accepted")]
+    return out
+
+
+def trpo(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="--mode speed (kind trpo)")
+    ap.add_argument("--part", choices=["rollout", "update"], required=True)
+    ap.add_argument("--quick", action="store_true", help="fewer steps and smaller runs (tests the measurement)")
+    ap.add_argument("--skip-gpt2-small-update", action="store_true")
+    a = ap.parse_args(argv)
+    import torch
+
+    sys.path.insert(0, ROOT)
+    import trpo_gpt2_halfcheetah as trpo_mod
+
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="trpo_speed_")
+    small_dir, gpt2_dir = _trpo_llm_folder(tmp, small=False), _trpo_llm_folder(tmp, small=True)
+    out = {"rollout": {}, "update": {}}
+    steps = 3 if a.quick else 40
+    if a.part == "rollout":
+        configs = [("gpt2-2x128 embed one", small_dir, "pretrained", "embed", "one", steps * 5),
+                   ("gpt2-2x128 embed per-dim", small_dir, "pretrained", "embed", "per-dim", steps * 5),
+                   ("gpt2-2x128 text", small_dir, "pretrained", "text", "one", steps)]
+        if not a.quick:
+            configs += [("gpt2-small embed one", gpt2_dir, "random", "embed", "one", steps),
+                        ("gpt2-small embed per-dim", gpt2_dir, "random", "embed", "per-dim", steps // 2),
+                        ("gpt2-small text", gpt2_dir, "random", "text", "one", max(5, steps // 4))]
+        for name, folder, init, enc, tokens, k in configs:
+            args = trpo_mod.Args(llm=folder, llm_init=init, state_encoding=enc, embed_tokens=tokens)
+            torch.manual_seed(0)
+            policy = trpo_mod.build_policy(args, 17, 6)
+            out["rollout"][name] = r = _trpo_rollout_vs_bare(trpo_mod, policy, 17, k)
+            print(f"rollout {name:28s} {r['tokens']:3d} tokens {r['env_steps_per_s']:8.1f} env steps/s "
+                  f"{r['rollout_ms_per_step']:8.1f} ms/step vs bare forward {r['bare_forward_ms']:8.1f} ms, "
+                  f"overhead {100 * r['overhead']:.0f}%", flush=True)
+    else:
+        runs = [("mlp, batch 15000", ["--policy", "mlp", "--total-timesteps", "30000"]),
+                ("gpt2-2x128 embed one, batch 2000", ["--llm", small_dir, "--batch-size", "2000",
+                                                     "--total-timesteps", "4000"]),
+                ("gpt2-2x128 embed one, batch 2000, fvp-subsample 5",
+                 ["--llm", small_dir, "--batch-size", "2000", "--total-timesteps", "4000", "--fvp-subsample", "5"]),
+                ("gpt2-2x128 text, batch 200, fvp-subsample 5",
+                 ["--llm", small_dir, "--state-encoding", "text", "--batch-size", "200", "--total-timesteps", "400",
+                  "--fvp-subsample", "5"])]
+        if a.quick:
+            runs = [("mlp, batch 1000", ["--policy", "mlp", "--batch-size", "1000", "--total-timesteps", "2000"])]
+        elif not a.skip_gpt2_small_update:
+            runs.append(("gpt2-small embed one, batch 200, fvp-subsample 5, finetune-blocks 2",
+                         ["--llm", gpt2_dir, "--llm-init", "random", "--batch-size", "200", "--total-timesteps",
+                          "200", "--fvp-subsample", "5", "--finetune-blocks", "2"]))
+        for name, flags in runs:
+            cwd = os.path.join(tmp, f"run{len(out['update'])}")
+            os.makedirs(cwd)
+            out["update"][name] = u = _trpo_update_split(flags, cwd)
+            u["flags"] = u["flags"].replace(tmp + os.sep, "<tmp>/")
+            print(f"update {name}: value {u['value_fit_seconds']:.2f}s grad {u['grad_seconds']:.2f}s "
+                  f"cg {u['cg_seconds']:.2f}s line search {u['line_search_seconds']:.2f}s kl {u['kl']}", flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# gpt2ppo: seconds per epoch, each critic against the first configuration
+# ----------------------------------------------------------------------------------------------
+
+
+def gpt2ppo(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="--mode speed (kind gpt2ppo)")
+    ap.add_argument("--env-id", default="LunarLander-v3")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs (rollout of 2048 steps + update) per timed run")
+    ap.add_argument("--steps-per-epoch", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each configuration, in turn")
+    ap.add_argument("--configs", nargs="+", default=["mlp", "gpt2 --value-stride 64"],
+                    help="the critic, then extra gpt2ppo_lunar.py flags; the first is the baseline of the ratio")
+    a = ap.parse_args(argv)
+    import bench_reader as reader
+
+    per = {c: [] for c in a.configs}
+    for _ in range(a.repeats):
+        for config in a.configs:
+            critic, *extra = shlex.split(config)
+            cmd = [sys.executable, os.path.join(ROOT, "gpt2ppo_lunar.py"), "--env-id", a.env_id, "--critic", critic,
+                   "--total-timesteps", str(a.steps_per_epoch * a.epochs), "--steps-per-epoch",
+                   str(a.steps_per_epoch), "--no-progress", *extra]
+            with tempfile.TemporaryDirectory() as cwd:
+                subprocess.run(cmd, cwd=cwd, check=True, capture_output=True,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+                roll = [v for _, v, _ in reader.read_scalars(cwd, "time/rollout_seconds")]
+                upd = [v for _, v, _ in reader.read_scalars(cwd, "time/update_seconds")]
+            per[config] += [round(r + u, 4) for r, u in zip(roll, upd)]
+            print(f"{config}: " + ", ".join(f"{s:.2f}" for s in per[config][-len(roll):]) + " s per epoch", flush=True)
+    return {"env_id": a.env_id, "steps_per_epoch": a.steps_per_epoch, "per_epoch": per}
+
+
+# ----------------------------------------------------------------------------------------------
+# icpi: per real step, the original's call pattern against ours
+# ----------------------------------------------------------------------------------------------
+
+ICPI_MODES = {  # name: (batch, completion cache, prefix KV cache, scoring)
+    "original": (False, False, False, "sample"),
+    "batched-sample": (True, True, False, "sample"),
+    "ours-sample": (True, True, True, "sample"),
+    "ours": (True, True, True, "logprob"),
+    "ours-episode-order": (True, True, True, "logprob"),  # --order-seed episode: the timed steps share one buffer
+}
+
+
+def icpi(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="--mode speed (kind icpi)")
+    ap.add_argument("--model", default="smollm2", help="as icpi_chain.py's --model")
+    ap.add_argument("--env", default="chain")
+    ap.add_argument("--episodes", type=int, default=12, help="random episodes in the replay buffer before timing")
+    ap.add_argument("--steps", type=int, default=3, help="real steps timed per mode")
+    ap.add_argument("--modes", default="original,ours,ours-episode-order", help=",".join(ICPI_MODES))
+    ap.add_argument("--dtype", default="auto", help="as icpi_chain.py's --dtype")
+    a = ap.parse_args(argv)
+    from dataclasses import replace
+
+    import numpy as np
+
+    sys.path.insert(0, ROOT)
+    import icpi_chain as ic
+
+    domain = ic.make_domain(a.env)
+    rng = np.random.default_rng(0)
+    episodes = []
+    for _ in range(a.episodes):
+        s, ep = domain.reset(rng), []
+        for _ in range(domain.time_limit):
+            act = int(rng.integers(domain.n_actions))
+            s2, r, term = domain.step(s, act, rng)
+            ep.append(ic.Transition(s, act, r, term, s2))
+            s = s2
+            if term:
+                break
+        episodes.append(ic.Episode(ep))
+    states = [domain.reset(np.random.default_rng(100 + k)) for k in range(a.steps)]
+    base = ic.Args(model=a.model, env=a.env, dtype=a.dtype)
+    backend, results = None, {}
+    for name in a.modes.split(","):
+        batch, use_cache, prefix, scoring = ICPI_MODES[name]
+        args = replace(base, batch=batch, prefix_cache=prefix, scoring=scoring, no_cache=not use_cache,
+                       order_seed="episode" if name.endswith("episode-order") else "step")
+        if backend is None:
+            backend = ic.make_backend(args, domain, np.random.default_rng(1))
+        backend.prefix_cache, backend._prefixes = prefix, {}
+        cache = ic.CompletionCache(tempfile.mktemp(suffix=".sqlite"), backend.name) if use_cache else None
+        agent = ic.Agent(domain, backend, args, np.random.default_rng(0), cache)
+        for ep in episodes:
+            agent.add_episode(ep)
+        agree = {"done": [0, 0], "reward": [0, 0], "next": [0, 0]}
+        orig = agent.predict
+
+        def predict(kind, items, orig=orig, agree=agree):
+            out = orig(kind, items)
+            if kind in agree:
+                for it, v in zip(items, out):
+                    s2, r, term = domain.step(it["state"], it["action"], None)
+                    agree[kind][0] += int(v == {"done": term, "reward": r, "next": s2}[kind])
+                    agree[kind][1] += 1
+            return out
+
+        agent.predict = predict
+        per_step = []
+        for k, s in enumerate(states):
+            agent.real_step, agent.stats = k, ic.StepStats()
+            t0, f0 = time.time(), getattr(backend, "forward_tokens", 0)
+            _, q = agent.act(s)
+            per_step.append({"seconds": time.time() - t0, **vars(agent.stats),
+                             "forward_tokens": getattr(backend, "forward_tokens", 0) - f0,
+                             "q": [round(float(x), 3) for x in q]})
+        results[name] = {"steps": per_step, "agreement": agree,
+                         "mean_seconds": float(np.mean([p["seconds"] for p in per_step])),
+                         "mean_calls": float(np.mean([p["calls"] for p in per_step])),
+                         "mean_forward_tokens": float(np.mean([p["forward_tokens"] for p in per_step]))}
+        print(f"{name}: {results[name]['mean_seconds']:.1f} s, {results[name]['mean_forward_tokens']:.0f} token "
+              f"positions and {results[name]['mean_calls']:.1f} model calls per real step; agreement {agree}",
+              flush=True)
+    return {"bench": vars(a), "results": results}
+
+
+KINDS = {"trpo": trpo, "gpt2ppo": gpt2ppo, "icpi": icpi}
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmark/gpu/: raw outputs of a lent H100, read at every report
+# ----------------------------------------------------------------------------------------------
+
+
+def _gpu_machine(gpu_dir: str) -> tuple[str, str]:
+    """(machine, versions) from the 'Machine:' paragraph of benchmark/gpu/README.md."""
+    with open(os.path.join(gpu_dir, "README.md")) as f:
+        text = f.read()
+    para = text.split("Machine:", 1)[1].split("\n\n", 1)[0].replace("\n", " ").strip()
+    machine, _, versions = para.partition(", Python")
+    return machine.strip(), ("python" + versions).strip().rstrip(".") if versions else "-"
+
+
+def _per_epoch_lines(text: str) -> dict:
+    """`config: 0.35, 0.33 s per epoch` lines of a gpt2ppo speed output -> {config: [seconds, ...]}."""
+    per: dict = {}
+    for config, secs in re.findall(r"^(.+?): ([0-9., ]+) s per epoch$", text, re.M):
+        per.setdefault(config, []).extend(float(x) for x in secs.split(","))
+    return per
+
+
+def gpu_entries(gpu_dir: str = GPU_DIR) -> list[dict]:
+    """benchmark/gpu/'s raw outputs as speed entries (source `imported-gpu`, the file named in `imported`)."""
+    if not os.path.isdir(gpu_dir):
+        return []
+    machine, vers = _gpu_machine(gpu_dir)
+    rel = lambda p: os.path.relpath(p, ROOT)  # noqa: E731
+    out = []
+    for path in sorted(glob.glob(os.path.join(gpu_dir, "gpt2ppo_speed_h100_*.txt"))):
+        env = {"lunarlander": "LunarLander-v3", "acrobot": "Acrobot-v1"}.get(
+            path.rsplit("_", 1)[1].removesuffix(".txt"), "?")
+        with open(path) as f:
+            per = _per_epoch_lines(f.read())
+        out.append({"name": f"gpt2ppo-{env}-h100", "kind": "gpt2ppo", "source": "imported-gpu",
+                    "imported": {"from": rel(path), "command": "python benchmark/gpt2ppo_speed.py --env-id "
+                                 f"{env} --epochs 4 --configs " + " ".join(shlex.quote(c) for c in per)},
+                    "machine": machine, "versions": vers, "data": {"env_id": env, "steps_per_epoch": 2048,
+                                                                   "per_epoch": per}})
+    trpo_runs = {}
+    for path in sorted(glob.glob(os.path.join(gpu_dir, "trpo_h100_*.txt"))):
+        with open(path) as f:
+            text = f.read()
+        flags = re.search(r"^== \w+: (.+)$", text, re.M).group(1)
+        run = {"flags": flags, "file": rel(path)}
+        for tag, vals in re.findall(r"^(time/\w+|losses/kl|charts/step_accepted|charts/SPS): \[(.*)\]$", text, re.M):
+            run[tag] = [float(x) for x in vals.split(",")]
+        mem = re.search(r"^cuda memory: (\{.*\})$", text, re.M)
+        run["cuda_memory"] = json.loads(mem.group(1)) if mem else {}
+        trpo_runs[flags] = run
+    if trpo_runs:
+        out.append({"name": "trpo-h100", "kind": "trpo-gpu", "source": "imported-gpu",
+                    "imported": {"from": ", ".join(r["file"] for r in trpo_runs.values()),
+                                 "command": "python benchmark/gpu/trpo_gpu.py B A"},
+                    "machine": machine, "versions": vers, "data": trpo_runs})
+    path = os.path.join(gpu_dir, "icpi_speed_h100.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            data = json.load(f)
+        out.append({"name": "icpi-h100", "kind": "icpi", "source": "imported-gpu",
+                    "imported": {"from": rel(path), "command": "python benchmark/icpi_speed.py --steps 3 "
+                                 "(modes original,batched-sample,ours-sample,ours,ours-episode-order)"},
+                    "machine": machine, "versions": vers, "data": data})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------------
+
+
+def summary(entry: dict) -> dict:
+    """The numbers a table shows, derived from the raw data (also what the README test compares against)."""
+    d, kind = entry["data"], entry["kind"]
+    if kind == "gpt2ppo":
+        meds = {c: statistics.median(v) for c, v in d["per_epoch"].items()}
+        base = next(iter(meds.values()))
+        return {c: {"median_s": m, "steps_per_s": d["steps_per_epoch"] / m, "ratio": m / base}
+                for c, m in meds.items()}
+    if kind == "icpi":
+        res = d["results"]
+        ref = res.get("original", {})
+        return {m: {"s_per_step": r["mean_seconds"], "calls": r["mean_calls"], "tokens": r["mean_forward_tokens"],
+                    "speedup": ref["mean_seconds"] / r["mean_seconds"] if ref else None,
+                    "token_ratio": ref["mean_forward_tokens"] / r["mean_forward_tokens"] if ref else None}
+                for m, r in res.items()}
+    if kind == "trpo-gpu":
+        out = {}
+        for flags, r in d.items():
+            out[flags] = {k: r[k] for k in r if k.startswith(("time/", "losses/", "charts/"))}
+            out[flags]["max_allocated_gib"] = r["cuda_memory"].get("max_allocated_gib")
+        return out
+    return d
+
+
+def _fmt(x, digits=2):
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def render(entries: list[dict], mid: dict) -> list[str]:
+    entries = list(entries) + gpu_entries()
+    if not entries:
+        return []
+    lines = ["", "## Speed (`--mode speed`; GPU rows read from `benchmark/gpu/`)", ""]
+    for e in entries:
+        m = mid.get(e["machine"] + "; " + e["versions"]) or f"{e['machine']}; {e['versions']}"
+        how = (f"imported: `{e['imported']['command']}`, from `{e['imported']['from']}`" if e.get("imported")
+               else f"`{e['harness_command']}`, finished {e['finished']}")
+        lines += [f"### {e['name']} ({e['kind']}; machine {m})", "", how + ".", ""]
+        s, d = summary(e), e["data"]
+        if e["kind"] == "gpt2ppo":
+            first = next(iter(s))
+            lines += [f"{d['env_id']}, {d['steps_per_epoch']} env steps per epoch.", "",
+                      f"| critic | s per epoch (median) | env steps/s | x `{first}` | epochs timed |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| `{c}` | {v['median_s']:.2f} | {v['steps_per_s']:.0f} | {v['ratio']:.1f} | "
+                      f"{len(d['per_epoch'][c])} |" for c, v in s.items()]
+        elif e["kind"] == "icpi":
+            b = d["bench"]
+            lines += [f"model {b['model']}, env {b['env']}, dtype {b.get('dtype', 'auto')}, {b['steps']} real steps "
+                      f"per mode, {b['episodes']} random episodes in the buffer.", "",
+                      "| mode | s / real step | model calls / step | token positions / step | speed-up (wall) | "
+                      "speed-up (token positions) | done / reward / next agree |", "|---|---|---|---|---|---|---|"]
+            for mode, v in s.items():
+                ag = d["results"][mode]["agreement"]
+                lines.append(f"| {mode} | {v['s_per_step']:.1f} | {v['calls']:.1f} | {v['tokens']:.0f} | "
+                             f"{_fmt(v['speedup'], 1)}x | {_fmt(v['token_ratio'], 1)}x | "
+                             f"{' / '.join(f'{a}/{n}' for a, n in ag.values())} |")
+        elif e["kind"] == "trpo":
+            if d.get("rollout"):
+                lines += ["Rollout, HalfCheetah-v5, 10 envs (medians of per-step times):", "",
+                          "| policy | tokens / state | ms per step | bare forward ms | overhead | env steps/s |",
+                          "|---|---|---|---|---|---|"]
+                lines += [f"| {n} | {r['tokens']} | {r['rollout_ms_per_step']:.1f} | {r['bare_forward_ms']:.1f} | "
+                          f"{100 * r['overhead']:.0f}% | {r['env_steps_per_s']:.1f} |" for n, r in d["rollout"].items()]
+            if d.get("update"):
+                lines += ["", "Update split, seconds per update (mean over the updates after the first):", "",
+                          "| configuration | value fit | surrogate grad | CG | line search | KL after each step |",
+                          "|---|---|---|---|---|---|"]
+                lines += [f"| {n} | {u['value_fit_seconds']:.2f} | {u['grad_seconds']:.2f} | {u['cg_seconds']:.2f} | "
+                          f"{u['line_search_seconds']:.2f} | {', '.join(map(str, u['kl']))} |"
+                          for n, u in d["update"].items()]
+        elif e["kind"] == "trpo-gpu":
+            lines += ["| flags | rollout s per update | update s | CG s | value fit s | gradient s | line search s "
+                      "| KL | accepted | peak CUDA memory GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+            j = lambda xs: ", ".join(f"{x:g}" for x in xs)  # noqa: E731
+            for flags, r in s.items():
+                lines.append(f"| `{flags}` | {j(r['time/rollout_seconds'])} | {j(r['time/update_seconds'])} | "
+                             f"{j(r['time/cg_seconds'])} | {j(r['time/value_fit_seconds'])} | "
+                             f"{j(r['time/grad_seconds'])} | {j(r['time/line_search_seconds'])} | "
+                             f"{j(r['losses/kl'])} | {sum(r['charts/step_accepted']):.0f} of "
+                             f"{len(r['charts/step_accepted'])} | {_fmt(r['max_allocated_gib'], 1)} |")
+        lines.append("")
+    return lines

@@ -1,0 +1,144 @@
+"""The results store of the benchmark harness: one JSON file per result, under benchmark/results/.
+
+    results/<script>/<env>__<setting>__<steps>.json   one learning row: a registry setting's seeds
+    results/throughput/<script>__<env>__<tag>.json    one --mode throughput measurement (ours vs the peer)
+    results/speed/<name>.json                         one --mode speed measurement (a SPEED registry entry)
+
+A file is replaced when the same key is measured again, and never touches another file, so results
+from different branches merge as separate files. `--mode report` renders results.md and the plots from
+these files alone. A learning row keeps every seed's episode series ([step, value] per finished episode)
+where it exists, and its numbers (per-seed finals, mean, population std) are re-derived from the series
+on every load, so the table cannot disagree with the data under it. A row with "source": "imported"
+was made before the harness held it (its "imported" entry says by which command and from which file);
+rows without a series (their event files were lost) keep their per-seed finals, and their mean and std
+are re-derived from those.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+
+import bench_reader as reader
+
+KINDS = ("rows", "throughput", "speed")
+
+
+def slug(text: str) -> str:
+    """A file-name-safe version of `text` (letters, digits, '.', '-', '_'; the rest becomes '_')."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "_"
+
+
+def row_path(results_dir: str, row: dict) -> str:
+    return os.path.join(results_dir, slug(row["script"]),
+                        f"{slug(row['env'])}__{slug(row['setting'])}__{row['steps']}.json")
+
+
+def throughput_path(results_dir: str, t: dict) -> str:
+    tag = slug(" ".join(t["flags"]) or "defaults") + f"__{t['steps']}"
+    if t.get("peer_label"):
+        tag += "__" + ("peer1thread" if str(t.get("peer_threads", "")).startswith("1") else "peerdefault")
+    return os.path.join(results_dir, "throughput", f"{slug(t['script'])}__{slug(t['env'])}__{tag}.json")
+
+
+def speed_path(results_dir: str, entry: dict) -> str:
+    return os.path.join(results_dir, "speed", f"{slug(entry['name'])}.json")
+
+
+def _clean(x):
+    """JSON has no nan: store it as null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def dump(obj: dict, path: str) -> None:
+    """One top-level key per line, each value as compact JSON (long series stay on one line: small diffs,
+    readable keys)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    obj = _clean(obj)
+    lines = [f" {json.dumps(k)}: {json.dumps(v, separators=(', ', ': '))}" for k, v in obj.items()]
+    with open(path, "w") as f:
+        f.write("{\n" + ",\n".join(lines) + "\n}\n")
+
+
+def _nan(x):
+    return float("nan") if x is None else x
+
+
+def compact_series(series: dict) -> dict:
+    """{seed: [(step, value), ...]} -> {seed: {"steps": [...], "values": [...]}} with values rounded to 4 decimals."""
+    return {str(s): {"steps": [int(a) for a, _ in pts], "values": [round(float(b), 4) for _, b in pts]}
+            for s, pts in series.items()}
+
+
+def write_row(results_dir: str, row: dict) -> str:
+    path = row_path(results_dir, row)
+    dump(derive(row), path)
+    return path
+
+
+def write_throughput(results_dir: str, t: dict) -> str:
+    path = throughput_path(results_dir, t)
+    dump(t, path)
+    return path
+
+
+def write_speed(results_dir: str, entry: dict) -> str:
+    path = speed_path(results_dir, entry)
+    dump(entry, path)
+    return path
+
+
+def derive(row: dict) -> dict:
+    """The row with its numbers re-derived: per seed the final value from its episode series (mean of the
+    last `last_n` episodes, or of the episodes in the last `last_fraction` of the steps), then mean and
+    population std across seeds. Rows without a series keep their per-seed finals."""
+    row = dict(row)
+    series = row.get("series") or {}
+    if series and isinstance(next(iter(series.values())), list):  # fresh from the reader: [(step, value), ...]
+        series = row["series"] = compact_series(series)
+    if series:
+        per_seed, episodes, first = {}, {}, {}
+        for seed, s in series.items():
+            pts = list(zip(s["steps"], s["values"]))
+            if row.get("last_fraction"):
+                per_seed[seed] = reader.fraction_mean(pts, row["steps"], row["last_fraction"])
+                first[seed] = reader.fraction_mean(pts, row["steps"], row["last_fraction"], last=False)
+            else:
+                per_seed[seed] = reader.final_mean([v for _, v in pts], row["last_n"])
+            episodes[seed] = len(pts)
+        row["per_seed"], row["episodes"] = per_seed, episodes
+        if first:
+            row["first_mean"], row["first_std"] = reader.mean_std(list(first.values()))
+    per_seed = {k: _nan(v) for k, v in row.get("per_seed", {}).items()}
+    row["mean"], row["std"] = reader.mean_std(list(per_seed.values()))
+    for extra in row.get("extra", {}).values():  # e.g. a deterministic evaluation per seed
+        extra["mean"], extra["std"] = reader.mean_std([_nan(v) for v in extra["per_seed"].values()])
+    for key in ("sps", "wall_seconds"):
+        row[key] = _nan(row.get(key))
+    return row
+
+
+def load(results_dir: str) -> dict:
+    """Everything in the store: {"rows": [...], "throughput": [...], "speed": [...]} (rows re-derived)."""
+    data = {k: [] for k in KINDS}
+    for path in sorted(glob.glob(os.path.join(results_dir, "**", "*.json"), recursive=True)):
+        with open(path) as f:
+            obj = json.load(f)
+        rel = os.path.relpath(path, results_dir).split(os.sep)
+        obj["_file"] = os.path.relpath(path, os.path.dirname(results_dir.rstrip(os.sep)) or ".")
+        if rel[0] == "throughput":
+            data["throughput"].append(obj)
+        elif rel[0] == "speed":
+            data["speed"].append(obj)
+        else:
+            data["rows"].append(derive(obj))
+    return data
