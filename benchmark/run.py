@@ -262,11 +262,11 @@ SPEED: list[Speed] = [
 
 @dataclass
 class Args:
-    mode: Literal["train", "collect", "report", "throughput", "speed", "list"] = "train"
+    mode: Literal["train", "collect", "report", "throughput", "speed", "list", "import-legacy"] = "train"
     """train: run what is missing, store it, report; collect: store the complete runs under --runs-dir, report;
     report: results.md + plots from the results store alone (seconds, no training); throughput: short timed
     runs (alternating with a peer where one is named); speed: the SPEED entries named by --speed; list: the
-    registry"""
+    registry; import-legacy: convert an old single-file store (--legacy-json) into the results store"""
     scripts: tuple[str, ...] = ()
     """scripts to include, by name (e.g. ppo_cartpole); empty: all"""
     envs: tuple[str, ...] = ()
@@ -302,6 +302,8 @@ class Args:
     """run again even when a run is complete (its folder is replaced)"""
     timeout: Optional[float] = None
     """seconds after which one run is killed and counted as failed (default: none)"""
+    legacy_json: Optional[str] = None
+    """import-legacy mode: a results.json written by the old run.py ({"rows": [...], "throughput": [...]})"""
     speed: tuple[str, ...] = ()
     """speed mode: the SPEED entries to measure, by name (empty: all of them, which takes hours on a CPU)"""
 
@@ -339,6 +341,8 @@ def validate(args: Args, registry: list[S]) -> None:
     for name in args.speed:
         if name not in names:
             sys.exit(f"error: unknown speed entry '{name}'; the registry has: {', '.join(sorted(names))}.")
+    if args.mode == "import-legacy" and not (args.legacy_json and os.path.isfile(args.legacy_json)):
+        sys.exit(f"error: --mode import-legacy needs --legacy-json PATH of an existing file, got {args.legacy_json}.")
     if args.speed and args.mode != "speed":
         sys.exit("error: --speed names speed entries; it needs --mode speed.")
 
@@ -682,6 +686,22 @@ def run_speed(args: Args, harness_cmd: str) -> int:
     return failed
 
 
+def import_legacy(args: Args) -> int:
+    """Rows and throughput entries of an old single-file store (results.json of the old run.py) -> one file each
+    in the results store. The rows keep their per-seed numbers (the old store had no episode series)."""
+    with open(args.legacy_json) as f:
+        data = json.load(f)
+    rel = os.path.relpath(os.path.abspath(args.legacy_json), ROOT)
+    for r in data.get("rows", []):
+        r = dict(r, source=r.get("source", "harness"), legacy_from=rel)
+        r.setdefault("flags", [])
+        print(f"wrote {os.path.relpath(store.write_row(args.results_dir, r), ROOT)}", flush=True)
+    for t in data.get("throughput", []):
+        t = {k: v for k, v in t.items() if k != "label"}
+        print(f"wrote {os.path.relpath(store.write_throughput(args.results_dir, t), ROOT)}", flush=True)
+    return len(data.get("rows", [])) + len(data.get("throughput", []))
+
+
 # ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
@@ -709,6 +729,10 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
         return 0
     if args.mode == "report":
         write_report(args, registry)
+        return 0
+    if args.mode == "import-legacy":
+        if import_legacy(args):
+            write_report(args, registry)
         return 0
     if args.mode == "throughput":
         results = throughput(args, harness_cmd)

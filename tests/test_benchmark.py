@@ -270,3 +270,26 @@ def test_throughput_mode_times_ours_against_the_peer(tmp_path):
     # ppo_cartpole.py logs time/rollout_seconds and time/update_seconds: the split is read back
     assert t["rollout_s"] > 0 and t["update_s"] > 0
     assert "## Throughput" in open(md).read()
+
+
+def test_import_legacy_converts_an_old_single_file_store(tmp_path):
+    # the old run.py kept every row in one results.json; import-legacy writes one store file per row / entry
+    legacy = {"rows": [{"script": "ppo_cartpole", "env": "Acrobot-v1", "setting": "default", "steps": 500000,
+                        "seeds": [1, 2], "tag": "charts/episodic_return", "last_n": 100, "per_seed": {"1": -80.0,
+                        "2": -90.0}, "mean": 0.0, "std": 0.0, "refs": [], "sps": 100.0, "wall_seconds": 9.0,
+                        "machine": "m", "versions": "v", "nice": 0, "harness_command": "python benchmark/run.py",
+                        "run_commands": ["python ppo_cartpole.py"], "finished": "2026-11-22 23:46:13"}],
+              "throughput": [{"label": "x", "script": "ppo_cartpole", "env": "CartPole-v1", "flags": [], "steps": 1024,
+                              "sps": 2.0, "peer_label": "p", "peer_sps": 1.0, "ratio": 2.0, "repeats": 1,
+                              "peer_threads": "1 (OMP_NUM_THREADS=1)", "rollout_s": None, "update_s": None,
+                              "machine": "m", "versions": "v", "harness_command": "h"}]}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(legacy))
+    out = _store(tmp_path)
+    assert bench.main(["--mode", "import-legacy", "--legacy-json", str(path), *_flags(out)]) == 0
+    data = bench.store.load(out["--results-dir"])
+    (row,) = data["rows"]
+    assert row["mean"] == -85.0 and row["std"] == 5.0  # re-derived from the per-seed values, not the stored 0.0
+    assert os.path.isfile(os.path.join(out["--results-dir"], "ppo_cartpole", "Acrobot-v1__default__500000.json"))
+    assert data["throughput"][0]["ratio"] == 2.0 and "label" not in data["throughput"][0]
+    assert "-85.00 ± 5.00" in open(out["--results-md"]).read()
