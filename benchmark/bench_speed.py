@@ -308,6 +308,7 @@ def _gpu_machine(gpu_dir: str) -> tuple[str, str]:
     with open(os.path.join(gpu_dir, "README.md")) as f:
         text = f.read()
     para = text.split("Machine:", 1)[1].split("\n\n", 1)[0].replace("\n", " ").strip()
+    para = re.split(r"\.\s", para)[0]  # the first sentence
     machine, _, versions = para.partition(", Python")
     return machine.strip(), ("python" + versions).strip().rstrip(".") if versions else "-"
 
