@@ -76,9 +76,10 @@ def render(data: dict, order: list[tuple]) -> str:
         return (order.index(k) if k in order else len(order), r["script"], r["env"], r["setting"], r["steps"])
 
     rows = sorted(data["rows"], key=pos)
+    speed_entries = data["speed"] + speed.gpu_entries()
     machines = sorted({r["machine"] + "; " + r["versions"] for r in rows} |
                       {t["machine"] + "; " + t["versions"] for t in data["throughput"]} |
-                      {t["machine"] + "; " + t["versions"] for t in data["speed"]})
+                      {t["machine"] + "; " + t["versions"] for t in speed_entries})
     mid = {m: f"M{i + 1}" for i, m in enumerate(machines)}
     lines = [
         "# Benchmark results",
@@ -151,7 +152,7 @@ def render(data: dict, order: list[tuple]) -> str:
         lines += [""] + [f"- `{t['harness_command']}`" + (f": 1-minute load average {t['load'][0]} before, "
                                                            f"{t['load'][1]} after" if t.get("load") else "")
                          + (f" (`{t['_file']}`)" if t.get("_file") else "") for t in data["throughput"]]
-    lines += speed.render(data["speed"], {k: v for k, v in mid.items()})
+    lines += speed.render(speed_entries, mid)
     lines += ["", "## Machines", ""] + [f"- {v}: {k}" for k, v in mid.items()]
     return "\n".join(lines) + "\n"
 

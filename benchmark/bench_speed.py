@@ -399,7 +399,7 @@ def _fmt(x, digits=2):
 
 
 def render(entries: list[dict], mid: dict) -> list[str]:
-    entries = list(entries) + gpu_entries()
+    """The Speed section of results.md: one table per entry (stored entries and `gpu_entries()`)."""
     if not entries:
         return []
     lines = ["", "## Speed (`--mode speed`; GPU rows read from `benchmark/gpu/`)", ""]
