@@ -172,10 +172,19 @@ def test_gpu_raw_outputs_are_read_not_retyped():
     assert "H100" in entries["icpi-h100"]["machine"]
 
 
-def test_speed_kind_gpt2ppo_times_epochs():
-    data = bench.speed.gpt2ppo(["--epochs", "2", "--steps-per-epoch", "256", "--configs", "mlp"])
-    assert data["env_id"] == "LunarLander-v3" and len(data["per_epoch"]["mlp"]) == 2
-    assert all(0 < s < 60 for s in data["per_epoch"]["mlp"])
+def test_speed_mode_measures_stores_and_renders(tmp_path, monkeypatch):
+    # a tiny SPEED entry of kind gpt2ppo: 2 epochs of 256 steps of the MLP critic, stored and rendered
+    tiny = bench.Speed("tiny", "gpt2ppo", ("--epochs", "2", "--steps-per-epoch", "256", "--configs", "mlp"))
+    monkeypatch.setattr(bench, "SPEED", [tiny])
+    out = _store(tmp_path)
+    assert bench.main(["--mode", "speed", "--speed", "tiny", *_flags(out)]) == 0
+    (entry,) = bench.store.load(out["--results-dir"])["speed"]
+    assert entry["name"] == "tiny" and entry["source"] == "harness" and entry["kind"] == "gpt2ppo"
+    per = entry["data"]["per_epoch"]["mlp"]
+    assert entry["data"]["env_id"] == "LunarLander-v3" and len(per) == 2 and all(0 < s < 60 for s in per)
+    text = open(out["--results-md"]).read()
+    assert "### tiny (gpt2ppo; machine M" in text and "| `mlp` |" in text
+    assert "### trpo-h100 (trpo-gpu" in text  # the GPU raw outputs are always part of the report
 
 
 def test_missing_script_is_skipped_with_a_message(tmp_path, monkeypatch, capsys):
