@@ -172,9 +172,13 @@ def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int 
                      key=lambda s: (script_order.index(s) if s in script_order else 99, s))
     for script in scripts:
         mine = [r for r in rows if r["script"] == script and r.get("series")]
-        panels = list(dict.fromkeys((r["env"], r["steps"]) for r in mine))
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-        for ax, (env, steps) in zip(axes[0], panels):
+        panels = sorted(dict.fromkeys((r["env"], r["steps"]) for r in mine))
+        cols = min(3, len(panels))
+        nrows = -(-len(panels) // cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
+        for ax in axes.flat[len(panels):]:
+            ax.set_visible(False)
+        for ax, (env, steps) in zip(axes.flat, panels):
             refs = {}
             for r in (r for r in mine if (r["env"], r["steps"]) == (env, steps)):
                 curves = [reader.running_mean(list(zip(s["steps"], s["values"])), r["last_n"])
