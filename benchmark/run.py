@@ -635,9 +635,14 @@ def throughput(args: Args, harness_cmd: str) -> list[dict]:
 def collect(args: Args, selected: list[S]) -> int:
     """Read the complete runs of the selected settings under --runs-dir into the results store."""
     groups = complete_runs(args.runs_dir)
-    keys = {(s.script, s.env, s.name, s.steps) for s in selected}
-    rows = make_rows(groups, keys)
+    by_key = {(s.script, s.env, s.name, s.steps): s for s in selected}
+    rows = make_rows(groups, set(by_key))
     for r in rows:
+        # the registry decides the metric (a marker written by an older run.py may predate e.g. last_fraction)
+        s = by_key[(r["script"], r["env"], r["setting"], r["steps"])]
+        info = SCRIPTS[s.script]
+        r["last_n"] = s.last_n or info.last_n
+        r["last_fraction"] = s.last_fraction if s.last_fraction is not None else info.last_fraction
         path = store.write_row(args.results_dir, r)
         r = store.derive(r)
         print(f"{r['script']} {r['env']} {r['setting']} {r['steps']:,} steps, seeds {r['seeds']}: "

@@ -302,3 +302,20 @@ def test_import_legacy_converts_an_old_single_file_store(tmp_path):
     assert os.path.isfile(os.path.join(out["--results-dir"], "ppo_cartpole", "Acrobot-v1__default__500000.json"))
     assert data["throughput"][0]["ratio"] == 2.0 and "label" not in data["throughput"][0]
     assert "-85.00 ± 5.00" in open(out["--results-md"]).read()
+
+
+def test_collect_takes_the_metric_from_the_registry_not_an_old_marker(tmp_path):
+    # a run finished by an older run.py: its marker says "last 10 episodes" and has no last_fraction; the registry
+    # now reports ICPI's last-quarter regret, and collect applies it
+    oracle = next(s for s in bench.SETTINGS if s.script == "icpi_chain" and s.env == "maze" and s.name == "oracle")
+    runs, out = str(tmp_path / "runs"), _store(tmp_path)
+    job = _marker_run(runs, oracle, 1, [1.0] * 12 + [0.2], steps=list(range(10, 130, 10)) + [125])
+    marker = os.path.join(job.run_dir, bench.MARKER)
+    m = json.load(open(marker))
+    m.pop("last_fraction")
+    m["last_n"] = 10
+    json.dump(m, open(marker, "w"))
+    assert bench.main(["--mode", "collect", "--scripts", "icpi_chain", "--runs-dir", runs, *_flags(out)]) == 0
+    (row,) = bench.store.load(out["--results-dir"])["rows"]
+    # last quarter of 130 steps: step >= 97.5 -> episodes at 100, 110, 120 (1.0) and 125 (0.2) -> 0.8
+    assert row["last_fraction"] == 0.25 and row["mean"] == pytest.approx(0.8)
