@@ -760,11 +760,22 @@ def minibatch_plan(schedule: str, batch: int, n_segments: int, minibatch_size: i
                for k, start in enumerate(range(0, batch, minibatch_size))]
 
 
+def slow_update_note(seconds_per_update: float, num_iterations: int, device_type: str, value_stride: int,
+                     limit: float = 10.0) -> Optional[str]:
+    """The start-up line for a slow critic (more than `limit` s per update expected), else None."""
+    if seconds_per_update <= limit:
+        return None
+    hint = "; --value-stride 64 makes the windows about 64x fewer (README)" if value_stride == 1 else ""
+    return (f"note: the GPT-2 critic may take up to ~{seconds_per_update:.0f} s per update on {device_type} "
+            f"(~{seconds_per_update * num_iterations / 3600:.1f} h for {num_iterations} updates; estimated from a "
+            f"probe batch){hint}")
+
+
 def probe_update_seconds(critic: nn.Module, obs_dim: int, act_dim: int, context_len: int, windows: int,
                          update_epochs: int, device: torch.device, probe: int = 8) -> float:
     """Rough upper bound on the critic's seconds per update: time a training pass (forward + backward)
-    of `probe` full-length windows and scale it to `windows` windows per pass, update_epochs training
-    passes plus one value pass. Leaves the random state, the gradients and the mode as they were."""
+    of `probe` full-length windows (best of 3) and scale it to `windows` windows per pass, update_epochs
+    training passes plus one value pass (an upper bound: early in an episode states share windows). Leaves the random state, the gradients and the mode as they were."""
     was_training = critic.training
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         critic.train()
@@ -772,16 +783,20 @@ def probe_update_seconds(critic: nn.Module, obs_dim: int, act_dim: int, context_
              device=device), torch.zeros(probe, context_len, dtype=torch.long, device=device),
              torch.ones(probe, context_len, dtype=torch.bool, device=device))
         critic(*x).sum().backward()  # warm-up
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.time()
-        critic(*x).sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        per_window = (time.time() - t0) / probe
+        times = []
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.time()
+            critic(*x).sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.time() - t0)
+        per_window = min(times) / probe
     critic.zero_grad(set_to_none=True)
     critic.train(was_training)
-    return per_window * windows * (update_epochs + 1)
+    # update_epochs training passes, plus the value pass (forward only: about a third of a training pass)
+    return per_window * windows * (update_epochs + 1 / 3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -845,10 +860,9 @@ def main(args: Args) -> None:
     if args.critic == "gpt2":  # say so at start-up when an update will be slow (exact windows on a CPU)
         est = probe_update_seconds(critic, obs_dim, act_dim, args.context_len,
                                    args.steps_per_epoch // args.value_stride, args.update_epochs, device)
-        if est > 10:
-            print(f"{run_name}: note: the GPT-2 critic may take up to ~{est:.0f} s per update on {device.type} "
-                  f"(~{est * num_iterations / 3600:.1f} h for {num_iterations} updates; estimated from a probe "
-                  f"batch); --value-stride 64 makes windows 64x fewer (README)", flush=True)
+        note = slow_update_note(est, num_iterations, device.type, args.value_stride)
+        if note:
+            print(f"{run_name}: {note}", flush=True)
 
     # The MLP critic sees only the current state: its "window" is that one step.
     T, N = num_steps, args.num_envs

@@ -563,3 +563,10 @@ def test_ctrl_c_saves_checkpoint_closes_and_exits_with_one_line(tmp_path):
     actor, critic, a = g2.load_checkpoint(ckpt[0])
     assert a["critic"] == "mlp" and isinstance(actor, g2.Actor)
     assert read_scalars(only_run_dir(cwd), "losses/policy_loss")  # the writer was flushed and closed
+
+
+def test_slow_update_note_only_when_slow():
+    assert g2.slow_update_note(5.0, 150, "cpu", 1) is None
+    note = g2.slow_update_note(36.0, 150, "cpu", 1)
+    assert "~36 s per update on cpu" in note and "~1.5 h for 150 updates" in note and "--value-stride 64" in note
+    assert "--value-stride" not in g2.slow_update_note(36.0, 150, "cpu", 8)
