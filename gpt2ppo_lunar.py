@@ -8,10 +8,10 @@ script, line for line, except that the critic is an MLP on the current state.
 
 Done right where the authors' code (andreicozma1/ECE517-Final-Project) was not:
   * the GPT-2, its embeddings and the value head are all in the critic's optimizer (theirs never
-    trained the GPT-2: it stayed at its random initialisation);
+    trained the GPT-2: it stayed at its random initialisation), and the actor's body is in the
+    actor's optimizer (theirs never gave it to an optimizer either);
   * dropout is active only in training passes; values used for the rollout's targets come from
     the critic in eval mode (theirs left dropout on while collecting data);
-  * minibatches are reshuffled every epoch (theirs were not);
   * discrete actions enter the context one-hot and are stored as integers (theirs stored the
     policy's probability vectors);
   * episodes run to the env's own time limit (theirs cut every env at 500 steps), and a time-limit
@@ -19,6 +19,19 @@ Done right where the authors' code (andreicozma1/ECE517-Final-Project) was not:
 Also: the timestep embedding is initialised like GPT-2's position embeddings, N(0, 0.02), not with
 nn.Embedding's N(0, 1) that the Decision Transformer's code kept; with N(0, 1) the GPT-2 critic
 failed on LunarLander (benchmark/gpt2ppo_results.md).
+
+Departures from Table I and the authors' code (choices of this script, not fixes; each is a flag or
+a line to change):
+  * the critic's targets are GAE(lambda) returns (advantage + value, CleanRL's PPO); the authors
+    used bootstrapped discounted returns;
+  * the critic loss is 0.5 * mean squared error;
+  * gradient norms are clipped at 0.5 (`--max-grad-norm`, each network separately) and Adam's eps is
+    1e-5: neither Table I nor the authors' code has these;
+  * 4 envs (`--num-envs`; 2048 steps per epoch summed over them) instead of 1;
+  * Table I's "5 training steps per epoch" is by default 5 passes over the rollout, reshuffled every
+    pass (`--update-schedule shuffled`); the authors' code takes 5 consecutive Adam steps on each
+    minibatch in one unshuffled pass: `--update-schedule authors` (benchmark/gpt2ppo_results.md
+    compares the two).
 
 Efficient history: each env's trajectory is stored once per rollout (plus the last context-1 rows
 carried over from the previous rollout); a window is gathered by index (`build_windows`), with a
@@ -33,13 +46,19 @@ of ~50x; benchmark/gpt2ppo_results.md), at the price of windows holding 1..64 st
 Table I's dropout 0.5 is the default; 0.1 (the Decision Transformer's) learned better in our runs
 (LunarLander, 3 seeds: 220.8 against 117.7 at 307k steps; the MLP-critic PPO: 185.8).
 
-    python gpt2ppo_lunar.py                                  # GPT2PPO on LunarLander-v3, Table I
-    python gpt2ppo_lunar.py --value-stride 64                # the same, CPU-friendly windows
+    python gpt2ppo_lunar.py --cuda                           # GPT2PPO on LunarLander-v3, Table I (GPU)
+    python gpt2ppo_lunar.py --value-stride 64                # the same on a CPU, with CPU-friendly windows
     python gpt2ppo_lunar.py --value-stride 64 --dropout 0.1  # the best GPT2PPO we measured
+    python gpt2ppo_lunar.py --value-stride 64 --update-schedule authors  # the authors' update schedule
     python gpt2ppo_lunar.py --critic mlp                     # the PPO baseline
-    python gpt2ppo_lunar.py --env-id Acrobot-v1 --seed 1
-    python gpt2ppo_lunar.py --save-model
+    python gpt2ppo_lunar.py --env-id Acrobot-v1 --seed 1 --value-stride 64 --save-model
     python gpt2ppo_lunar.py --eval-checkpoint runs/<run>/gpt2ppo_lunar.pt --eval-episodes 10
+
+The exact windows (`--value-stride 1`, the default) take hours on a CPU; the script prints its
+expected time per update at start-up when it is large. Evaluation episode i is seeded 10000 + the
+training seed + i, for the evaluation after `--save-model` and for `--eval-checkpoint` alike
+(`--seed` given with `--eval-checkpoint` replaces the checkpoint's seed). Ctrl-C during training
+finishes the current update, saves a checkpoint when `--save-model` is given, and exits.
 """
 
 from __future__ import annotations
@@ -47,6 +66,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import signal
 import sys
 import time
 from collections import deque
@@ -64,8 +84,10 @@ import tyro
 class Args:
     exp_name: str = "gpt2ppo_lunar"
     """the name of this experiment (part of the run folder's name)"""
-    seed: int = 123
-    """seed of the experiment (envs, torch, numpy, python); Table I: 123"""
+    seed: Optional[int] = None
+    """seed of the experiment (envs, torch, numpy, python); default 123 (Table I). Evaluation episode i is
+    seeded s + 10000 + i, s = the training seed (after `--save-model`); with `--eval-checkpoint`, s = the
+    checkpoint's training seed unless `--seed` is given"""
     torch_deterministic: bool = True
     """sets `torch.backends.cudnn.deterministic`"""
     cuda: bool = False
@@ -85,6 +107,8 @@ class Args:
     """save a checkpoint (weights + args) into the run folder at the end of training, then evaluate it"""
     progress: bool = True
     """show a progress bar on the console (only when it is a terminal)"""
+    progress_every: int = 10
+    """when stdout is not a terminal (a log file): print a progress line every N updates (0: never)"""
 
     # Evaluation of a saved checkpoint (no training)
     eval_checkpoint: Optional[str] = None
@@ -100,15 +124,20 @@ class Args:
     critic: Literal["gpt2", "mlp"] = "gpt2"
     """the critic: `gpt2` (GPT2PPO, over the episode's history) or `mlp` (plain PPO, current state)"""
     total_timesteps: int = 150 * 2048
-    """total environment steps (Table I: 150 epochs x 2048 steps)"""
+    """total environment steps (Table I: 150 epochs x 2048 steps), rounded up to whole rollouts"""
     steps_per_epoch: int = 2048
     """environment steps per rollout ("epoch" in the seed), summed over all envs"""
     num_envs: int = 4
     """the number of parallel environments (each runs steps_per_epoch / num_envs steps per rollout)"""
     update_epochs: int = 5
-    """passes over the rollout per update ("training steps per epoch" in Table I)"""
+    """Adam steps per minibatch per update ("training steps per epoch" in Table I), ordered by
+    `--update-schedule`"""
+    update_schedule: Literal["shuffled", "authors"] = "shuffled"
+    """`shuffled`: update_epochs passes over the rollout, reshuffled every pass (CleanRL's PPO); `authors`:
+    one unshuffled pass in rollout order, with update_epochs consecutive Adam steps on each minibatch (the
+    authors' code)"""
     minibatch_size: int = 128
-    """samples per minibatch (Table I "batch size")"""
+    """samples per minibatch (Table I "batch size"; must divide steps_per_epoch)"""
     actor_lr: float = 3e-4
     """Adam learning rate of the actor"""
     critic_lr: float = 1e-3
@@ -146,11 +175,9 @@ class Args:
     max_timestep: Optional[int] = None
     """size of the timestep embedding table - 1 (default: the env's own episode limit)"""
 
-    # filled in at runtime
-    num_steps: int = 0
-    """steps per env per rollout (steps_per_epoch // num_envs)"""
-    num_iterations: int = 0
-    """the number of rollouts/updates (total_timesteps // steps_per_epoch)"""
+
+DEFAULT_SEED = 123
+EVAL_SEED_OFFSET = 10_000
 
 
 # ----------------------------------------------------------------------------------------------
@@ -531,15 +558,20 @@ def make_critic(kind: str, obs_dim: int, act_dim: int, a: dict) -> nn.Module:
                       a["dropout"], a["max_timestep"])
 
 
-def save_checkpoint(path: str, actor: Actor, critic: nn.Module, args: Args, spaces: dict) -> None:
-    torch.save({"actor": actor.state_dict(), "critic": critic.state_dict(), "args": asdict(args), **spaces}, path)
+def save_checkpoint(path: str, actor: Actor, critic: nn.Module, args: Args, spaces: dict, run_name: str) -> None:
+    """Weights, args and spaces as tensors and plain Python values: loads with torch.load(weights_only=True)."""
+    torch.save({"actor": actor.state_dict(), "critic": critic.state_dict(), "args": asdict(args),
+                "run_name": run_name, **spaces}, path)
 
 
 def load_checkpoint(path: str) -> tuple[Actor, nn.Module, dict]:
+    if os.path.isdir(path):
+        sys.exit(f"error: checkpoint '{path}' is a directory; give the .pt file inside it "
+                 f"(e.g. {os.path.join(path, 'gpt2ppo_lunar.pt')}).")
     if not os.path.isfile(path):
         sys.exit(f"error: checkpoint '{path}' does not exist.")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
         a = ckpt["args"]
         actor = Actor(ckpt["obs_dim"], ckpt["act_dim"], ckpt["discrete"], a["hidden_size"])
         actor.load_state_dict(ckpt["actor"])
@@ -547,6 +579,8 @@ def load_checkpoint(path: str) -> tuple[Actor, nn.Module, dict]:
         critic.load_state_dict(ckpt["critic"])
     except Exception as e:  # a corrupt or foreign file: say so in one sentence
         sys.exit(f"error: '{path}' is not a gpt2ppo_lunar.py checkpoint ({type(e).__name__}: {e}).")
+    # the run that wrote it (older checkpoints: the folder it sits in)
+    a = {**a, "run_name": ckpt.get("run_name") or os.path.basename(os.path.dirname(os.path.abspath(path)))}
     return actor, critic, a
 
 
@@ -556,11 +590,21 @@ def to_env_action(action: np.ndarray, act_space) -> np.ndarray:
     return action
 
 
+def eval_seed(train_seed: int, cli_seed: Optional[int] = None) -> int:
+    """The one rule for evaluation seeds: episode i is seeded eval_seed + i, where eval_seed is
+    10000 + the training seed (the checkpoint's), or + `--seed` when given with `--eval-checkpoint`.
+    So the evaluation after `--save-model` and `--eval-checkpoint` of its file print the same numbers."""
+    return (train_seed if cli_seed is None else cli_seed) + EVAL_SEED_OFFSET
+
+
 def evaluate(actor: Actor, env_id: str, episodes: int, seed: int, greedy: bool = True) -> list[float]:
-    """Run `episodes` full episodes in one env with the actor and return their undiscounted returns."""
+    """Run `episodes` full episodes in one env with the actor and return their undiscounted returns.
+    Episode i resets with seed + i; sampled actions (greedy False) draw from torch seeded with `seed`,
+    without touching the caller's random state."""
     env = gym.make(env_id)
     returns = []
-    with torch.inference_mode():
+    with torch.inference_mode(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         for ep in range(episodes):
             obs, _ = env.reset(seed=seed + ep)
             done, total = False, 0.0
@@ -581,38 +625,178 @@ def seed_everything(seed: int, torch_deterministic: bool) -> None:
     torch.backends.cudnn.deterministic = torch_deterministic
 
 
+def make_run_dir(base: str, root: str = "runs") -> str:
+    """Create the folder root/{base}__{unix time} and return its name. Creation is atomic: a run that
+    finds the name taken (same base, same second) takes {base}__{time}-2, -3, ... instead."""
+    stamp, k = int(time.time()), 1
+    while True:
+        name = f"{base}__{stamp}" + (f"-{k}" if k > 1 else "")
+        try:
+            os.makedirs(os.path.join(root, name))
+            return name
+        except FileExistsError:
+            k += 1
+
+
+def run_base_name(args: Args) -> str:
+    """The run's name before its time stamp: env, experiment, setting (the critic, and the update schedule
+    when it is not the default) and seed."""
+    schedule = "" if args.update_schedule == "shuffled" else f"-{args.update_schedule}-schedule"
+    return f"{args.env_id}__{args.exp_name}__critic-{args.critic}{schedule}__{args.seed}"
+
+
+def returns_text(recent_returns) -> str:
+    if not recent_returns:
+        return "no episode has finished yet"
+    return f"mean return of the last {len(recent_returns)} episodes {np.mean(recent_returns):.2f}"
+
+
+def eval_text(returns: list[float]) -> str:
+    return f"{np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)} episodes"
+
+
 def run_eval_only(args: Args) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     actor, _, train_args = load_checkpoint(args.eval_checkpoint)
     env_id = train_args["env_id"]
-    seed_everything(args.seed, args.torch_deterministic)
-    returns = evaluate(actor, env_id, args.eval_episodes, seed=args.seed, greedy=args.eval_greedy)
-    run_name = f"{env_id}__{args.exp_name}-eval__{args.seed}__{int(time.time())}"
+    seed = eval_seed(train_args["seed"], args.seed)
+    returns = evaluate(actor, env_id, args.eval_episodes, seed=seed, greedy=args.eval_greedy)
+    run_name = make_run_dir(f"{train_args['run_name']}-eval__{seed}")
     writer = SummaryWriter(f"runs/{run_name}")
     for i, r in enumerate(returns):
         writer.add_scalar("eval/episodic_return", r, i)
     writer.close()
-    print(f"eval {args.eval_checkpoint}: {np.mean(returns):.2f} +- {np.std(returns):.2f} "
-          f"over {len(returns)} episodes (env {env_id}, critic {train_args['critic']}, logged to runs/{run_name})")
+    print(f"eval {args.eval_checkpoint}: {eval_text(returns)} (env {env_id}, critic {train_args['critic']}, "
+          f"seeds {seed}..{seed + len(returns) - 1}, logged to runs/{run_name})")
+
+
+def num_rollouts(total_timesteps: int, steps_per_rollout: int) -> int:
+    """The budget rule of all three scripts: whole rollouts, rounded up (never fewer steps than asked)."""
+    return -(-total_timesteps // steps_per_rollout)
 
 
 def check_args(args: Args) -> None:
-    if args.num_envs < 1 or args.steps_per_epoch % args.num_envs != 0:
-        sys.exit(f"error: --steps-per-epoch {args.steps_per_epoch} must be a positive multiple of "
-                 f"--num-envs {args.num_envs}.")
-    if args.total_timesteps < args.steps_per_epoch:
-        sys.exit(f"error: --total-timesteps {args.total_timesteps} is below one rollout "
-                 f"(--steps-per-epoch {args.steps_per_epoch}).")
-    if args.minibatch_size < 1 or args.context_len < 1:
-        sys.exit("error: --minibatch-size and --context-len must be >= 1.")
-    if not 1 <= args.value_stride <= args.context_len:
-        sys.exit(f"error: --value-stride must be between 1 and --context-len {args.context_len}, "
-                 f"got {args.value_stride}.")
-    if args.critic == "gpt2" and args.hidden_size % args.n_head != 0:
-        sys.exit(f"error: --n-head {args.n_head} must divide --hidden-size {args.hidden_size}.")
-    if not 0.0 <= args.dropout < 1.0:
-        sys.exit(f"error: --dropout must be in [0, 1), got {args.dropout}.")
+    """Exit with one sentence on the first bad value, before any work (and before the run folder exists)."""
+    a = args
+    rules = [
+        (a.total_timesteps >= 1, f"--total-timesteps must be >= 1, got {a.total_timesteps}"),
+        (a.num_envs >= 1 and a.steps_per_epoch >= 1 and a.steps_per_epoch % a.num_envs == 0,
+         f"--steps-per-epoch {a.steps_per_epoch} must be a positive multiple of --num-envs {a.num_envs}"),
+        (a.minibatch_size >= 1 and a.steps_per_epoch % a.minibatch_size == 0,
+         f"--minibatch-size {a.minibatch_size} must divide --steps-per-epoch {a.steps_per_epoch}"),
+        (a.update_epochs >= 1, f"--update-epochs must be >= 1, got {a.update_epochs}"),
+        (a.actor_lr > 0 and a.critic_lr > 0, f"--actor-lr and --critic-lr must be > 0, got {a.actor_lr} and "
+                                             f"{a.critic_lr}"),
+        (0.0 <= a.gamma <= 1.0, f"--gamma must be in [0, 1], got {a.gamma}"),
+        (0.0 <= a.gae_lambda <= 1.0, f"--gae-lambda must be in [0, 1], got {a.gae_lambda}"),
+        (a.clip_coef > 0, f"--clip-coef must be > 0, got {a.clip_coef}"),
+        (a.ent_coef >= 0, f"--ent-coef must be >= 0, got {a.ent_coef}"),
+        (a.target_kl is None or a.target_kl > 0, f"--target-kl must be > 0, got {a.target_kl}"),
+        (a.hidden_size >= 1, f"--hidden-size must be >= 1, got {a.hidden_size}"),
+        (a.context_len >= 1, f"--context-len must be >= 1, got {a.context_len}"),
+        (a.n_layer >= 1 and a.n_head >= 1, f"--n-layer and --n-head must be >= 1, got {a.n_layer} and {a.n_head}"),
+        (1 <= a.value_stride <= max(a.context_len, 1),
+         f"--value-stride must be between 1 and --context-len {a.context_len}, got {a.value_stride}"),
+        (a.critic != "gpt2" or a.hidden_size % max(a.n_head, 1) == 0,
+         f"--n-head {a.n_head} must divide --hidden-size {a.hidden_size}"),
+        (0.0 <= a.dropout < 1.0, f"--dropout must be in [0, 1), got {a.dropout}"),
+        (a.eval_episodes >= 1, f"--eval-episodes must be >= 1, got {a.eval_episodes}"),
+        (a.torch_threads >= 1, f"--torch-threads must be >= 1, got {a.torch_threads}"),
+        (a.progress_every >= 0, f"--progress-every must be >= 0, got {a.progress_every}"),
+        (not a.track or importlib.util.find_spec("wandb") is not None,
+         "--track needs the wandb package (pip install wandb)"),
+        (not a.capture_video or importlib.util.find_spec("moviepy") is not None,
+         "--capture-video needs the moviepy package (pip install moviepy)"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            sys.exit(f"error: {message}.")
+
+
+class StopOnCtrlC:
+    """Ctrl-C during training: finish the current update, then stop cleanly (the caller saves a
+    checkpoint with --save-model, closes the writer and exits with one line). A second Ctrl-C quits
+    at once without saving."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            print("\nsecond Ctrl-C: quit without saving", file=sys.stderr, flush=True)
+            raise SystemExit(130)
+        self.requested = True
+        print("\nCtrl-C: stopping after the current update (Ctrl-C again: quit at once)", file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def minibatch_plan(schedule: str, batch: int, n_segments: int, minibatch_size: int, update_epochs: int,
+                   rng: np.random.Generator):
+    """The order of one update's Adam steps, as groups of (actor minibatch, critic segment batch) pairs;
+    `--target-kl` is checked after each group. Each step trains the actor on its minibatch of samples
+    and the critic on its batch of segments (as many critic steps as actor steps).
+
+    shuffled: update_epochs groups, one per pass over the rollout, reshuffled every pass (one step
+      per minibatch);
+    authors: one pass in rollout order, unshuffled; each minibatch gets update_epochs consecutive
+      steps, one group per minibatch (the authors' code: Table I's 5 "training steps per epoch").
+    Both take update_epochs * batch / minibatch_size steps."""
+    n_mb = -(-batch // minibatch_size)
+    b_inds, seg_inds = np.arange(batch), np.arange(n_segments)
+    if schedule == "authors":
+        seg_batches = np.array_split(seg_inds, n_mb)
+        for k, start in enumerate(range(0, batch, minibatch_size)):
+            yield [(b_inds[start:start + minibatch_size], seg_batches[k])] * update_epochs
+        return
+    for _ in range(update_epochs):
+        rng.shuffle(b_inds)
+        rng.shuffle(seg_inds)
+        seg_batches = np.array_split(seg_inds.copy(), n_mb)
+        yield [(b_inds[start:start + minibatch_size].copy(), seg_batches[k])
+               for k, start in enumerate(range(0, batch, minibatch_size))]
+
+
+def slow_update_note(seconds_per_update: float, num_iterations: int, device_type: str, value_stride: int,
+                     limit: float = 10.0) -> Optional[str]:
+    """The start-up line for a slow critic (more than `limit` s per update expected), else None."""
+    if seconds_per_update <= limit:
+        return None
+    hint = "; --value-stride 64 makes the windows about 64x fewer (README)" if value_stride == 1 else ""
+    return (f"note: the GPT-2 critic may take up to ~{seconds_per_update:.0f} s per update on {device_type} "
+            f"(~{seconds_per_update * num_iterations / 3600:.1f} h for {num_iterations} updates; estimated from a "
+            f"probe batch){hint}")
+
+
+def probe_update_seconds(critic: nn.Module, obs_dim: int, act_dim: int, context_len: int, windows: int,
+                         update_epochs: int, device: torch.device, probe: int = 8) -> float:
+    """Rough upper bound on the critic's seconds per update: time a training pass (forward + backward)
+    of `probe` full-length windows (best of 3) and scale it to `windows` windows per pass, update_epochs
+    training passes plus one value pass (an upper bound: early in an episode states share windows). Leaves the random state, the gradients and the mode as they were."""
+    was_training = critic.training
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        critic.train()
+        x = (torch.zeros(probe, context_len, obs_dim, device=device), torch.zeros(probe, context_len, act_dim,
+             device=device), torch.zeros(probe, context_len, dtype=torch.long, device=device),
+             torch.ones(probe, context_len, dtype=torch.bool, device=device))
+        critic(*x).sum().backward()  # warm-up
+        times = []
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.time()
+            critic(*x).sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.time() - t0)
+        per_window = min(times) / probe
+    critic.zero_grad(set_to_none=True)
+    critic.train(was_training)
+    # update_epochs training passes, plus the value pass (forward only: about a third of a training pass)
+    return per_window * windows * (update_epochs + 1 / 3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -621,7 +805,8 @@ def check_args(args: Args) -> None:
 
 
 def main(args: Args) -> None:
-    torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(max(args.torch_threads, 1))
+    check_args(args)
     if args.cuda and not torch.cuda.is_available():  # never fall back to the CPU silently
         sys.exit("error: --cuda was given but torch sees no CUDA device.")
     if args.eval_checkpoint is not None:
@@ -630,23 +815,26 @@ def main(args: Args) -> None:
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
-    check_args(args)
     args.max_timestep = check_env_id(args.env_id, args.max_timestep)
-    if args.capture_video and importlib.util.find_spec("moviepy") is None:
-        sys.exit("error: --capture-video needs the moviepy package (pip install moviepy).")
-    args.num_steps = args.steps_per_epoch // args.num_envs
-    args.num_iterations = args.total_timesteps // args.steps_per_epoch
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.seed = DEFAULT_SEED if args.seed is None else args.seed
+    num_steps = args.steps_per_epoch // args.num_envs  # per env per rollout
+    num_iterations = num_rollouts(args.total_timesteps, args.steps_per_epoch)
+    run_name = make_run_dir(run_base_name(args))
     if args.track:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
                    config=vars(args), name=run_name, monitor_gym=True, save_code=True)
     writer = SummaryWriter(f"runs/{run_name}")
+    hparams = {**vars(args), "num_steps (per env per rollout)": num_steps, "num_iterations": num_iterations}
     writer.add_text(
         "hyperparameters",
-        "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])),
+        "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in hparams.items()])),
     )
+    if num_iterations * args.steps_per_epoch != args.total_timesteps:
+        print(f"{run_name}: {num_iterations} rollouts of {args.steps_per_epoch} steps = "
+              f"{num_iterations * args.steps_per_epoch} steps (--total-timesteps {args.total_timesteps} rounded up "
+              f"to whole rollouts)")
 
     seed_everything(args.seed, args.torch_deterministic)
     device = torch.device("cuda" if args.cuda else "cpu")
@@ -669,9 +857,15 @@ def main(args: Args) -> None:
     critic_params = [p for p in critic.parameters() if p.requires_grad]
     critic_opt = torch.optim.Adam(critic_params, lr=args.critic_lr, eps=1e-5)
     shuffle_rng = np.random.default_rng(args.seed)
+    if args.critic == "gpt2":  # say so at start-up when an update will be slow (exact windows on a CPU)
+        est = probe_update_seconds(critic, obs_dim, act_dim, args.context_len,
+                                   args.steps_per_epoch // args.value_stride, args.update_epochs, device)
+        note = slow_update_note(est, num_iterations, device.type, args.value_stride)
+        if note:
+            print(f"{run_name}: {note}", flush=True)
 
     # The MLP critic sees only the current state: its "window" is that one step.
-    T, N = args.num_steps, args.num_envs
+    T, N = num_steps, args.num_envs
     K, S = (args.context_len, args.value_stride) if args.critic == "gpt2" else (1, 1)
     history = History(N, T, K, S, obs_dim, act_dim)
     act_buf = np.zeros((T, N) if discrete else (T, N, act_dim), dtype=np.int64 if discrete else np.float32)
@@ -688,15 +882,16 @@ def main(args: Args) -> None:
     start_time = time.time()
     next_obs, _ = envs.reset(seed=args.seed)
     next_obs = next_obs.astype(np.float32)
-    bar = tqdm(total=args.num_iterations * args.steps_per_epoch, unit="step",
+    bar = tqdm(total=num_iterations * args.steps_per_epoch, unit="step",
                disable=None if args.progress else True, dynamic_ncols=True)
     all_steps = np.repeat(np.arange(T + 1)[None], N, 0)  # (N, T+1) rollout steps incl. the final state
     all_envs = np.repeat(np.arange(N)[:, None], T + 1, 1)
     rows_all = history.flat_rows(all_steps.reshape(-1), all_envs.reshape(-1))
     rows_train = history.flat_rows(all_steps[:, :T].T.reshape(-1), all_envs[:, :T].T.reshape(-1))  # (T*N,) t-major
-    n_minibatches = -(-T * N // args.minibatch_size)
 
-    for iteration in range(1, args.num_iterations + 1):
+    print_progress = args.progress_every > 0 and not sys.stdout.isatty()
+    stop = StopOnCtrlC()
+    for iteration in range(1, num_iterations + 1):
         rollout_start = time.time()
         actor.eval()
         critic.eval()  # no dropout while collecting data and computing value targets
@@ -752,20 +947,15 @@ def main(args: Args) -> None:
         seg_read = torch.zeros(len(seg_rows), K, dtype=torch.bool, device=device)
         seg_targets[seg_of, K - 1 - back] = torch.from_numpy(returns.reshape(-1)).to(device)
         seg_read[seg_of, K - 1 - back] = True
-        seg_inds = np.arange(len(seg_rows))
 
         update_start = time.time()
         actor.train()
         critic.train()  # dropout on: training passes only
-        batch = T * N
-        b_inds = np.arange(batch)
         clipfracs = []
-        for epoch in range(args.update_epochs):
-            shuffle_rng.shuffle(b_inds)
-            shuffle_rng.shuffle(seg_inds)
-            seg_batches = np.array_split(seg_inds, n_minibatches)  # as many critic steps as actor steps
-            for k, start in enumerate(range(0, batch, args.minibatch_size)):
-                mb = torch.from_numpy(b_inds[start:start + args.minibatch_size]).to(device)
+        for group in minibatch_plan(args.update_schedule, T * N, len(seg_rows), args.minibatch_size,
+                                    args.update_epochs, shuffle_rng):
+            for mb_inds, seg_batch in group:
+                mb = torch.from_numpy(mb_inds).to(device)
                 newlogprob, entropy = actor.log_prob_entropy(b_obs[mb], b_actions[mb])
                 mb_adv = b_advantages[mb]
                 if args.norm_adv and len(mb) > 1:
@@ -780,9 +970,9 @@ def main(args: Args) -> None:
                     nn.utils.clip_grad_norm_(actor.parameters(), args.max_grad_norm)
                 actor_opt.step()
 
-                if len(seg_batches[k]) > 0:
-                    smb = torch.from_numpy(seg_batches[k]).to(device)
-                    newvalue = critic(*to_device(history.windows(seg_rows[seg_batches[k]]), device))
+                if len(seg_batch) > 0:
+                    smb = torch.from_numpy(seg_batch).to(device)
+                    newvalue = critic(*to_device(history.windows(seg_rows[seg_batch]), device))
                     read = seg_read[smb]
                     critic_loss = 0.5 * ((newvalue[read] - seg_targets[smb][read]) ** 2).mean()
                     critic_opt.zero_grad()
@@ -797,8 +987,8 @@ def main(args: Args) -> None:
         history.carry_over()
 
         sps = int(global_step / (time.time() - start_time))
-        writer.add_scalar("losses/actor_loss", pg_loss.item(), global_step)
-        writer.add_scalar("losses/critic_loss", critic_loss.item(), global_step)
+        writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
+        writer.add_scalar("losses/value_loss", critic_loss.item(), global_step)
         writer.add_scalar("losses/entropy", entropy_loss.item(), global_step)
         writer.add_scalar("losses/approx_kl", approx_kl.item(), global_step)
         writer.add_scalar("losses/clipfrac", np.mean(clipfracs), global_step)
@@ -810,23 +1000,38 @@ def main(args: Args) -> None:
         bar.update(args.steps_per_epoch)
         if recent_returns:
             bar.set_postfix(ret=f"{np.mean(recent_returns):.1f}", sps=sps)
+        if print_progress and iteration % args.progress_every == 0 and iteration < num_iterations:
+            print(f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, "
+                  f"{returns_text(recent_returns)}, {sps} steps/s", flush=True)
+        if stop.requested:
+            break
 
     bar.close()
-    mean_recent = float(np.mean(recent_returns)) if recent_returns else float("nan")
-    print(f"{run_name}: {global_step} steps, mean return of the last {len(recent_returns)} episodes "
-          f"{mean_recent:.2f}, {int(global_step / (time.time() - start_time))} steps/s")
+    stop.restore()
+    sps = int(global_step / (time.time() - start_time))
+    spaces = {"obs_dim": obs_dim, "act_dim": act_dim, "discrete": discrete}
+    model_path = f"runs/{run_name}/{args.exp_name}.pt"
+    if stop.requested:  # Ctrl-C: save what there is, close everything, one line
+        if args.save_model:
+            save_checkpoint(model_path, actor, critic, args, spaces, run_name)
+        envs.close()
+        writer.close()
+        print(f"{run_name}: interrupted after {global_step} of {num_iterations * args.steps_per_epoch} steps, "
+              f"{returns_text(recent_returns)}; "
+              + (f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"),
+              flush=True)
+        sys.exit(130)
+    print(f"{run_name}: {global_step} steps, {returns_text(recent_returns)}, {sps} steps/s")
 
     if args.save_model:
-        model_path = f"runs/{run_name}/{args.exp_name}.pt"
-        save_checkpoint(model_path, actor, critic, args,
-                        {"obs_dim": obs_dim, "act_dim": act_dim, "discrete": discrete})
+        save_checkpoint(model_path, actor, critic, args, spaces, run_name)
         print(f"model saved to {model_path}")
         actor.eval()
-        returns_eval = evaluate(actor, args.env_id, args.eval_episodes, seed=args.seed + 10_000,
+        returns_eval = evaluate(actor, args.env_id, args.eval_episodes, seed=eval_seed(args.seed),
                                 greedy=args.eval_greedy)
         for i, r in enumerate(returns_eval):
             writer.add_scalar("eval/episodic_return", r, i)
-        print(f"eval: {np.mean(returns_eval):.2f} +- {np.std(returns_eval):.2f} over {len(returns_eval)} episodes")
+        print(f"eval: {eval_text(returns_eval)}")
 
     envs.close()
     writer.close()

@@ -16,6 +16,12 @@ GAE, update loop, TensorBoard), with these differences:
     python ppo_cartpole.py --seed 1
     python ppo_cartpole.py --save-model
     python ppo_cartpole.py --eval-checkpoint runs/<run>/ppo_cartpole.pt --eval-episodes 10
+
+The budget is rounded up to whole rollouts (the summary line states the steps run). Evaluation episode
+i is seeded 10000 + the training seed + i, for the evaluation after `--save-model` and for
+`--eval-checkpoint` alike (`--seed` given with `--eval-checkpoint` replaces the checkpoint's seed).
+Ctrl-C during training finishes the current update, saves a checkpoint when `--save-model` is given,
+and exits.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import signal
 import sys
 import time
 from collections import deque
@@ -41,8 +48,10 @@ import tyro
 class Args:
     exp_name: str = "ppo_cartpole"
     """the name of this experiment (part of the run folder's name)"""
-    seed: int = 1
-    """seed of the experiment (envs, torch, numpy, python)"""
+    seed: Optional[int] = None
+    """seed of the experiment (envs, torch, numpy, python); default 1. Evaluation episode i is seeded
+    s + 10000 + i, s = the training seed (after `--save-model`); with `--eval-checkpoint`, s = the
+    checkpoint's training seed unless `--seed` is given"""
     torch_deterministic: bool = True
     """sets `torch.backends.cudnn.deterministic`"""
     cuda: bool = False
@@ -62,6 +71,8 @@ class Args:
     """save a checkpoint (weights + args) into the run folder at the end of training"""
     progress: bool = True
     """show a progress bar on the console (only when it is a terminal)"""
+    progress_every: int = 100
+    """when stdout is not a terminal (a log file): print a progress line every N updates (0: never)"""
 
     # Evaluation of a saved checkpoint (no training)
     eval_checkpoint: Optional[str] = None
@@ -75,7 +86,7 @@ class Args:
     env_id: str = "CartPole-v1"
     """the id of the environment (flat Box observation, Discrete actions)"""
     total_timesteps: int = 500000
-    """total environment steps of the experiment"""
+    """total environment steps of the experiment, rounded up to whole rollouts (num_envs * num_steps)"""
     learning_rate: float = 2.5e-4
     """the learning rate of the optimizer"""
     num_envs: int = 4
@@ -89,7 +100,7 @@ class Args:
     gae_lambda: float = 0.95
     """the lambda of generalized advantage estimation"""
     num_minibatches: int = 4
-    """the number of minibatches per epoch"""
+    """the number of minibatches per epoch (must divide num_envs * num_steps)"""
     update_epochs: int = 4
     """the number of epochs over the rollout per update"""
     norm_adv: bool = True
@@ -103,19 +114,15 @@ class Args:
     vf_coef: float = 0.5
     """coefficient of the value loss"""
     max_grad_norm: float = 0.5
-    """the maximum norm of the gradient"""
+    """the maximum norm of the gradient (clipped in every step)"""
     target_kl: Optional[float] = None
     """stop the epochs of an update early once the approximate KL exceeds this"""
     hidden_size: int = 64
     """width of the hidden layers (actor: 3 ReLU layers as in seed 000; critic: 2 tanh layers)"""
 
-    # filled in at runtime
-    batch_size: int = 0
-    """the batch size (num_envs * num_steps)"""
-    minibatch_size: int = 0
-    """the minibatch size (batch_size // num_minibatches)"""
-    num_iterations: int = 0
-    """the number of updates (total_timesteps // batch_size)"""
+
+DEFAULT_SEED = 1
+EVAL_SEED_OFFSET = 10_000
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,27 +283,39 @@ class Agent(nn.Module):
         return sample_categorical(logits, rng)
 
 
-def save_checkpoint(path: str, agent: Agent, args: Args, obs_dim: int, n_actions: int) -> None:
-    torch.save(
-        {"model": agent.state_dict(), "args": asdict(args), "obs_dim": obs_dim, "n_actions": n_actions},
-        path,
-    )
+def save_checkpoint(path: str, agent: Agent, args: Args, obs_dim: int, n_actions: int, run_name: str) -> None:
+    """Weights, args and sizes as tensors and plain Python values: loads with torch.load(weights_only=True)."""
+    torch.save({"model": agent.state_dict(), "args": asdict(args), "obs_dim": obs_dim, "n_actions": n_actions,
+                "run_name": run_name}, path)
 
 
 def load_checkpoint(path: str) -> tuple[Agent, dict]:
+    if os.path.isdir(path):
+        sys.exit(f"error: checkpoint '{path}' is a directory; give the .pt file inside it "
+                 f"(e.g. {os.path.join(path, 'ppo_cartpole.pt')}).")
     if not os.path.isfile(path):
         sys.exit(f"error: checkpoint '{path}' does not exist.")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
         agent = Agent(ckpt["obs_dim"], ckpt["n_actions"], ckpt["args"]["hidden_size"])
         agent.load_state_dict(ckpt["model"])
     except Exception as e:  # a corrupt or foreign file: say so in one sentence
         sys.exit(f"error: '{path}' is not a ppo_cartpole.py checkpoint ({type(e).__name__}: {e}).")
-    return agent, ckpt["args"]
+    # the run that wrote it (older checkpoints: the folder it sits in)
+    run_name = ckpt.get("run_name") or os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return agent, {**ckpt["args"], "run_name": run_name}
+
+
+def eval_seed(train_seed: int, cli_seed: Optional[int] = None) -> int:
+    """The one rule for evaluation seeds: episode i is seeded eval_seed + i, where eval_seed is
+    10000 + the training seed (the checkpoint's), or + `--seed` when given with `--eval-checkpoint`.
+    So the evaluation after `--save-model` and `--eval-checkpoint` of its file print the same numbers."""
+    return (train_seed if cli_seed is None else cli_seed) + EVAL_SEED_OFFSET
 
 
 def evaluate(agent: Agent, env_id: str, episodes: int, seed: int, greedy: bool = True) -> list[float]:
-    """Run `episodes` full episodes in one env and return their undiscounted returns."""
+    """Run `episodes` full episodes in one env and return their undiscounted returns (episode i resets
+    with seed + i; sampled actions draw from a generator seeded with `seed`)."""
     env = gym.make(env_id)
     rng = np.random.default_rng(seed)
     returns = []
@@ -321,21 +340,103 @@ def seed_everything(seed: int, torch_deterministic: bool) -> None:
     torch.backends.cudnn.deterministic = torch_deterministic
 
 
+def make_run_dir(base: str, root: str = "runs") -> str:
+    """Create the folder root/{base}__{unix time} and return its name. Creation is atomic: a run that
+    finds the name taken (same base, same second) takes {base}__{time}-2, -3, ... instead."""
+    stamp, k = int(time.time()), 1
+    while True:
+        name = f"{base}__{stamp}" + (f"-{k}" if k > 1 else "")
+        try:
+            os.makedirs(os.path.join(root, name))
+            return name
+        except FileExistsError:
+            k += 1
+
+
+def returns_text(recent_returns) -> str:
+    if not recent_returns:
+        return "no episode has finished yet"
+    return f"mean return of the last {len(recent_returns)} episodes {np.mean(recent_returns):.2f}"
+
+
+def eval_text(returns: list[float]) -> str:
+    return f"{np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)} episodes"
+
+
 def run_eval_only(args: Args) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     agent, train_args = load_checkpoint(args.eval_checkpoint)
     env_id = train_args["env_id"]
     check_env_id(env_id)
-    seed_everything(args.seed, args.torch_deterministic)
-    returns = evaluate(agent, env_id, args.eval_episodes, seed=args.seed, greedy=args.eval_greedy)
-    run_name = f"{env_id}__{args.exp_name}-eval__{args.seed}__{int(time.time())}"
+    seed = eval_seed(train_args["seed"], args.seed)
+    returns = evaluate(agent, env_id, args.eval_episodes, seed=seed, greedy=args.eval_greedy)
+    run_name = make_run_dir(f"{train_args['run_name']}-eval__{seed}")
     writer = SummaryWriter(f"runs/{run_name}")
     for i, r in enumerate(returns):
         writer.add_scalar("eval/episodic_return", r, i)
     writer.close()
-    print(f"eval {args.eval_checkpoint}: {np.mean(returns):.2f} +- {np.std(returns):.2f} "
-          f"over {len(returns)} episodes (env {env_id}, logged to runs/{run_name})")
+    print(f"eval {args.eval_checkpoint}: {eval_text(returns)} (env {env_id}, seeds {seed}..{seed + len(returns) - 1}, "
+          f"logged to runs/{run_name})")
+
+
+def num_rollouts(total_timesteps: int, steps_per_rollout: int) -> int:
+    """The budget rule of all three scripts: whole rollouts, rounded up (never fewer steps than asked)."""
+    return -(-total_timesteps // steps_per_rollout)
+
+
+def check_args(args: Args) -> None:
+    """Exit with one sentence on the first bad value, before any work (and before the run folder exists)."""
+    a = args
+    batch = a.num_envs * a.num_steps
+    rules = [
+        (a.total_timesteps >= 1, f"--total-timesteps must be >= 1, got {a.total_timesteps}"),
+        (a.num_envs >= 1, f"--num-envs must be >= 1, got {a.num_envs}"),
+        (a.num_steps >= 1, f"--num-steps must be >= 1, got {a.num_steps}"),
+        (a.num_minibatches >= 1 and batch % a.num_minibatches == 0,
+         f"--num-minibatches {a.num_minibatches} must divide the rollout of --num-envs x --num-steps = {batch} "
+         f"samples"),
+        (a.update_epochs >= 1, f"--update-epochs must be >= 1, got {a.update_epochs}"),
+        (a.learning_rate > 0, f"--learning-rate must be > 0, got {a.learning_rate}"),
+        (0.0 <= a.gamma <= 1.0, f"--gamma must be in [0, 1], got {a.gamma}"),
+        (0.0 <= a.gae_lambda <= 1.0, f"--gae-lambda must be in [0, 1], got {a.gae_lambda}"),
+        (a.clip_coef > 0, f"--clip-coef must be > 0, got {a.clip_coef}"),
+        (a.ent_coef >= 0, f"--ent-coef must be >= 0, got {a.ent_coef}"),
+        (a.vf_coef >= 0, f"--vf-coef must be >= 0, got {a.vf_coef}"),
+        (a.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {a.max_grad_norm}"),
+        (a.target_kl is None or a.target_kl > 0, f"--target-kl must be > 0, got {a.target_kl}"),
+        (a.hidden_size >= 1, f"--hidden-size must be >= 1, got {a.hidden_size}"),
+        (a.eval_episodes >= 1, f"--eval-episodes must be >= 1, got {a.eval_episodes}"),
+        (a.torch_threads >= 1, f"--torch-threads must be >= 1, got {a.torch_threads}"),
+        (a.progress_every >= 0, f"--progress-every must be >= 0, got {a.progress_every}"),
+        (not a.track or importlib.util.find_spec("wandb") is not None,
+         "--track needs the wandb package (pip install wandb)"),
+        (not a.capture_video or importlib.util.find_spec("moviepy") is not None,
+         "--capture-video needs the moviepy package (pip install moviepy)"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            sys.exit(f"error: {message}.")
+
+
+class StopOnCtrlC:
+    """Ctrl-C during training: finish the current update, then stop cleanly (the caller saves a
+    checkpoint with --save-model, closes the writer and exits with one line). A second Ctrl-C quits
+    at once without saving."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            print("\nsecond Ctrl-C: quit without saving", file=sys.stderr, flush=True)
+            raise SystemExit(130)
+        self.requested = True
+        print("\nCtrl-C: stopping after the current update (Ctrl-C again: quit at once)", file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGINT, self._previous)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,7 +445,8 @@ def run_eval_only(args: Args) -> None:
 
 
 def main(args: Args) -> None:
-    torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(max(args.torch_threads, 1))
+    check_args(args)
     if args.cuda and not torch.cuda.is_available():  # never fall back to the CPU silently
         sys.exit("error: --cuda was given but torch sees no CUDA device.")
     if args.eval_checkpoint is not None:
@@ -354,25 +456,26 @@ def main(args: Args) -> None:
     from tqdm import tqdm
 
     check_env_id(args.env_id)
-    if args.capture_video and importlib.util.find_spec("moviepy") is None:
-        sys.exit("error: --capture-video needs the moviepy package (pip install moviepy).")
-    args.batch_size = int(args.num_envs * args.num_steps)
-    args.minibatch_size = int(args.batch_size // args.num_minibatches)
-    args.num_iterations = args.total_timesteps // args.batch_size
-    if args.num_iterations < 1:
-        sys.exit(f"error: --total-timesteps {args.total_timesteps} is below one rollout "
-                 f"(num_envs * num_steps = {args.batch_size}).")
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.seed = DEFAULT_SEED if args.seed is None else args.seed
+    batch_size = args.num_envs * args.num_steps
+    minibatch_size = batch_size // args.num_minibatches
+    num_iterations = num_rollouts(args.total_timesteps, batch_size)
+    run_name = make_run_dir(f"{args.env_id}__{args.exp_name}__{args.seed}")
     if args.track:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
                    config=vars(args), name=run_name, monitor_gym=True, save_code=True)
     writer = SummaryWriter(f"runs/{run_name}")
+    hparams = {**vars(args), "batch_size": batch_size, "minibatch_size": minibatch_size,
+               "num_iterations": num_iterations}
     writer.add_text(
         "hyperparameters",
-        "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])),
+        "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in hparams.items()])),
     )
+    if num_iterations * batch_size != args.total_timesteps:
+        print(f"{run_name}: {num_iterations} rollouts of {batch_size} steps = {num_iterations * batch_size} steps "
+              f"(--total-timesteps {args.total_timesteps} rounded up to whole rollouts)")
 
     seed_everything(args.seed, args.torch_deterministic)
     device = torch.device("cuda" if args.cuda else "cpu")
@@ -408,12 +511,14 @@ def main(args: Args) -> None:
     start_time = time.time()
     next_obs, _ = envs.reset(seed=args.seed)
     next_obs = next_obs.astype(np.float32)
-    bar = tqdm(total=args.num_iterations * args.batch_size, unit="step", disable=None if args.progress else True,
+    bar = tqdm(total=num_iterations * batch_size, unit="step", disable=None if args.progress else True,
                dynamic_ncols=True)
 
-    for iteration in range(1, args.num_iterations + 1):
+    print_progress = args.progress_every > 0 and not sys.stdout.isatty()
+    stop = StopOnCtrlC()
+    for iteration in range(1, num_iterations + 1):
         if args.anneal_lr:
-            frac = 1.0 - (iteration - 1.0) / args.num_iterations
+            frac = 1.0 - (iteration - 1.0) / num_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
         rollout_start = time.time()
         # The parameters are fixed during the rollout: act with a numpy copy of the actor (same
@@ -470,12 +575,12 @@ def main(args: Args) -> None:
         b_values = values.reshape(-1).clone()
 
         update_start = time.time()
-        b_inds = np.arange(args.batch_size)
+        b_inds = np.arange(batch_size)
         clipfracs = []
         for epoch in range(args.update_epochs):
             np.random.shuffle(b_inds)
-            for start in range(0, args.batch_size, args.minibatch_size):
-                mb_inds = torch.from_numpy(b_inds[start:start + args.minibatch_size])
+            for start in range(0, batch_size, minibatch_size):
+                mb_inds = torch.from_numpy(b_inds[start:start + minibatch_size])
                 all_logp = agent.log_probs(b_obs[mb_inds])
                 newlogprob = all_logp.gather(-1, b_actions[mb_inds].unsqueeze(-1)).squeeze(-1)
                 entropy = -(all_logp.exp() * all_logp).sum(-1)
@@ -511,25 +616,40 @@ def main(args: Args) -> None:
         writer.add_scalar("charts/SPS", sps, global_step)
         writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
         writer.add_scalar("time/update_seconds", update_time, global_step)
-        bar.update(args.batch_size)
+        bar.update(batch_size)
         if recent_returns:
             bar.set_postfix(ret=f"{np.mean(recent_returns):.1f}", sps=sps)
+        if print_progress and iteration % args.progress_every == 0 and iteration < num_iterations:
+            print(f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, "
+                  f"{returns_text(recent_returns)}, {sps} steps/s", flush=True)
+        if stop.requested:
+            break
 
     bar.close()
-    mean_recent = float(np.mean(recent_returns)) if recent_returns else float("nan")
-    print(f"{run_name}: {global_step} steps, mean return of the last {len(recent_returns)} episodes "
-          f"{mean_recent:.2f}, {int(global_step / (time.time() - start_time))} steps/s")
+    stop.restore()
+    sps = int(global_step / (time.time() - start_time))
+    model_path = f"runs/{run_name}/{args.exp_name}.pt"
+    if stop.requested:  # Ctrl-C: save what there is, close everything, one line
+        if args.save_model:
+            save_checkpoint(model_path, agent, args, obs_dim, n_actions, run_name)
+        envs.close()
+        writer.close()
+        print(f"{run_name}: interrupted after {global_step} of {num_iterations * batch_size} steps, "
+              f"{returns_text(recent_returns)}; "
+              + (f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"),
+              flush=True)
+        sys.exit(130)
+    print(f"{run_name}: {global_step} steps, {returns_text(recent_returns)}, {sps} steps/s")
 
     if args.save_model:
-        model_path = f"runs/{run_name}/{args.exp_name}.pt"
-        save_checkpoint(model_path, agent, args, obs_dim, n_actions)
+        save_checkpoint(model_path, agent, args, obs_dim, n_actions, run_name)
         print(f"model saved to {model_path}")
         agent.eval()
-        returns_eval = evaluate(agent, args.env_id, args.eval_episodes, seed=args.seed + 10_000,
+        returns_eval = evaluate(agent, args.env_id, args.eval_episodes, seed=eval_seed(args.seed),
                                 greedy=args.eval_greedy)
         for i, r in enumerate(returns_eval):
             writer.add_scalar("eval/episodic_return", r, i)
-        print(f"eval: {np.mean(returns_eval):.2f} +- {np.std(returns_eval):.2f} over {len(returns_eval)} episodes")
+        print(f"eval: {eval_text(returns_eval)}")
 
     envs.close()
     writer.close()

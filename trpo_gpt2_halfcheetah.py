@@ -20,17 +20,28 @@ batches of 15000 steps, running observation normalisation clipped at 5), with it
     python trpo_gpt2_halfcheetah.py --llm-init random --llm-layers 2 --llm-embd 128 --llm-heads 2 \\
         --fvp-subsample 5 --batch-size 5000                             # a small GPT-2 that fits a CPU
     python trpo_gpt2_halfcheetah.py --eval-checkpoint runs/<run>/trpo_gpt2_halfcheetah.pt
+
+Loading: `--llm` is a hub id or a local folder (a folder that does not exist is one sentence). The hub is
+asked only when it answers and HF_HUB_OFFLINE is not set; otherwise only local files are used, so an
+offline machine fails in seconds. `--llm-init random` with the default `--llm gpt2` downloads nothing,
+but `--state-encoding text` and `--instruction` still need the tokenizer (hub or local folder).
+The budget is rounded up to whole batches (the summary line states the steps run). Evaluation episode
+i is seeded 10000 + the training seed + i, after `--save-model` and with `--eval-checkpoint` alike
+(`--seed` given with `--eval-checkpoint` replaces the checkpoint's seed). Ctrl-C during training
+finishes the current update, saves a checkpoint when `--save-model` is given, and exits.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable, Optional
 
 import gymnasium as gym
@@ -44,8 +55,10 @@ import tyro
 class Args:
     exp_name: str = "trpo_gpt2_halfcheetah"
     """the name of this experiment (part of the run folder's name)"""
-    seed: int = 543
-    """seed of the experiment (envs, torch, numpy, python); 543 as in the reference code"""
+    seed: Optional[int] = None
+    """seed of the experiment (envs, torch, numpy, python); default 543 as in the reference code. Evaluation
+    episode i is seeded s + 10000 + i, s = the training seed (after `--save-model`); with `--eval-checkpoint`,
+    s = the checkpoint's training seed unless `--seed` is given"""
     torch_deterministic: bool = True
     """sets `torch.backends.cudnn.deterministic`"""
     cuda: bool = False
@@ -70,7 +83,10 @@ class Args:
     save_model: bool = False
     """save a checkpoint (weights, observation statistics, args) into the run folder at the end"""
     progress: bool = True
-    """show a progress bar on the console (only when it is a terminal)"""
+    """show a progress bar on the console (only when it is a terminal); `--no-progress` also silences the
+    model-loading progress bars of transformers (silenced too when stderr is not a terminal)"""
+    progress_every: int = 1
+    """when stdout is not a terminal (a log file): print a progress line every N updates (0: never)"""
 
     # Evaluation of a saved checkpoint (no training)
     eval_checkpoint: Optional[str] = None
@@ -82,7 +98,7 @@ class Args:
     env_id: str = "HalfCheetah-v5"
     """the id of the environment (flat Box observation, Box actions); HalfCheetah-v4 works too"""
     total_timesteps: int = 1000000
-    """total environment steps (rounded up to whole batches)"""
+    """total environment steps, rounded up to whole batches (the summary line states the steps run)"""
     batch_size: int = 15000
     """environment steps per TRPO update (over all envs), 15000 as in the reference"""
     num_envs: int = 10
@@ -120,9 +136,13 @@ class Args:
     hidden_size: int = 64
     """width of the MLP policy, of the GPT-2 head and of the value network"""
     llm: str = "gpt2"
-    """GPT-2 to use: a hub id (`gpt2`, `distilgpt2`, ...) or a local folder with config/weights/tokenizer"""
+    """GPT-2 to use: a hub id (`gpt2`, `distilgpt2`, ...) or a local folder with config/weights/tokenizer
+    (a value starting with `/`, `.` or `~` is always a folder). The hub is asked only when it can be
+    reached and HF_HUB_OFFLINE is not set; otherwise only local files (a folder, or the hub cache) are used"""
     llm_init: str = "pretrained"
-    """`pretrained` (load the weights) or `random` (build the architecture from its config, no weights)"""
+    """`pretrained` (load the weights) or `random` (build the architecture from its config, no weights; with
+    `--llm gpt2` nothing is downloaded at all, except the tokenizer that `--state-encoding text` and
+    `--instruction` need)"""
     llm_layers: int = 0
     """if > 0: keep only the first N transformer blocks (pretrained) or build N blocks (random)"""
     llm_embd: int = 0
@@ -143,20 +163,19 @@ class Args:
     """how many of the last transformer blocks TRPO trains (-1: all, incl. embeddings; 0: none);
     the head, the state projection and the log-std always train"""
 
-    # filled in at runtime
-    num_steps: int = 0
-    """steps per env per update (batch_size // num_envs)"""
-    num_iterations: int = 0
-    """the number of updates (ceil(total_timesteps / batch_size))"""
+
+
+DEFAULT_SEED = 543
+EVAL_SEED_OFFSET = 10_000
 
 
 OFFLINE_HELP = (
     "error: could not load the language model '{llm}' ({why}). "
-    "This machine probably cannot reach the Hugging Face hub and has no cached copy. "
+    "{where} "
     "Either point --llm at a local folder that holds a GPT-2 saved with save_pretrained "
     "(config.json, model.safetensors and, for --state-encoding text or --instruction, the tokenizer files), "
     "e.g. `--llm /path/to/gpt2`, or train from a randomly initialised GPT-2 built from its config with "
-    "no download: `--llm-init random` (add `--llm-layers 2 --llm-embd 128 --llm-heads 2` for a CPU-sized model)."
+    "no download: `--llm-init random` with the default `--llm gpt2` (add `--llm-layers 2 --llm-embd 128 --llm-heads 2` for a CPU-sized model)."
 )
 
 
@@ -488,6 +507,62 @@ def fit_value_lbfgs(value_net: ValueNet, obs: torch.Tensor, targets: torch.Tenso
         return float((value_net(obs) - targets).pow(2).mean())
 
 
+def is_local_path(llm: str) -> bool:
+    """Whether `--llm` names a folder rather than a hub id: it starts with `/`, `.` or `~`, has more
+    than one `/` (a hub id is `name` or `owner/name`), or exists on disk."""
+    return llm.startswith(("/", ".", "~")) or llm.count("/") > 1 or os.path.exists(llm)
+
+
+def hub_offline_requested() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub (HF_ENDPOINT, default huggingface.co) accepts a connection within
+    `timeout` seconds: one quick check instead of the hub client's retries (30-50 s) when it cannot."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def silence_progress_bars(progress: bool, stderr_is_tty: bool) -> bool:
+    """Turn off the weight-loading progress bars of transformers and huggingface_hub when `--no-progress`
+    is given or stderr is not a terminal (a log file). Returns whether they were turned off."""
+    if progress and stderr_is_tty:
+        return False
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as tf_logging
+
+    tf_logging.disable_progress_bar()
+    disable_progress_bars()
+    return True
+
+
+def llm_location(llm: str) -> tuple[str, bool, str]:
+    """Where `--llm` is loaded from: (name or folder, local files only, the sentence that explains a failure).
+    A folder must exist (one sentence otherwise). A hub id goes to the hub only when the hub can be reached
+    and HF_HUB_OFFLINE is not set; otherwise only the local cache is looked at, so a failure is immediate."""
+    if is_local_path(llm):
+        folder = os.path.expanduser(llm)
+        if not os.path.isdir(folder):
+            sys.exit(f"error: --llm folder '{llm}' does not exist." if not os.path.exists(folder) else
+                     f"error: --llm '{llm}' is a file; give the folder that holds config.json and the weights.")
+        return folder, True, f"The folder '{llm}' does not hold a loadable GPT-2 (config.json, weights, tokenizer)."
+    if hub_offline_requested():
+        return llm, True, "HF_HUB_OFFLINE is set, so only the local cache was looked at, and it has no copy."
+    if not hub_reachable():
+        return llm, True, ("The Hugging Face hub cannot be reached from this machine, so only the local cache was "
+                           "looked at, and it has no copy.")
+    return llm, False, "The hub was reachable: check the name."
+
+
 def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dict] = None):
     """GPT-2 (transformers GPT2Model, eager attention so the KL can be differentiated twice) and,
     when needed, its tokenizer. Dropout is set to 0 in the config. Never falls back silently."""
@@ -495,19 +570,30 @@ def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dic
     from transformers import AutoTokenizer, GPT2Config, GPT2Model
 
     hub_logging.set_verbosity_error()  # no retry chatter: a failure ends in the one paragraph below
+    silence_progress_bars(args.progress, sys.stderr.isatty())
     no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    # GPT-2 small's architecture needs no file at all; everything else comes from --llm
+    needs_files = need_tokenizer or (config_dict is None and not (args.llm_init == "random" and args.llm == "gpt2"))
+    source, local_only, where = llm_location(args.llm) if needs_files else (args.llm, True, "")
     tokenizer = None
+    if need_tokenizer:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+        except (OSError, ValueError, EnvironmentError) as e:
+            sys.exit(f"error: --state-encoding text and --instruction need the tokenizer of '{args.llm}', which could "
+                     f"not be loaded ({type(e).__name__}: {str(e).splitlines()[0]}). {where} Point --llm at a local "
+                     f"folder that holds the tokenizer files, or use --state-encoding embed without --instruction "
+                     f"(no tokenizer needed).")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "right"
     try:
-        if need_tokenizer:
-            tokenizer = AutoTokenizer.from_pretrained(args.llm)
-            if tokenizer.pad_token is None:
-                tokenizer.pad_token = tokenizer.eos_token
-            tokenizer.padding_side = "right"
         if config_dict is not None:  # rebuilding from a checkpoint: no download of weights
             config = GPT2Config.from_dict({**config_dict, **no_dropout})
             model = GPT2Model._from_config(config, attn_implementation="eager")
         elif args.llm_init == "pretrained":
-            model = GPT2Model.from_pretrained(args.llm, attn_implementation="eager", **no_dropout)
+            model = GPT2Model.from_pretrained(source, attn_implementation="eager", local_files_only=local_only,
+                                              **no_dropout)
             if args.llm_layers > 0:
                 if args.llm_layers > model.config.n_layer:
                     sys.exit(f"error: --llm-layers {args.llm_layers} exceeds the {model.config.n_layer} "
@@ -518,7 +604,7 @@ def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dic
             if args.llm == "gpt2":
                 config = GPT2Config()  # GPT-2 small's architecture, no download
             else:
-                config = GPT2Config.from_pretrained(args.llm)
+                config = GPT2Config.from_pretrained(source, local_files_only=local_only)
             over = {k: v for k, v in (("n_layer", args.llm_layers), ("n_embd", args.llm_embd),
                                       ("n_head", args.llm_heads)) if v > 0}
             if "n_embd" in over or "n_head" in over:
@@ -528,7 +614,7 @@ def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dic
                 setattr(config, k, v)
             model = GPT2Model._from_config(config, attn_implementation="eager")
     except (OSError, ValueError, EnvironmentError) as e:
-        sys.exit(OFFLINE_HELP.format(llm=args.llm, why=f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+        sys.exit(OFFLINE_HELP.format(llm=args.llm, why=f"{type(e).__name__}: {str(e).splitlines()[0]}", where=where))
     if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
         sys.exit(f"error: the tokenizer of '{args.llm}' has {len(tokenizer)} tokens but the model only "
                  f"{model.config.vocab_size}.")
@@ -560,54 +646,100 @@ def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[d
 
 
 def validate_args(args: Args) -> None:
-    if args.policy not in ("gpt2", "mlp"):
-        sys.exit(f"error: --policy must be 'gpt2' or 'mlp', not '{args.policy}'.")
-    if args.llm_init not in ("pretrained", "random"):
-        sys.exit(f"error: --llm-init must be 'pretrained' or 'random', not '{args.llm_init}'.")
-    if args.state_encoding not in ("embed", "text"):
-        sys.exit(f"error: --state-encoding must be 'embed' or 'text', not '{args.state_encoding}'.")
-    if args.embed_tokens not in ("one", "per-dim"):
-        sys.exit(f"error: --embed-tokens must be 'one' or 'per-dim', not '{args.embed_tokens}'.")
-    if args.num_envs < 1 or args.batch_size % args.num_envs:
-        sys.exit(f"error: --num-envs {args.num_envs} must divide --batch-size {args.batch_size}.")
-    if args.bf16 and args.policy != "gpt2":
-        sys.exit("error: --bf16 applies to --policy gpt2 only (the MLP policy runs in float64).")
-    if args.tf32 and not args.cuda:
-        sys.exit("error: --tf32 applies to CUDA matmuls only; add --cuda.")
-    if args.fvp_subsample < 1:
-        sys.exit("error: --fvp-subsample must be >= 1.")
-    if args.total_timesteps < 1:
-        sys.exit("error: --total-timesteps must be >= 1.")
-    if args.capture_video:
-        import importlib.util
+    """Exit with one sentence on the first bad value, before any work (and before the run folder exists)."""
+    a = args
+    rules = [
+        (a.policy in ("gpt2", "mlp"), f"--policy must be 'gpt2' or 'mlp', not '{a.policy}'"),
+        (a.llm_init in ("pretrained", "random"), f"--llm-init must be 'pretrained' or 'random', not '{a.llm_init}'"),
+        (a.state_encoding in ("embed", "text"), f"--state-encoding must be 'embed' or 'text', not '{a.state_encoding}'"),
+        (a.embed_tokens in ("one", "per-dim"), f"--embed-tokens must be 'one' or 'per-dim', not '{a.embed_tokens}'"),
+        (a.policy != "gpt2" or not is_local_path(a.llm) or os.path.exists(os.path.expanduser(a.llm)),
+         f"--llm folder '{a.llm}' does not exist"),
+        (a.total_timesteps >= 1, f"--total-timesteps must be >= 1, got {a.total_timesteps}"),
+        (a.batch_size >= 1, f"--batch-size must be >= 1, got {a.batch_size}"),
+        (a.num_envs >= 1 and a.batch_size % a.num_envs == 0,
+         f"--num-envs {a.num_envs} must divide --batch-size {a.batch_size}"),
+        (0.0 <= a.gamma <= 1.0, f"--gamma must be in [0, 1], got {a.gamma}"),
+        (0.0 <= a.gae_lambda <= 1.0, f"--gae-lambda must be in [0, 1], got {a.gae_lambda}"),
+        (a.max_kl > 0, f"--max-kl must be > 0, got {a.max_kl} (every update would be rejected)"),
+        (a.damping >= 0, f"--damping must be >= 0, got {a.damping}"),
+        (a.cg_iters >= 1, f"--cg-iters must be >= 1, got {a.cg_iters} (every update would be rejected)"),
+        (a.cg_tol >= 0, f"--cg-tol must be >= 0, got {a.cg_tol}"),
+        (a.fvp_subsample >= 1, f"--fvp-subsample must be >= 1, got {a.fvp_subsample}"),
+        (a.max_backtracks >= 1, f"--max-backtracks must be >= 1, got {a.max_backtracks}"),
+        (0.0 <= a.accept_ratio < 1.0, f"--accept-ratio must be in [0, 1), got {a.accept_ratio}"),
+        (a.l2_reg >= 0, f"--l2-reg must be >= 0, got {a.l2_reg}"),
+        (a.vf_iters >= 1, f"--vf-iters must be >= 1, got {a.vf_iters}"),
+        (a.obs_clip > 0, f"--obs-clip must be > 0, got {a.obs_clip}"),
+        (a.update_chunk >= 1, f"--update-chunk must be >= 1, got {a.update_chunk}"),
+        (a.hidden_size >= 1, f"--hidden-size must be >= 1, got {a.hidden_size}"),
+        (a.llm_layers >= 0, f"--llm-layers must be >= 0 (0 keeps every block), got {a.llm_layers}"),
+        (a.llm_embd >= 0 and a.llm_heads >= 0,
+         f"--llm-embd and --llm-heads must be >= 0 (0 keeps the config's), got {a.llm_embd} and {a.llm_heads}"),
+        (a.finetune_blocks >= -1, f"--finetune-blocks must be >= -1 (-1: all), got {a.finetune_blocks}"),
+        (a.text_decimals >= 0, f"--text-decimals must be >= 0, got {a.text_decimals}"),
+        (a.eval_episodes >= 1, f"--eval-episodes must be >= 1, got {a.eval_episodes}"),
+        (a.torch_threads >= 1, f"--torch-threads must be >= 1, got {a.torch_threads}"),
+        (a.progress_every >= 0, f"--progress-every must be >= 0, got {a.progress_every}"),
+        (not a.bf16 or a.policy == "gpt2", "--bf16 applies to --policy gpt2 only (the MLP policy runs in float64)"),
+        (not a.tf32 or a.cuda, "--tf32 applies to CUDA matmuls only; add --cuda"),
+        (not a.track or importlib.util.find_spec("wandb") is not None,
+         "--track needs the wandb package (pip install wandb)"),
+        (not a.capture_video or importlib.util.find_spec("moviepy") is not None,
+         "--capture-video needs the moviepy package (pip install moviepy)"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            sys.exit(f"error: {message}.")
 
-        if importlib.util.find_spec("moviepy") is None:
-            sys.exit("error: --capture-video needs the moviepy package (pip install moviepy).")
+
+def num_rollouts(total_timesteps: int, steps_per_rollout: int) -> int:
+    """The budget rule of all three scripts: whole rollouts, rounded up (never fewer steps than asked)."""
+    return -(-total_timesteps // steps_per_rollout)
 
 
 def save_checkpoint(path: str, policy: nn.Module, value_net: ValueNet, obs_rms: RunningMeanStd, args: Args,
-                    obs_dim: int, act_dim: int) -> None:
-    ckpt = {"policy": policy.state_dict(), "value": value_net.state_dict(), "obs_rms": obs_rms.state_dict(),
-            "args": asdict(args), "obs_dim": obs_dim, "act_dim": act_dim}
+                    obs_dim: int, act_dim: int, run_name: str) -> None:
+    """Weights, observation statistics (as tensors), args and the GPT-2 config as plain Python values:
+    the file loads with torch.load(weights_only=True)."""
+    rms = obs_rms.state_dict()
+    ckpt = {"policy": policy.state_dict(), "value": value_net.state_dict(), "args": asdict(args),
+            "obs_rms": {**rms, "mean": torch.from_numpy(rms["mean"]), "m2": torch.from_numpy(rms["m2"])},
+            "obs_dim": obs_dim, "act_dim": act_dim, "run_name": run_name}
     if isinstance(policy, GPT2Policy):
         ckpt["gpt2_config"] = policy.transformer.config.to_dict()
     torch.save(ckpt, path)
 
 
 def load_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
+    if os.path.isdir(path):
+        sys.exit(f"error: checkpoint '{path}' is a directory; give the .pt file inside it "
+                 f"(e.g. {os.path.join(path, 'trpo_gpt2_halfcheetah.pt')}).")
     if not os.path.isfile(path):
         sys.exit(f"error: checkpoint '{path}' does not exist.")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        train_args = Args(**ckpt["args"])
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        known = {f.name for f in fields(Args)}  # older checkpoints also hold run-time fields
+        train_args = Args(**{k: v for k, v in ckpt["args"].items() if k in known})
+        rms = ckpt["obs_rms"]
+        rms = {**rms, "mean": np.asarray(rms["mean"], dtype=np.float64), "m2": np.asarray(rms["m2"], dtype=np.float64)}
     except Exception as e:  # a corrupt or foreign file: say so in one sentence
         sys.exit(f"error: '{path}' is not a trpo_gpt2_halfcheetah.py checkpoint ({type(e).__name__}: {e}).")
+    train_args.progress = False  # rebuilding the model: no progress bars
     policy = build_policy(train_args, ckpt["obs_dim"], ckpt["act_dim"], ckpt.get("gpt2_config"))
     policy = policy.to(torch.float64 if ckpt["args"]["policy"] == "mlp" else torch.float32)
     policy.load_state_dict(ckpt["policy"])
     obs_rms = RunningMeanStd(ckpt["obs_dim"])
-    obs_rms.load_state_dict(ckpt["obs_rms"])
-    return policy.eval(), obs_rms, ckpt["args"]
+    obs_rms.load_state_dict(rms)
+    run_name = ckpt.get("run_name") or os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return policy.eval(), obs_rms, {**asdict(train_args), "run_name": run_name}
+
+
+def eval_seed(train_seed: int, cli_seed: Optional[int] = None) -> int:
+    """The one rule for evaluation seeds: episode i is seeded eval_seed + i, where eval_seed is
+    10000 + the training seed (the checkpoint's), or + `--seed` when given with `--eval-checkpoint`.
+    So the evaluation after `--save-model` and `--eval-checkpoint` of its file print the same numbers."""
+    return (train_seed if cli_seed is None else cli_seed) + EVAL_SEED_OFFSET
 
 
 def evaluate(policy: nn.Module, obs_rms: RunningMeanStd, env_id: str, episodes: int, seed: int,
@@ -640,22 +772,70 @@ def seed_everything(seed: int, torch_deterministic: bool) -> None:
     torch.backends.cudnn.deterministic = torch_deterministic
 
 
+def make_run_dir(base: str, root: str = "runs") -> str:
+    """Create the folder root/{base}__{unix time} and return its name. Creation is atomic: a run that
+    finds the name taken (same base, same second) takes {base}__{time}-2, -3, ... instead."""
+    stamp, k = int(time.time()), 1
+    while True:
+        name = f"{base}__{stamp}" + (f"-{k}" if k > 1 else "")
+        try:
+            os.makedirs(os.path.join(root, name))
+            return name
+        except FileExistsError:
+            k += 1
+
+
+def run_base_name(args: Args) -> str:
+    """The run's name before its time stamp: env, experiment, setting (the policy) and seed."""
+    return f"{args.env_id}__{args.exp_name}__policy-{args.policy}__{args.seed}"
+
+
+def returns_text(recent_returns) -> str:
+    if not recent_returns:
+        return "no episode has finished yet"
+    return f"mean return of the last {len(recent_returns)} episodes {np.mean(recent_returns):.2f}"
+
+
+def eval_text(returns: list[float]) -> str:
+    return f"{np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)} episodes"
+
+
+class StopOnCtrlC:
+    """Ctrl-C during training: finish the current update, then stop cleanly (the caller saves a
+    checkpoint with --save-model, closes the writer and exits with one line). A second Ctrl-C quits
+    at once without saving."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            print("\nsecond Ctrl-C: quit without saving", file=sys.stderr, flush=True)
+            raise SystemExit(130)
+        self.requested = True
+        print("\nCtrl-C: stopping after the current update (Ctrl-C again: quit at once)", file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
 def run_eval_only(args: Args) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     policy, obs_rms, train_args = load_checkpoint(args.eval_checkpoint)
     env_id = train_args["env_id"]
     check_env_id(env_id)
-    seed_everything(args.seed, args.torch_deterministic)
+    seed = eval_seed(train_args["seed"], args.seed)
     device = torch.device("cuda" if args.cuda else "cpu")  # main() has checked that CUDA is there
-    returns = evaluate(policy.to(device), obs_rms, env_id, args.eval_episodes, seed=args.seed, device=device)
-    run_name = f"{env_id}__{args.exp_name}-eval__{args.seed}__{int(time.time())}"
+    returns = evaluate(policy.to(device), obs_rms, env_id, args.eval_episodes, seed=seed, device=device)
+    run_name = make_run_dir(f"{train_args['run_name']}-eval__{seed}")
     writer = SummaryWriter(f"runs/{run_name}")
     for i, r in enumerate(returns):
         writer.add_scalar("eval/episodic_return", r, i)
     writer.close()
-    print(f"eval {args.eval_checkpoint}: {np.mean(returns):.2f} +- {np.std(returns):.2f} "
-          f"over {len(returns)} episodes (env {env_id}, logged to runs/{run_name})")
+    print(f"eval {args.eval_checkpoint}: {eval_text(returns)} (env {env_id}, seeds {seed}..{seed + len(returns) - 1}, "
+          f"logged to runs/{run_name})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -752,7 +932,8 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
 
 
 def main(args: Args) -> None:
-    torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(max(args.torch_threads, 1))
+    validate_args(args)
     if args.cuda and not torch.cuda.is_available():  # never fall back to the CPU silently
         sys.exit("error: --cuda was given but torch sees no CUDA device.")
     if args.eval_checkpoint is not None:
@@ -761,10 +942,10 @@ def main(args: Args) -> None:
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
-    validate_args(args)
     obs_dim, act_dim = check_env_id(args.env_id)
-    args.num_steps = args.batch_size // args.num_envs
-    args.num_iterations = -(-args.total_timesteps // args.batch_size)
+    args.seed = DEFAULT_SEED if args.seed is None else args.seed
+    num_steps = args.batch_size // args.num_envs  # per env per update
+    num_iterations = num_rollouts(args.total_timesteps, args.batch_size)
     seed_everything(args.seed, args.torch_deterministic)
     device = torch.device("cuda" if args.cuda else "cpu")  # main() has checked that CUDA is there
     if args.cuda and args.tf32:
@@ -778,19 +959,23 @@ def main(args: Args) -> None:
     n_train = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in policy.parameters())
 
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name = make_run_dir(run_base_name(args))
     if args.track:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
                    config=vars(args), name=run_name, monitor_gym=True, save_code=True)
     writer = SummaryWriter(f"runs/{run_name}")
+    hparams = {**vars(args), "num_steps (per env per update)": num_steps, "num_iterations": num_iterations}
     writer.add_text(
         "hyperparameters",
-        "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])),
+        "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in hparams.items()])),
     )
+    rounded = "" if num_iterations * args.batch_size == args.total_timesteps else \
+        f" (--total-timesteps {args.total_timesteps} rounded up to whole batches)"
     print(f"{run_name}: policy {args.policy}, {n_train:,} of {n_total:,} parameters trained by TRPO, "
-          f"{args.num_iterations} updates of {args.batch_size} steps on {device}")
+          f"{num_iterations} updates of {args.batch_size} steps = {num_iterations * args.batch_size} steps{rounded} "
+          f"on {device}")
 
     # SAME_STEP autoreset: the obs returned on a done step is already the next episode's first
     # obs, and the real last obs sits in info["final_obs"] (used for the truncation bootstrap).
@@ -800,7 +985,7 @@ def main(args: Args) -> None:
     )
     low, high = envs.single_action_space.low, envs.single_action_space.high
     obs_rms = RunningMeanStd(obs_dim, args.obs_clip)
-    T, N = args.num_steps, args.num_envs
+    T, N = num_steps, args.num_envs
     obs_buf = np.zeros((T, N, obs_dim), dtype=np.float32)  # normalised, as the policy saw them
     next_obs_buf = np.zeros((T, N, obs_dim), dtype=np.float32)  # normalised state reached after each step
     actions_buf = np.zeros((T, N, act_dim), dtype=np.float32)
@@ -817,10 +1002,12 @@ def main(args: Args) -> None:
     global_step = 0
     start_time = time.time()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    bar = tqdm(total=args.num_iterations * args.batch_size, unit="step", disable=None if args.progress else True,
+    bar = tqdm(total=num_iterations * args.batch_size, unit="step", disable=None if args.progress else True,
                dynamic_ncols=True)
 
-    for iteration in range(1, args.num_iterations + 1):
+    print_progress = args.progress_every > 0 and not sys.stdout.isatty()
+    stop = StopOnCtrlC()
+    for iteration in range(1, num_iterations + 1):
         rollout_start = time.time()
         with torch.no_grad():
             log_std = policy.action_log_std.detach().float().cpu().numpy()[0]
@@ -873,6 +1060,7 @@ def main(args: Args) -> None:
 
         sps = int(global_step / (time.time() - start_time))
         writer.add_scalar("losses/surrogate", stats["surrogate"], global_step)
+        writer.add_scalar("losses/policy_loss", -stats["surrogate"], global_step)  # the name the PPO scripts use
         writer.add_scalar("losses/surrogate_improvement", stats["surrogate"] - stats["surrogate_before"], global_step)
         writer.add_scalar("losses/kl", stats["kl"], global_step)
         writer.add_scalar("losses/value_loss", v_loss, global_step)
@@ -891,21 +1079,36 @@ def main(args: Args) -> None:
         bar.update(args.batch_size)
         bar.set_postfix(ret=f"{np.mean(recent_returns):.1f}" if recent_returns else "-", kl=f"{stats['kl']:.4f}",
                         sps=sps)
+        if print_progress and iteration % args.progress_every == 0 and iteration < num_iterations:
+            print(f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, "
+                  f"{returns_text(recent_returns)}, kl {stats['kl']:.4f}, {sps} steps/s", flush=True)
+        if stop.requested:
+            break
 
     bar.close()
-    mean_recent = float(np.mean(recent_returns)) if recent_returns else float("nan")
-    print(f"{run_name}: {global_step} steps, mean return of the last {len(recent_returns)} episodes "
-          f"{mean_recent:.2f}, {int(global_step / (time.time() - start_time))} steps/s")
+    stop.restore()
+    sps = int(global_step / (time.time() - start_time))
+    model_path = f"runs/{run_name}/{args.exp_name}.pt"
+    if stop.requested:  # Ctrl-C: save what there is, close everything, one line
+        if args.save_model:
+            save_checkpoint(model_path, policy, value_net, obs_rms, args, obs_dim, act_dim, run_name)
+        envs.close()
+        writer.close()
+        print(f"{run_name}: interrupted after {global_step} of {num_iterations * args.batch_size} steps, "
+              f"{returns_text(recent_returns)}; "
+              + (f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"),
+              flush=True)
+        sys.exit(130)
+    print(f"{run_name}: {global_step} steps, {returns_text(recent_returns)}, {sps} steps/s")
 
     if args.save_model:
-        model_path = f"runs/{run_name}/{args.exp_name}.pt"
-        save_checkpoint(model_path, policy, value_net, obs_rms, args, obs_dim, act_dim)
+        save_checkpoint(model_path, policy, value_net, obs_rms, args, obs_dim, act_dim, run_name)
         print(f"model saved to {model_path}")
-        returns_eval = evaluate(policy, obs_rms, args.env_id, args.eval_episodes, seed=args.seed + 10_000,
+        returns_eval = evaluate(policy, obs_rms, args.env_id, args.eval_episodes, seed=eval_seed(args.seed),
                                 device=device)
         for i, r in enumerate(returns_eval):
             writer.add_scalar("eval/episodic_return", r, i)
-        print(f"eval: {np.mean(returns_eval):.2f} +- {np.std(returns_eval):.2f} over {len(returns_eval)} episodes")
+        print(f"eval: {eval_text(returns_eval)}")
 
     envs.close()
     writer.close()

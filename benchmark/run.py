@@ -192,6 +192,16 @@ SETTINGS: list[S] = [
     S("gpt2ppo_lunar", "Acrobot-v1", "gpt2-stride64", 1_000_000, GPT2PPO_SEEDS, STRIDE64, refs=(ZOO_ACRO,)),
     S("gpt2ppo_lunar", "Acrobot-v1", "gpt2-stride64-dropout0.1", 1_000_000, GPT2PPO_SEEDS,
       STRIDE64 + ("--dropout", "0.1"), refs=(ZOO_ACRO,)),
+    # issue 15: Table I's "5 training steps per epoch" as 5 shuffled passes (the default) against the authors'
+    # schedule (5 consecutive Adam steps per minibatch, one unshuffled pass); seeds and windows as the README's rows
+    S("gpt2ppo_lunar", "LunarLander-v3", "mlp-shuffled", GPT2PPO_EPOCHS, (123, 124, 125),
+      ("--critic", "mlp", "--update-schedule", "shuffled"), refs=(SEED2_LUNAR_PPO, ZOO_LUNAR)),
+    S("gpt2ppo_lunar", "LunarLander-v3", "mlp-authors", GPT2PPO_EPOCHS, (123, 124, 125),
+      ("--critic", "mlp", "--update-schedule", "authors"), refs=(SEED2_LUNAR_PPO, ZOO_LUNAR)),
+    S("gpt2ppo_lunar", "LunarLander-v3", "gpt2-s64-shuffled", GPT2PPO_EPOCHS, (123, 124, 125),
+      ("--critic", "gpt2", "--value-stride", "64", "--update-schedule", "shuffled"), refs=(SEED2_LUNAR_GPT, ZOO_LUNAR)),
+    S("gpt2ppo_lunar", "LunarLander-v3", "gpt2-s64-authors", GPT2PPO_EPOCHS, (123, 124, 125),
+      ("--critic", "gpt2", "--value-stride", "64", "--update-schedule", "authors"), refs=(SEED2_LUNAR_GPT, ZOO_LUNAR)),
     S("icpi_chain", "chain", "oracle", 85, (1, 2, 3, 4), ("--model", "oracle"), refs=(ICPI_CHAIN,)),
     S("icpi_chain", "chain", "matching", 85, (1, 2, 3, 4), ("--model", "matching"), refs=(ICPI_CHAIN,)),
     S("icpi_chain", "chain", "tabular-q", 85, (1, 2, 3, 4), ("--algo", "tabular-q"), refs=(ICPI_CHAIN,)),

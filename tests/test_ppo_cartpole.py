@@ -95,7 +95,7 @@ def test_checkpoint_save_load_evaluate(tmp_path):
     (("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
     (("--env-id", "Pendulum-v1"), "needs a Discrete action space"),
     (("--eval-checkpoint", "missing.pt"), "does not exist"),
-    (("--total-timesteps", "10"), "below one rollout"),
+    (("--num-minibatches", "1000", "--total-timesteps", "1024"), "--num-minibatches 1000 must divide"),
     pytest.param(("--cuda",), "torch sees no CUDA device", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="a CUDA device is present")),
     pytest.param(("--eval-checkpoint", "missing.pt", "--cuda"), "torch sees no CUDA device",
@@ -145,3 +145,99 @@ def test_capture_video_without_moviepy_is_one_clear_sentence(tmp_path, script="p
     assert proc.returncode != 0
     assert "--capture-video needs the moviepy package" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 15: bad numbers, evaluation seeds, run names, Ctrl-C
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(num_envs=0), "--num-envs must be >= 1"),
+    (dict(num_steps=0), "--num-steps must be >= 1"),
+    (dict(num_minibatches=0), "--num-minibatches 0 must divide"),
+    (dict(num_envs=3, num_steps=5, num_minibatches=4), "--num-minibatches 4 must divide"),  # was 5 of 3
+    (dict(update_epochs=0), "--update-epochs must be >= 1"),
+    (dict(learning_rate=-1.0), "--learning-rate must be > 0"),
+    (dict(hidden_size=0), "--hidden-size must be >= 1"),
+    (dict(gamma=2.0), "--gamma must be in [0, 1]"),
+    (dict(gae_lambda=1.5), "--gae-lambda must be in [0, 1]"),
+    (dict(clip_coef=0.0), "--clip-coef must be > 0"),
+    (dict(ent_coef=-0.1), "--ent-coef must be >= 0"),
+    (dict(vf_coef=-1.0), "--vf-coef must be >= 0"),
+    (dict(max_grad_norm=0.0), "--max-grad-norm must be > 0"),
+    (dict(target_kl=-0.01), "--target-kl must be > 0"),
+    (dict(eval_episodes=0), "--eval-episodes must be >= 1"),
+    (dict(total_timesteps=0), "--total-timesteps must be >= 1"),
+    (dict(torch_threads=0), "--torch-threads must be >= 1"),
+    (dict(progress_every=-5), "--progress-every must be >= 0"),
+])
+def test_check_args_one_sentence_per_bad_number(kw, message):
+    import re
+
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        ppo.check_args(ppo.Args(**kw))
+    ppo.check_args(ppo.Args())  # the defaults are fine
+
+
+def test_track_without_wandb_is_one_sentence(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(SystemExit, match="--track needs the wandb package"):
+        ppo.check_args(ppo.Args(track=True))
+
+
+def test_budget_rounds_up_to_whole_rollouts_and_summary_states_steps_run(tmp_path):
+    assert ppo.num_rollouts(500_000, 512) == 977 and ppo.num_rollouts(2048, 512) == 4
+    out = run_script("ppo_cartpole.py", "--total-timesteps", "600", "--num-steps", "128", cwd=str(tmp_path)).stdout
+    assert "2 rollouts of 512 steps = 1024 steps (--total-timesteps 600 rounded up to whole rollouts)" in out
+    assert ": 1024 steps, mean return of the last" in out
+
+
+def test_run_time_fields_are_not_flags_and_bad_numbers_leave_no_run_folder(tmp_path):
+    for flag in ("--batch-size", "--minibatch-size", "--num-iterations"):
+        proc = run_script("ppo_cartpole.py", flag, "3", cwd=str(tmp_path), check=False)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, flag
+    proc = run_script("ppo_cartpole.py", "--num-minibatches", "1000", "--total-timesteps", "1024", cwd=str(tmp_path),
+                      check=False)
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not os.path.exists(tmp_path / "runs")
+
+
+def test_eval_seed_rule_and_unique_run_dirs(tmp_path):
+    assert ppo.eval_seed(5) == 10005 and ppo.eval_seed(5, 2) == 10002
+    names = {ppo.make_run_dir("CartPole-v1__ppo_cartpole__1", root=str(tmp_path)) for _ in range(3)}
+    assert len(names) == 3 and all(os.path.isdir(tmp_path / n) for n in names)
+    assert ppo.returns_text([]) == "no episode has finished yet"
+
+
+def test_save_model_eval_equals_eval_checkpoint(tmp_path):
+    cwd = str(tmp_path)
+    out = run_script("ppo_cartpole.py", *_short(6, "--save-model", "--eval-episodes", "3", "--no-eval-greedy"),
+                     cwd=cwd).stdout
+    run = only_run_dir(cwd)
+    ckpt = os.path.join(run, "ppo_cartpole.pt")
+    torch.load(ckpt, weights_only=True)
+    in_run = out.split("eval: ")[1].split(" over")[0]
+    out = run_script("ppo_cartpole.py", "--eval-checkpoint", ckpt, "--eval-episodes", "3", "--no-eval-greedy",
+                     cwd=cwd).stdout
+    assert out.split(": ")[1].split(" over")[0] == in_run
+    assert len(glob.glob(os.path.join(cwd, "runs", os.path.basename(run) + "-eval__10006__*"))) == 1
+    proc = run_script("ppo_cartpole.py", "--eval-checkpoint", run, cwd=cwd, check=False)
+    assert proc.returncode != 0 and "is a directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_saves_checkpoint_closes_and_exits_with_one_line(tmp_path):
+    from test_gpt2ppo_lunar import interrupt_after_first_update
+
+    cwd = str(tmp_path)
+    rc, out, err = interrupt_after_first_update("ppo_cartpole.py", ("--total-timesteps", "100000000", "--save-model",
+                                                                     "--no-progress"), cwd)
+    assert rc == 130 and "Traceback" not in err, err
+    last = out.strip().splitlines()[-1]
+    assert "interrupted after" in last and "checkpoint saved to" in last
+    agent, a = ppo.load_checkpoint(glob.glob(os.path.join(cwd, "runs", "*", "ppo_cartpole.pt"))[0])
+    assert a["env_id"] == "CartPole-v1"
+    assert read_scalars(only_run_dir(cwd), "losses/policy_loss")

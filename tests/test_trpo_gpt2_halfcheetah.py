@@ -300,8 +300,7 @@ def test_mlp_checkpoint_save_load_evaluate(tmp_path):
     assert len(ckpts) == 1 and "eval:" in out
     eval_in_run = float(out.split("eval:")[1].split()[0])
     # loads in another process and evaluates (deterministic mean action, frozen obs statistics)
-    out = run_script(SCRIPT, "--eval-checkpoint", ckpts[0], "--eval-episodes", "1", "--seed", "10005",
-                     cwd=cwd).stdout
+    out = run_script(SCRIPT, "--eval-checkpoint", ckpts[0], "--eval-episodes", "1", cwd=cwd).stdout
     assert "over 1 episodes" in out
     assert float(out.split(": ")[1].split()[0]) == pytest.approx(eval_in_run, abs=0.01)
     policy, obs_rms, train_args = trpo.load_checkpoint(ckpts[0])
@@ -323,7 +322,7 @@ def test_gpt2_embed_instruction_smoke_and_checkpoint(tmp_path, tiny_gpt2_dir):
     assert all(0 < v <= 0.01 for _, v in read_scalars(run, "losses/kl"))
     eval_in_run = float(out.split("eval:")[1].split()[0])
     ckpt = glob.glob(os.path.join(run, "*.pt"))[0]
-    out = run_script(SCRIPT, "--eval-checkpoint", ckpt, "--eval-episodes", "1", "--seed", "10543", cwd=cwd).stdout
+    out = run_script(SCRIPT, "--eval-checkpoint", ckpt, "--eval-episodes", "1", cwd=cwd).stdout
     assert float(out.split(": ")[1].split()[0]) == pytest.approx(eval_in_run, abs=0.01)
 
 
@@ -340,7 +339,9 @@ def test_gpt2_text_encoding_smoke_with_bf16_rollouts(tmp_path, tiny_gpt2_dir):
 @pytest.mark.parametrize("flags, message", [
     (("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
     (("--env-id", "CartPole-v1", "--policy", "mlp"), "needs a continuous (Box) action space"),
-    (("--llm", "/no/such/folder/gpt2", "--batch-size", "100", "--num-envs", "2"), "--llm-init random"),
+    (("--llm", "/no/such/folder/gpt2", "--batch-size", "100", "--num-envs", "2"),
+     "--llm folder '/no/such/folder/gpt2' does not exist"),
+    (("--llm", "/no/such/folder/gpt2", "--llm-init", "random"), "--llm folder '/no/such/folder/gpt2' does not exist"),
     (("--num-envs", "7"), "must divide --batch-size"),
     (("--eval-checkpoint", "missing.pt"), "does not exist"),
     (("--policy", "lstm"), "--policy must be"),
@@ -383,3 +384,169 @@ def test_chunked_update_equals_whole_batch_update():
     assert results[0][2] and results[1][2]
     assert torch.allclose(results[0][0], results[1][0], atol=1e-10)
     assert results[0][1] == pytest.approx(results[1][1], rel=1e-8)
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 15: bad numbers, loading, evaluation seeds, run names, Ctrl-C
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(policy="mlp", batch_size=0), "--batch-size must be >= 1"),
+    (dict(max_kl=0.0), "--max-kl must be > 0"),
+    (dict(cg_iters=0), "--cg-iters must be >= 1"),
+    (dict(llm_layers=-3), "--llm-layers must be >= 0"),
+    (dict(llm_embd=-1), "--llm-embd and --llm-heads must be >= 0"),
+    (dict(gamma=2.0), "--gamma must be in [0, 1]"),
+    (dict(gae_lambda=-1.0), "--gae-lambda must be in [0, 1]"),
+    (dict(damping=-0.1), "--damping must be >= 0"),
+    (dict(max_backtracks=0), "--max-backtracks must be >= 1"),
+    (dict(accept_ratio=1.0), "--accept-ratio must be in [0, 1)"),
+    (dict(vf_iters=0), "--vf-iters must be >= 1"),
+    (dict(l2_reg=-1.0), "--l2-reg must be >= 0"),
+    (dict(obs_clip=0.0), "--obs-clip must be > 0"),
+    (dict(update_chunk=0), "--update-chunk must be >= 1"),
+    (dict(hidden_size=0), "--hidden-size must be >= 1"),
+    (dict(finetune_blocks=-2), "--finetune-blocks must be >= -1"),
+    (dict(eval_episodes=0), "--eval-episodes must be >= 1"),
+    (dict(total_timesteps=0), "--total-timesteps must be >= 1"),
+    (dict(fvp_subsample=0), "--fvp-subsample must be >= 1"),
+    (dict(progress_every=-1), "--progress-every must be >= 0"),
+    (dict(llm="/no/such/folder"), "--llm folder '/no/such/folder' does not exist"),
+])
+def test_validate_args_one_sentence_per_bad_number(kw, message):
+    import re
+
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        trpo.validate_args(trpo.Args(**kw))
+    trpo.validate_args(trpo.Args())  # the defaults are fine
+    trpo.validate_args(trpo.Args(policy="mlp", llm="/no/such/folder"))  # --llm matters only for gpt2
+
+
+def test_track_without_wandb_is_one_sentence(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(SystemExit, match="--track needs the wandb package"):
+        trpo.validate_args(trpo.Args(policy="mlp", track=True))
+
+
+def test_run_time_fields_are_not_flags(tmp_path):
+    for flag in ("--num-steps", "--num-iterations"):
+        proc = run_script(SCRIPT, "--policy", "mlp", flag, "3", cwd=str(tmp_path), check=False)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, flag
+    assert not os.path.exists(tmp_path / "runs")
+
+
+def test_budget_rule_and_helpers(tmp_path):
+    assert trpo.num_rollouts(1_000_000, 15_000) == 67 and trpo.num_rollouts(30_000, 15_000) == 2
+    assert trpo.eval_seed(543) == 10543 and trpo.eval_seed(543, 1) == 10001
+    assert trpo.returns_text([]) == "no episode has finished yet"
+    base = trpo.run_base_name(trpo.Args(policy="mlp", seed=3))
+    assert base == "HalfCheetah-v5__trpo_gpt2_halfcheetah__policy-mlp__3"
+    assert "policy-gpt2" in trpo.run_base_name(trpo.Args(seed=3))
+    names = {trpo.make_run_dir(base, root=str(tmp_path)) for _ in range(3)}
+    assert len(names) == 3 and all(os.path.isdir(tmp_path / n) for n in names)
+
+
+def test_llm_location_local_or_hub(tmp_path, monkeypatch):
+    assert trpo.is_local_path("/abs/gpt2") and trpo.is_local_path("./gpt2") and trpo.is_local_path("~/gpt2")
+    assert not trpo.is_local_path("gpt2") and not trpo.is_local_path("openai-community/gpt2")
+    with pytest.raises(SystemExit, match="--llm folder '/no/such' does not exist"):
+        trpo.llm_location("/no/such")
+    assert trpo.llm_location(str(tmp_path))[:2] == (str(tmp_path), True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, local_only, why = trpo.llm_location("gpt2")
+    assert local_only and "HF_HUB_OFFLINE" in why
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(trpo, "hub_reachable", lambda timeout=3.0: False)
+    _, local_only, why = trpo.llm_location("gpt2")
+    assert local_only and "cannot be reached" in why
+    monkeypatch.setattr(trpo, "hub_reachable", lambda timeout=3.0: True)
+    assert trpo.llm_location("gpt2")[1] is False  # the hub answers: ask it
+
+
+def test_hub_reachable_is_quick_when_nothing_listens(monkeypatch):
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port that is surely closed: bind, then let it go
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    t0 = time.time()
+    assert trpo.hub_reachable(timeout=2.0) is False
+    assert time.time() - t0 < 2.5
+
+
+def test_offline_hub_id_fails_fast_with_one_paragraph(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, SCRIPT), "--llm", "gpt2", "--batch-size", "100",
+                           "--num-envs", "2"], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    elapsed = time.time() - t0
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "HF_HUB_OFFLINE is set" in proc.stderr and "--llm-init random" in proc.stderr
+    assert not glob.glob(str(tmp_path / "runs" / "*" / "events.*"))
+    # the import of torch, gymnasium, MuJoCo and transformers is most of it (no retries)
+    assert elapsed < 120, elapsed
+
+
+def test_random_init_text_encoding_needs_a_tokenizer_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    args = trpo.Args(llm_init="random", state_encoding="text", llm_layers=1, llm_embd=32, llm_heads=2)
+    with pytest.raises(SystemExit, match="--state-encoding text and --instruction need the tokenizer of 'gpt2'"):
+        trpo.build_policy(args, 17, 6)
+    # the embed encoding builds GPT-2 small's architecture with no file at all
+    policy = trpo.build_policy(trpo.Args(llm_init="random", llm_layers=1, llm_embd=32, llm_heads=2), 17, 6)
+    assert len(policy.transformer.h) == 1 and policy.transformer.config.n_embd == 32
+
+
+def test_progress_bars_silenced_without_a_terminal():
+    from transformers.utils import logging as tf_logging
+
+    assert trpo.silence_progress_bars(True, True) is False
+    assert trpo.silence_progress_bars(False, True) is True and not tf_logging.is_progress_bar_enabled()
+    tf_logging.enable_progress_bar()
+    assert trpo.silence_progress_bars(True, False) is True and not tf_logging.is_progress_bar_enabled()
+    tf_logging.enable_progress_bar()
+
+
+def test_save_model_eval_equals_eval_checkpoint_weights_only_and_directory(tmp_path):
+    cwd = str(tmp_path)
+    out = run_script(SCRIPT, *_short(9, "--total-timesteps", "1500", "--save-model", "--eval-episodes", "1"),
+                     cwd=cwd).stdout
+    run = only_run_dir(cwd)
+    assert os.path.basename(run).startswith("HalfCheetah-v5__trpo_gpt2_halfcheetah__policy-mlp__9__")
+    assert "2000 steps (--total-timesteps 1500 rounded up to whole batches)" in out
+    assert ": 2000 steps, mean return of the last 2 episodes" in out
+    ckpt = os.path.join(run, "trpo_gpt2_halfcheetah.pt")
+    c = torch.load(ckpt, weights_only=True)  # tensors and plain Python values only
+    assert c["run_name"] == os.path.basename(run)
+    assert read_scalars(run, "losses/policy_loss") and read_scalars(run, "losses/value_loss")
+    in_run = out.split("eval: ")[1].split(" over")[0]
+    out = run_script(SCRIPT, "--eval-checkpoint", ckpt, "--eval-episodes", "1", cwd=cwd).stdout
+    assert out.split(": ")[1].split(" over")[0] == in_run and "seeds 10009..10009" in out
+    assert len(glob.glob(os.path.join(cwd, "runs", os.path.basename(run) + "-eval__10009__*"))) == 1
+    proc = run_script(SCRIPT, "--eval-checkpoint", run, cwd=cwd, check=False)
+    assert proc.returncode != 0 and "is a directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_saves_checkpoint_closes_and_exits_with_one_line(tmp_path):
+    from test_gpt2ppo_lunar import interrupt_after_first_update
+
+    cwd = str(tmp_path)
+    rc, out, err = interrupt_after_first_update(
+        SCRIPT, ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--batch-size", "200", "--num-envs", "2",
+                 "--total-timesteps", "10000000", "--save-model", "--no-progress"), cwd)
+    assert rc == 130 and "Traceback" not in err, err
+    last = out.strip().splitlines()[-1]
+    assert "interrupted after" in last and "checkpoint saved to" in last
+    policy, obs_rms, a = trpo.load_checkpoint(glob.glob(os.path.join(cwd, "runs", "*", "*.pt"))[0])
+    assert a["policy"] == "mlp" and obs_rms.count > 0
