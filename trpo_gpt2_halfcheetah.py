@@ -113,6 +113,10 @@ class Args:
     """normalised observations are clipped to [-obs_clip, obs_clip]"""
     update_chunk: int = 16384
     """samples per forward/backward chunk in the update (lower it when GPU memory runs out)"""
+    fvp_impl: str = "auto"
+    """how the Fisher-vector products are computed (the same product, up to rounding): `auto` = in closed
+    form for `--policy mlp` (J^T M J from one kept forward pass, no double backward) and by differentiating
+    the KL twice for GPT-2; `double-backward` = differentiate the KL twice for every policy"""
 
     # Policy network
     policy: str = "gpt2"
@@ -232,6 +236,90 @@ def make_fvp(kl_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], damp
 
     def fvp(v: torch.Tensor) -> torch.Tensor:
         return flat_grad(torch.dot(grad_kl, v), params, retain_graph=True) + damping * v
+
+    return fvp
+
+
+def tanh_mlp_forward(layers: list[nn.Linear], x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor],
+                                                                      torch.Tensor]:
+    """Forward pass of Linear-tanh-...-Linear kept for the closed-form products below: the input of every
+    layer, tanh'(pre-activation) = 1 - tanh^2 of every hidden layer, and the output."""
+    inputs, dtanh, h = [], [], x
+    for i, layer in enumerate(layers):
+        inputs.append(h)
+        z = torch.addmm(layer.bias, h, layer.weight.T)
+        if i == len(layers) - 1:
+            return inputs, dtanh, z
+        h = torch.tanh(z)
+        dtanh.append(1.0 - h * h)
+    raise ValueError("an MLP needs at least one layer")
+
+
+def tanh_mlp_jvp(layers: list[nn.Linear], inputs: list[torch.Tensor], dtanh: list[torch.Tensor],
+                 tangents: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """J v: the change of the MLP's output along the parameter direction `tangents` ((dW, db) per layer)."""
+    dh = None
+    for i, (layer, (dw, db)) in enumerate(zip(layers, tangents)):
+        dz = torch.addmm(db, inputs[i], dw.T)
+        if dh is not None:
+            dz = torch.addmm(dz, dh, layer.weight.T)
+        if i < len(layers) - 1:
+            dh = dz * dtanh[i]
+    return dz
+
+
+def tanh_mlp_vjp(layers: list[nn.Linear], inputs: list[torch.Tensor], dtanh: list[torch.Tensor],
+                 g: torch.Tensor) -> list[torch.Tensor]:
+    """J^T g: the gradient of sum(g * output) w.r.t. [W0, b0, W1, b1, ...] (backpropagation by hand)."""
+    grads = []
+    for i in reversed(range(len(layers))):
+        grads += [g.sum(0), g.T @ inputs[i]]
+        if i > 0:
+            g = (g @ layers[i].weight) * dtanh[i - 1]
+    return grads[::-1]
+
+
+def mlp_policy_layers(policy: nn.Module) -> list[nn.Linear]:
+    """The Linear layers of an MLPPolicy, input to output (the order of policy.parameters())."""
+    return [m for m in policy.net if isinstance(m, nn.Linear)] + [policy.action_mean]
+
+
+def make_mlp_fvp(policy: nn.Module, params: list[torch.Tensor], obs_chunks: list[torch.Tensor], m: int,
+                 damping: float):
+    """v -> (F + damping I) v for the MLP policy in closed form, F the Fisher information of the Gaussian
+    policy at the current parameters, on the observations `obs_chunks` (m samples in all).
+
+    F is what make_fvp computes (the Hessian of the mean KL(pi_old || pi_theta) at theta = theta_old: its
+    second-derivative-of-the-mean term is multiplied by dKL/dmean = 0 there), written as a Gauss-Newton
+    product: for the mean parameters (1/m) sum_i J_i^T diag(exp(-2 log_std)) J_i v (J_i the Jacobian of
+    sample i's mean), for the log-std 2 v, no cross terms. J v is one forward-mode pass and J^T u one
+    backward pass through activations kept from a single forward, so no graph is built or differentiated
+    twice per product. `params` must hold each of the policy's parameters once (any order)."""
+    layers = mlp_policy_layers(policy)
+    roles = [t for layer in layers for t in (layer.weight, layer.bias)] + [policy.action_log_std]
+    order = [next((j for j, q in enumerate(params) if q is p), None) for p in roles]  # role -> index in params
+    if None in order or len(params) != len(roles):
+        raise ValueError("make_mlp_fvp needs every parameter of the MLP policy once")
+    with torch.no_grad():
+        cache = [tanh_mlp_forward(layers, x)[:2] for x in obs_chunks]
+        precision = torch.exp(-2.0 * policy.action_log_std) / m  # (1, act_dim), the 1/m of the mean included
+    sizes = [p.numel() for p in params]
+
+    def fvp(v: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            given = [t.view_as(p) for t, p in zip(torch.split(v, sizes), params)]
+            parts = [given[j] for j in order]  # W0, b0, W1, b1, ..., log-std
+            tangents = list(zip(parts[0:-1:2], parts[1:-1:2]))
+            out = None
+            for inputs, dtanh in cache:
+                u = tanh_mlp_jvp(layers, inputs, dtanh, tangents) * precision
+                grads = tanh_mlp_vjp(layers, inputs, dtanh, u)
+                out = grads if out is None else [a + b for a, b in zip(out, grads)]
+            out.append(2.0 * parts[-1])
+            back = [None] * len(params)
+            for j, t in zip(order, out):
+                back[j] = t.reshape(-1)
+            return torch.cat(back) + damping * v
 
     return fvp
 
@@ -470,17 +558,36 @@ class ValueNet(nn.Module):
         return self.net(obs).squeeze(-1)
 
 
+def value_loss_and_grad(value_net: ValueNet, obs: torch.Tensor, targets: torch.Tensor,
+                        l2_reg: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """mean squared error + l2_reg * sum of squared weights, and its gradient w.r.t. value_net.parameters(),
+    by one forward and one backward pass written out (no autograd graph): the value fit's objective."""
+    layers = [m for m in value_net.net if isinstance(m, nn.Linear)]
+    params = list(value_net.parameters())
+    with torch.no_grad():
+        inputs, dtanh, out = tanh_mlp_forward(layers, obs)
+        err = out.squeeze(-1) - targets
+        l2 = sum(p.pow(2).sum() for p in params)
+        loss = err.pow(2).mean() + l2_reg * l2
+        grads = tanh_mlp_vjp(layers, inputs, dtanh, (2.0 / err.numel()) * err.unsqueeze(-1))
+        grads = [g + (2.0 * l2_reg) * p for g, p in zip(grads, params)]
+    return loss, grads
+
+
 def fit_value_lbfgs(value_net: ValueNet, obs: torch.Tensor, targets: torch.Tensor, l2_reg: float,
                     max_iter: int = 25) -> float:
     """Fit the value net to the targets by L-BFGS (strong-Wolfe line search) on
-    mean squared error + l2_reg * sum of squared weights. Returns the final loss."""
+    mean squared error + l2_reg * sum of squared weights. Returns the final loss.
+
+    The objective and its gradient come from value_loss_and_grad (the same numbers autograd gives, without
+    building a graph in each of L-BFGS's ~30 evaluations)."""
     params = list(value_net.parameters())
     opt = torch.optim.LBFGS(params, max_iter=max_iter, history_size=10, line_search_fn="strong_wolfe")
 
     def closure():
-        opt.zero_grad()
-        loss = (value_net(obs) - targets).pow(2).mean() + l2_reg * sum(p.pow(2).sum() for p in params)
-        loss.backward()
+        loss, grads = value_loss_and_grad(value_net, obs, targets, l2_reg)
+        for p, g in zip(params, grads):
+            p.grad = g
         return loss
 
     opt.step(closure)
@@ -574,6 +681,8 @@ def validate_args(args: Args) -> None:
         sys.exit("error: --bf16 applies to --policy gpt2 only (the MLP policy runs in float64).")
     if args.tf32 and not args.cuda:
         sys.exit("error: --tf32 applies to CUDA matmuls only; add --cuda.")
+    if args.fvp_impl not in ("auto", "double-backward"):
+        sys.exit(f"error: --fvp-impl must be 'auto' or 'double-backward', not '{args.fvp_impl}'.")
     if args.fvp_subsample < 1:
         sys.exit("error: --fvp-subsample must be >= 1.")
     if args.total_timesteps < 1:
@@ -702,7 +811,9 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
         ls = log_std_of()
         return diag_gaussian_kl(mean.detach(), ls.detach(), mean, ls).sum() / m
 
-    if len(f_parts) == 1:
+    if isinstance(policy, MLPPolicy) and args.fvp_impl == "auto":
+        fvp = make_mlp_fvp(policy, params, [f_enc["obs"][s] for s in f_parts], m, args.damping)
+    elif len(f_parts) == 1:
         fvp = make_fvp(lambda: kl_chunk(f_parts[0]), params, args.damping)
     else:  # too big for one graph: rebuild each chunk's graph in every product
         def fvp(v):
