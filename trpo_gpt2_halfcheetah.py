@@ -129,6 +129,13 @@ class Args:
     """normalised observations are clipped to [-obs_clip, obs_clip]"""
     update_chunk: int = 16384
     """samples per forward/backward chunk in the update (lower it when GPU memory runs out)"""
+    mlp_dtype: str = "float64"
+    """`--policy mlp` only: precision of the policy and value networks and of the whole update, `float64` (the
+    reference's) or `float32` (about twice as fast on a CPU; the rollout buffers are float32 either way)"""
+    fvp_impl: str = "auto"
+    """how the Fisher-vector products are computed (the same product, up to rounding): `auto` = in closed
+    form for `--policy mlp` (J^T M J from one kept forward pass, no double backward) and by differentiating
+    the KL twice for GPT-2; `double-backward` = differentiate the KL twice for every policy"""
 
     # Policy network
     policy: str = "gpt2"
@@ -251,6 +258,101 @@ def make_fvp(kl_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], damp
 
     def fvp(v: torch.Tensor) -> torch.Tensor:
         return flat_grad(torch.dot(grad_kl, v), params, retain_graph=True) + damping * v
+
+    return fvp
+
+
+def tanh_mlp_forward(layers: list[nn.Linear], x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor],
+                                                                      torch.Tensor]:
+    """Forward pass of Linear-tanh-...-Linear kept for the closed-form products below: the input of every
+    layer, tanh'(pre-activation) = 1 - tanh^2 of every hidden layer, and the output."""
+    inputs, dtanh, h = [], [], x
+    for i, layer in enumerate(layers):
+        inputs.append(h)
+        z = torch.addmm(layer.bias, h, layer.weight.T)
+        if i == len(layers) - 1:
+            return inputs, dtanh, z
+        h = torch.tanh(z)
+        dtanh.append(1.0 - h * h)
+    raise ValueError("an MLP needs at least one layer")
+
+
+def tanh_mlp_jvp(layers: list[nn.Linear], inputs: list[torch.Tensor], dtanh: list[torch.Tensor],
+                 tangents: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """J v: the change of the MLP's output along the parameter direction `tangents` ((dW, db) per layer)."""
+    dh = None
+    for i, (layer, (dw, db)) in enumerate(zip(layers, tangents)):
+        dz = torch.addmm(db, inputs[i], dw.T)
+        if dh is not None:
+            dz = torch.addmm(dz, dh, layer.weight.T)
+        if i < len(layers) - 1:
+            dh = dz * dtanh[i]
+    return dz
+
+
+def tanh_mlp_vjp(layers: list[nn.Linear], inputs: list[torch.Tensor], dtanh: list[torch.Tensor],
+                 g: torch.Tensor) -> list[torch.Tensor]:
+    """J^T g: the gradient of sum(g * output) w.r.t. [W0, b0, W1, b1, ...] (backpropagation by hand)."""
+    grads = []
+    for i in reversed(range(len(layers))):
+        grads += [g.sum(0), g.T @ inputs[i]]
+        if i > 0:
+            g = (g @ layers[i].weight) * dtanh[i - 1]
+    return grads[::-1]
+
+
+def mlp_policy_layers(policy: nn.Module) -> list[nn.Linear]:
+    """The Linear layers of an MLPPolicy, input to output (the order of policy.parameters())."""
+    return [m for m in policy.net if isinstance(m, nn.Linear)] + [policy.action_mean]
+
+
+def mlp_forward_numpy(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
+    """The MLP policy's mean in numpy ((weight, bias) arrays per layer, tanh between them), as float32: the
+    rollout's forward for 10 observations, where torch's per-call overhead is ~3x numpy's whole forward."""
+    h = x.astype(layers[0][0].dtype, copy=False)
+    for i, (w, b) in enumerate(layers):
+        h = h @ w.T + b
+        if i < len(layers) - 1:
+            h = np.tanh(h)
+    return h.astype(np.float32)
+
+
+def make_mlp_fvp(policy: nn.Module, params: list[torch.Tensor], obs_chunks: list[torch.Tensor], m: int,
+                 damping: float):
+    """v -> (F + damping I) v for the MLP policy in closed form, F the Fisher information of the Gaussian
+    policy at the current parameters, on the observations `obs_chunks` (m samples in all).
+
+    F is what make_fvp computes (the Hessian of the mean KL(pi_old || pi_theta) at theta = theta_old: its
+    second-derivative-of-the-mean term is multiplied by dKL/dmean = 0 there), written as a Gauss-Newton
+    product: for the mean parameters (1/m) sum_i J_i^T diag(exp(-2 log_std)) J_i v (J_i the Jacobian of
+    sample i's mean), for the log-std 2 v, no cross terms. J v is one forward-mode pass and J^T u one
+    backward pass through activations kept from a single forward, so no graph is built or differentiated
+    twice per product. `params` must hold each of the policy's parameters once (any order)."""
+    layers = mlp_policy_layers(policy)
+    roles = [t for layer in layers for t in (layer.weight, layer.bias)] + [policy.action_log_std]
+    order = [next((j for j, q in enumerate(params) if q is p), None) for p in roles]  # role -> index in params
+    if None in order or len(params) != len(roles):
+        raise ValueError("make_mlp_fvp needs every parameter of the MLP policy once")
+    with torch.no_grad():
+        cache = [tanh_mlp_forward(layers, x)[:2] for x in obs_chunks]
+        precision = torch.exp(-2.0 * policy.action_log_std) / m  # (1, act_dim), the 1/m of the mean included
+    sizes = [p.numel() for p in params]
+
+    def fvp(v: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            given = [t.view_as(p) for t, p in zip(torch.split(v, sizes), params)]
+            parts = [given[j] for j in order]  # W0, b0, W1, b1, ..., log-std
+            tangents = list(zip(parts[0:-1:2], parts[1:-1:2]))
+            out = None
+            for inputs, dtanh in cache:
+                u = tanh_mlp_jvp(layers, inputs, dtanh, tangents) * precision
+                grads = tanh_mlp_vjp(layers, inputs, dtanh, u)
+                out = grads if out is None else [a + b for a, b in zip(out, grads)]
+            out.append(2.0 * parts[-1])
+            back = [None] * len(params)
+            for j, t in zip(order, out):
+                back[j] = t.reshape(-1)
+            return torch.cat(back) + damping * v
 
     return fvp
 
@@ -492,7 +594,10 @@ class ValueNet(nn.Module):
 def fit_value_lbfgs(value_net: ValueNet, obs: torch.Tensor, targets: torch.Tensor, l2_reg: float,
                     max_iter: int = 25) -> float:
     """Fit the value net to the targets by L-BFGS (strong-Wolfe line search) on
-    mean squared error + l2_reg * sum of squared weights. Returns the final loss."""
+    mean squared error + l2_reg * sum of squared weights. Returns the final loss.
+
+    (Measured for issue 17: a hand-written forward/backward of this objective was no faster than autograd's in
+    float64; the ~30 objective evaluations per fit are arithmetic-bound, tanh and the 64x64 products.)"""
     params = list(value_net.parameters())
     opt = torch.optim.LBFGS(params, max_iter=max_iter, history_size=10, line_search_fn="strong_wolfe")
 
@@ -681,6 +786,11 @@ def validate_args(args: Args) -> None:
         (a.eval_episodes >= 1, f"--eval-episodes must be >= 1, got {a.eval_episodes}"),
         (a.torch_threads >= 1, f"--torch-threads must be >= 1, got {a.torch_threads}"),
         (a.progress_every >= 0, f"--progress-every must be >= 0, got {a.progress_every}"),
+        (a.mlp_dtype in ("float64", "float32"), f"--mlp-dtype must be 'float64' or 'float32', not '{a.mlp_dtype}'"),
+        (a.mlp_dtype == "float64" or a.policy == "mlp",
+         "--mlp-dtype applies to --policy mlp only (a GPT-2 policy runs in float32)"),
+        (a.fvp_impl in ("auto", "double-backward"),
+         f"--fvp-impl must be 'auto' or 'double-backward', not '{a.fvp_impl}'"),
         (not a.bf16 or a.policy == "gpt2", "--bf16 applies to --policy gpt2 only (the MLP policy runs in float64)"),
         (not a.tf32 or a.cuda, "--tf32 applies to CUDA matmuls only; add --cuda"),
         (not a.track or importlib.util.find_spec("wandb") is not None,
@@ -882,7 +992,9 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
         ls = log_std_of()
         return diag_gaussian_kl(mean.detach(), ls.detach(), mean, ls).sum() / m
 
-    if len(f_parts) == 1:
+    if isinstance(policy, MLPPolicy) and args.fvp_impl == "auto":
+        fvp = make_mlp_fvp(policy, params, [f_enc["obs"][s] for s in f_parts], m, args.damping)
+    elif len(f_parts) == 1:
         fvp = make_fvp(lambda: kl_chunk(f_parts[0]), params, args.damping)
     else:  # too big for one graph: rebuild each chunk's graph in every product
         def fvp(v):
@@ -903,7 +1015,11 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
     # Backtracking line search on the whole batch: surrogate improvement AND mean KL <= max_kl
     t0 = time.time()
 
+    last: list = [None, None]  # (x, result) of the last evaluation: the accepted step is not evaluated twice
+
     def eval_fn(x):
+        if x is last[0]:  # the parameters are still set to x
+            return last[1]
         set_flat_params(params, x)
         with torch.no_grad():
             mean = torch.cat([policy.mean_from(subset(enc, s)) for s in parts])
@@ -911,7 +1027,8 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
             logp = normal_log_density(actions, mean, ls)
             loss = -(advantages * torch.exp(logp - fixed_logp)).mean()
             kl = diag_gaussian_kl(old_mean, old_log_std, mean, ls).mean()
-        return float(loss), float(kl)
+        last[:] = [x, (float(loss), float(kl))]
+        return last[1]
 
     x0 = flat_params(params)
     loss_before = float(-advantages.mean())  # at the old parameters every ratio is 1
@@ -951,8 +1068,8 @@ def main(args: Args) -> None:
     if args.cuda and args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    # float64 for the MLP (as the reference; cheap), float32 for GPT-2 (its native precision)
-    dtype = torch.float64 if args.policy == "mlp" else torch.float32
+    # float64 for the MLP (as the reference; --mlp-dtype float32 is faster), float32 for GPT-2 (its native precision)
+    dtype = getattr(torch, args.mlp_dtype) if args.policy == "mlp" else torch.float32
     policy = build_policy(args, obs_dim, act_dim).to(device=device, dtype=dtype)
     value_net = ValueNet(obs_dim, args.hidden_size).to(device=device, dtype=dtype)
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -1011,11 +1128,18 @@ def main(args: Args) -> None:
         rollout_start = time.time()
         with torch.no_grad():
             log_std = policy.action_log_std.detach().float().cpu().numpy()[0]
+            # the MLP's forward in numpy (views of the weights, fixed during the rollout): same means, less overhead
+            np_layers = None
+            if isinstance(policy, MLPPolicy) and device.type == "cpu":
+                np_layers = [(lay.weight.detach().numpy(), lay.bias.detach().numpy()) for lay in mlp_policy_layers(policy)]
             for step in range(T):
                 global_step += N
                 obs_buf[step] = next_obs
-                with autocast:
-                    mean = policy(torch.from_numpy(next_obs).to(device=device, dtype=dtype)).float().cpu().numpy()
+                if np_layers is not None:
+                    mean = mlp_forward_numpy(np_layers, next_obs)
+                else:
+                    with autocast:
+                        mean = policy(torch.from_numpy(next_obs).to(device=device, dtype=dtype)).float().cpu().numpy()
                 action = (mean + np.exp(log_std) * torch.randn(mean.shape, dtype=torch.float64).numpy()).astype(
                     np.float32)
                 actions_buf[step] = action  # the unclipped sample (its log-density is what TRPO uses)

@@ -137,6 +137,8 @@ SCRIPTS = {
     "icpi_chain": Script("icpi_chain.py", env_flag="--env", steps_flag="--total-steps", tag="charts/regret",
                          last_n=10, x_label="real environment steps", y_label="regret (normalised)",
                          quick_steps=16, throughput_steps=40, last_fraction=0.25),
+    # Issue 17: SB3-contrib's TRPO, the peer of trpo --policy mlp (benchmark/requirements-peers.txt)
+    "sb3_trpo_halfcheetah": Script("benchmark/sb3_trpo_halfcheetah.py", quick_steps=500, throughput_steps=150_000),
 }
 
 CLEANRL_CP = Ref(490.04, 6.12, "CleanRL ppo.py, 500k steps, 3 seeds")
@@ -168,6 +170,21 @@ SETTINGS: list[S] = [
       refs=(SB3_TRPO_HC, ZOO_TRPO_HC), last_n=30),
     S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "gpt2-2x128-random", 1_000_000, (543, 1, 2), TRPO_2X128,
       refs=(SB3_TRPO_HC, ZOO_TRPO_HC), last_n=30),
+    # Issue 17: deterministic evaluation after 1M steps (mean action, frozen obs statistics, 10 episodes per seed,
+    # env seeds seed+10000...): ours at the reference settings (float64, and --mlp-dtype float32), SB3-contrib's
+    # TRPO at the same settings, and SB3-contrib's TRPO with rl-baselines3-zoo's HalfCheetah hyperparameters.
+    S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "mlp-eval", 1_000_000, (1, 2, 3),
+      ("--policy", "mlp", "--save-model", "--eval-episodes", "10"), refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False,
+      tag="eval/episodic_return", last_n=10),
+    S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "mlp-float32-eval", 1_000_000, (1, 2, 3),
+      ("--policy", "mlp", "--mlp-dtype", "float32", "--save-model", "--eval-episodes", "10"),
+      refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False, tag="eval/episodic_return", last_n=10),
+    S("sb3_trpo_halfcheetah", "HalfCheetah-v5", "sb3-same-settings-eval", 1_000_000, (1, 2, 3),
+      ("--hyperparams", "same", "--eval-episodes", "10"), refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False,
+      tag="eval/episodic_return", last_n=10),
+    S("sb3_trpo_halfcheetah", "HalfCheetah-v5", "sb3-zoo-hyperparams-eval", 1_000_000, (1, 2, 3),
+      ("--hyperparams", "zoo", "--eval-episodes", "10"), refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False,
+      tag="eval/episodic_return", last_n=10),
     S("gpt2ppo_lunar", "LunarLander-v3", "mlp", GPT2PPO_EPOCHS, GPT2PPO_SEEDS, ("--critic", "mlp"),
       refs=(SEED2_LUNAR_PPO, ZOO_LUNAR)),
     S("gpt2ppo_lunar", "LunarLander-v3", "gpt2-stride64", GPT2PPO_EPOCHS, GPT2PPO_SEEDS, STRIDE64,
@@ -224,6 +241,10 @@ class Peer:
     """a file relative to the repository root (None: no peer, just time the script)"""
     peer_flags: tuple[str, ...] = ()
     peer_label: str = ""
+    name: str = ""
+    """issue 17: a name that `--settings` selects (entries without one run only when --settings is empty)"""
+    steps: Optional[int] = None
+    """issue 17: steps per timed run, if not the script's throughput_steps (--throughput-steps overrides both)"""
     peer_thread_limit: bool = True
     """True: the peer gets the same one-thread limit as ours (OMP_NUM_THREADS=1). False: torch's default
     thread count, as CleanRL runs; on a loaded machine that oversubscribes the cores and the peer's
@@ -238,6 +259,13 @@ THROUGHPUT: list[Peer] = [
                                                      "embed"), "trpo_gpt2_halfcheetah.py", ("--policy", "mlp"),
          "trpo --policy mlp"),
     Peer("icpi_chain", "chain", ("--model", "oracle"), None),
+    # issue 17: same settings on both sides (10 envs, 15000 steps per update, CG 10, damping 0.1, max KL 0.01,
+    # 64x64 tanh, obs normalisation, one thread); 150k steps = 10 updates per timed run
+    Peer("trpo_gpt2_halfcheetah", "HalfCheetah-v5", ("--policy", "mlp"), "benchmark/sb3_trpo_halfcheetah.py",
+         ("--hyperparams", "same"), "SB3-contrib 2.9.2 TRPO, same settings", name="mlp", steps=150_000),
+    Peer("trpo_gpt2_halfcheetah", "HalfCheetah-v5", ("--policy", "mlp", "--mlp-dtype", "float32"),
+         "benchmark/sb3_trpo_halfcheetah.py", ("--hyperparams", "same"), "SB3-contrib 2.9.2 TRPO, same settings",
+         name="mlp-float32-eval", steps=150_000),
 ]
 
 
@@ -581,13 +609,14 @@ def throughput(args: Args, harness_cmd: str) -> list[dict]:
     scripts = {n.removesuffix(".py") for n in args.scripts}
     results = []
     for p in THROUGHPUT:
-        if (scripts and p.script not in scripts) or (args.envs and p.env not in args.envs):
+        if (scripts and p.script not in scripts) or (args.envs and p.env not in args.envs) or \
+                (args.settings and p.name not in args.settings):
             continue
         if not present(p.script):
             print(f"skip: {SCRIPTS[p.script].file} not present yet -> throughput skipped", flush=True)
             continue
         info = SCRIPTS[p.script]
-        steps = args.throughput_steps or (info.quick_steps if args.quick else info.throughput_steps)
+        steps = args.throughput_steps or (info.quick_steps if args.quick else (p.steps or info.throughput_steps))
         extra = info.quick_flags if args.quick else ()
         ours_cmd = [sys.executable, script_path(p.script), info.env_flag, p.env, info.steps_flag, str(steps),
                     *p.flags, *extra]
