@@ -789,7 +789,7 @@ class CompletionCache:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         try:
             uri = "file:" + os.path.abspath(self.path) + ("?mode=ro" if readonly else "")
-            self.db = sqlite3.connect(uri, uri=True, check_same_thread=False)
+            self.db = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=60)
             if exists:
                 if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
                     raise sqlite3.DatabaseError("damaged")
@@ -813,6 +813,8 @@ class CompletionCache:
         try:
             with self.lock:
                 row = self.db.execute(f"SELECT completion, tokens FROM {self.TABLE} WHERE key = ?", (key,)).fetchone()
+        except sqlite3.OperationalError as e:  # e.g. locked by another run for over a minute
+            sys.exit(f"error: --cache {self.path} cannot be read now ({e}).")
         except sqlite3.DatabaseError as e:
             self.fail(f"cannot be read ({e})")
         return None if row is None else (row[0], row[1])
@@ -822,6 +824,8 @@ class CompletionCache:
             with self.lock:
                 self.db.execute(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens))
                 self.db.commit()
+        except sqlite3.OperationalError as e:
+            sys.exit(f"error: --cache {self.path} cannot be written now ({e}).")
         except sqlite3.DatabaseError as e:
             self.fail(f"cannot be written ({e})")
 

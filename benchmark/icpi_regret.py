@@ -4,6 +4,7 @@ ICPI with SmolLM2) on chain and maze, several seeds, beside the paper's numbers.
     python benchmark/icpi_regret.py                                   # oracle, matching, tabular-q; 4 seeds
     nice python benchmark/icpi_regret.py --agents smollm2 --envs chain --seeds 1 --steps-chain 40
     nice python benchmark/icpi_regret.py --agents smollm2-bf16          # SmolLM2, 4 seeds, chain and maze
+    python benchmark/icpi_regret.py --from-runs benchmark/out/runs      # table + figure of benchmark/run.py's runs
 
 Each (agent, env, seed) is one run of icpi_chain.py in a scratch folder; the per-episode regrets it
 logged to TensorBoard are merged into benchmark/icpi_regret.json (later invocations add to it), and
@@ -39,6 +40,10 @@ COLORS = {"oracle": "tab:orange", "matching": "tab:blue", "tabular-q": "tab:gree
 PAPER = {  # ICPI with code-davinci-002, read off the paper's figures (reference/icpi.md), 4 seeds
     "chain": "ICPI ~0 by ~40 steps; Tabular Q ~0 by 60-80 (85 steps shown)",
     "maze": "ICPI ~0 by ~120 steps (130 shown)",
+    "distractor-chain": "ICPI ~0.17 (140 steps shown)",
+    "mini-catch": "ICPI ~0.02 at ~300 steps",
+    "mini-invaders": "ICPI ~0.15 by ~170 steps (baselines >= 0.45)",
+    "point-mass": "ICPI ~0.03 at ~300 steps (baselines >= 0.25)",
 }
 
 
@@ -60,6 +65,9 @@ class Config:
     """merged results"""
     plot: str = "benchmark/icpi_regret.png"
     """the figure"""
+    from_runs: str = ""
+    """read the run folders benchmark/run.py made under this folder (icpi_chain__{env}__{setting}__{steps}__seed{n})
+    instead of running anything; writes only the table and the figure"""
 
 
 def read_regrets(run_dir: str) -> list[tuple[int, float]]:
@@ -79,7 +87,23 @@ def curve(regrets: list[tuple[int, float]], total: int, window: int = 10) -> lis
     return out
 
 
+def results_from_runs(runs_dir: str) -> dict:
+    """{env/agent/seed: {steps, regrets}} from benchmark/run.py's completed icpi_chain run folders."""
+    results = {}
+    for folder in sorted(glob.glob(os.path.join(runs_dir, "icpi_chain__*__seed*"))):
+        if not os.path.isfile(os.path.join(folder, "done.json")):
+            continue
+        _, env, agent, steps, seed = os.path.basename(folder).split("__")
+        run = glob.glob(os.path.join(folder, "runs", "*"))
+        if len(run) == 1:
+            results[f"{env}/{agent}/{seed[4:]}"] = {"steps": int(steps), "regrets": read_regrets(run[0])}
+    return results
+
+
 def main(c: Config) -> None:
+    if c.from_runs:
+        report(results_from_runs(c.from_runs), c.plot)
+        return
     results = {}
     if os.path.isfile(c.out):
         with open(c.out) as f:
@@ -114,12 +138,17 @@ def report(results: dict, plot_path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    envs = sorted({k.split("/")[0] for k in results})
-    fig, axes = plt.subplots(1, len(envs), figsize=(5.5 * len(envs), 3.6), squeeze=False)
+    order = ["chain", "distractor-chain", "maze", "mini-catch", "mini-invaders", "point-mass"]
+    envs = sorted({k.split("/")[0] for k in results}, key=lambda e: order.index(e) if e in order else 99)
+    cols = min(3, len(envs))
+    rows = (len(envs) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[len(envs):]:
+        ax.set_visible(False)
     print("\n| env | agent | seeds | real steps | mean regret, first quarter | mean regret, last quarter | "
           "first window (10 steps) with mean regret < 0.05 | paper (code-davinci-002) |")
     print("|---|---|---|---|---|---|---|---|")
-    for ax, env in zip(axes[0], envs):
+    for ax, env in zip(axes.flat, envs):
         agents = sorted({k.split("/")[1] for k in results if k.startswith(env + "/")})
         for agent in agents:
             runs = [v for k, v in results.items() if k.startswith(f"{env}/{agent}/")]

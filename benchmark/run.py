@@ -168,6 +168,9 @@ SETTINGS: list[S] = [
     S("icpi_chain", "maze", "matching", 130, (1, 2, 3, 4), ("--model", "matching"), refs=(ICPI_MAZE,)),
     S("icpi_chain", "maze", "tabular-q", 130, (1, 2, 3, 4), ("--algo", "tabular-q"), refs=(ICPI_MAZE,)),
     S("icpi_chain", "maze", "smollm2", 130, (1, 2, 3, 4), (), refs=(ICPI_MAZE,), quick=False),
+    # SmolLM2 with bfloat16 weights: ~3x faster on this CPU (AMX); the prompts are the original's (issue 13)
+    S("icpi_chain", "chain", "smollm2-bf16", 85, (1, 2, 3, 4), ("--dtype", "bfloat16"), refs=(ICPI_CHAIN,),
+      quick=False),
     # the other four domains of the paper, at the step budgets of its figures (issue 13)
     *[S("icpi_chain", env, name, steps, (1, 2, 3, 4), flags, refs=(ref,))
       for env, steps, ref in (("distractor-chain", 140, ICPI_DCHAIN), ("mini-catch", 300, ICPI_CATCH),
