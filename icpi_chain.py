@@ -1772,7 +1772,8 @@ def main(args: Args) -> None:
     if used == 0:
         print(f"note: {who} was never used: the warm-up acts at random with probability 1 - 1 / (1 + "
               f"exp(2 ({args.min_successes} - episodes))) (--min-successes), and the model needs an example "
-              "of every action, a non-terminal step and a finished episode first; run more --total-steps.")
+              "of every action, a non-terminal step and a finished episode first (no-argmax: a successful one); "
+              "run more --total-steps.")
     if language_model and totals.invalid:
         print(f"warning: {totals.invalid} of {totals.calls + totals.cache_hits} answers were invalid "
               f"({getattr(model, 'malformed', 0)} malformed replies); {totals.fallbacks} predictions stayed "
