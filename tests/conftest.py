@@ -50,6 +50,7 @@ def workdir(tmp_path):
 def build_tiny_gpt2(folder: str, n_layer: int = 2, n_embd: int = 32, n_head: int = 2, n_positions: int = 512) -> str:
     """Save a tiny random GPT-2 and a byte-level BPE tokenizer trained on the spot into `folder`,
     so that `from_pretrained(folder)` exercises the same loading path as a hub model (offline)."""
+    import torch
     from tokenizers import ByteLevelBPETokenizer
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -65,6 +66,7 @@ def build_tiny_gpt2(folder: str, n_layer: int = 2, n_embd: int = 32, n_head: int
                                   eos_token="<|endoftext|>", unk_token="<|endoftext|>")
     config = GPT2Config(vocab_size=len(tok), n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                         n_positions=n_positions, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)  # the same tiny model in every session: tests that read its outputs do not flake
     GPT2LMHeadModel(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder

@@ -325,7 +325,8 @@ def test_hf_scoring_batched_equals_unbatched(tiny_gpt2_dir):
     out = be.complete(reqs)
     assert [o[0] for o in out] == [cands[int(np.argmax([s for s, _ in sc]))] for sc in batched]
     gen = be.complete([ic.Request(r.prompt, 5) for r in reqs])
-    assert len(gen) == 2 and all("\n" not in text and 0 < n <= 8 for text, n in gen)
+    # a random tiny model may emit its end-of-text token first: then the completion is empty (0 tokens kept)
+    assert len(gen) == 2 and all("\n" not in text and 0 <= n <= 8 for text, n in gen)
 
 
 def test_hf_bfloat16_scores_close_to_float32_and_keys_the_cache_apart(tiny_gpt2_dir):
