@@ -1,7 +1,7 @@
 """Profile of one TRPO-MLP update of trpo_gpt2_halfcheetah.py, before and after issue 17, and the rollout
 against the raw stepping rate of the same vector env.
 
-Update (in process): one batch of 15000 HalfCheetah-v5 steps (10 envs, the script's own rollout code path:
+Update (in process): one batch of 15000 HalfCheetah-v5 steps (10 envs, a copy of the script's rollout loop:
 normalised observations, the policy's Gaussian actions) is collected once; then the value fit
 (`fit_value_lbfgs`) and the policy step (`trpo_step`: gradient, CG with Fisher-vector products, line search)
 of two versions of the script run on copies of the SAME networks and batch, alternating, `--repeats` times:
@@ -61,7 +61,8 @@ def make_envs(mod, n: int):
 
 
 def rollout(mod, policy, envs, obs_rms, next_obs, T: int, dtype):
-    """The script's rollout loop (as in main), minus TensorBoard: returns the buffers and the last obs."""
+    """A copy of the script's rollout loop (torch forward of the policy; main() now uses numpy for the MLP), minus
+    TensorBoard: returns the buffers and the last obs. Used to make the batch the update is profiled on."""
     N = envs.num_envs
     obs_dim, act_dim = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
     low, high = envs.single_action_space.low, envs.single_action_space.high
