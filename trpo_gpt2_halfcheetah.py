@@ -116,7 +116,8 @@ class Args:
     cg_tol: float = 1e-10
     """conjugate gradient residual tolerance (squared norm)"""
     fvp_subsample: int = 1
-    """compute the Fisher-vector products on every K-th sample only (OpenAI baselines uses 5)"""
+    """compute the Fisher-vector products on every K-th time step of every env only (1/K of the batch;
+    OpenAI baselines uses every 5th sample)"""
     max_backtracks: int = 10
     """line search: at most this many step halvings"""
     accept_ratio: float = 0.1
@@ -167,8 +168,9 @@ class Args:
     """optional text the policy reads before the state, e.g. "run forward as fast as possible"
     (seed 001's instruction-conditioned LLM policy); tokenized once, not per step"""
     finetune_blocks: int = -1
-    """how many of the last transformer blocks TRPO trains (-1: all, incl. embeddings; 0: none);
-    the head, the state projection and the log-std always train"""
+    """how many of the last transformer blocks TRPO trains, with the final layer norm (-1: all, incl. embeddings;
+    0: none; at most the number of blocks kept, a larger N is an error); the head, the state projection and the
+    log-std always train"""
 
 
 
@@ -727,6 +729,34 @@ def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dic
     return model, tokenizer
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of transformer blocks of a base model of transformers, whatever the family calls it:
+    `layers` (Llama, Qwen2, Mistral, SmolLM, ...), `h` (GPT-2, GPT-J, Falcon, ...), `blocks`, or `layer`."""
+    for name in ("layers", "h", "blocks", "layer"):
+        layers = getattr(model, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"cannot find the list of transformer blocks of {type(model).__name__}")
+
+
+def set_decoder_layers(model: nn.Module, layers: nn.ModuleList) -> None:
+    for name in ("layers", "h", "blocks", "layer"):
+        if isinstance(getattr(model, name, None), nn.ModuleList):
+            setattr(model, name, layers)
+            return
+    raise ValueError(f"cannot find the list of transformer blocks of {type(model).__name__}")
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The layer norm after the last block (`norm` in Llama-like models, `ln_f` in GPT-2); an empty module
+    when the family has none."""
+    for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm"):
+        module = getattr(model, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    return nn.Module()
+
+
 def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[dict] = None) -> nn.Module:
     if args.policy == "mlp":
         return MLPPolicy(obs_dim, act_dim, args.hidden_size)
@@ -738,14 +768,18 @@ def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[d
         # no token enters the model: the token embeddings are unused, so not TRPO parameters
         transformer.get_input_embeddings().weight.requires_grad_(False)
     if args.finetune_blocks >= 0:
+        layers = decoder_layers(transformer)
+        if args.finetune_blocks > len(layers):  # (a negative slice start would wrap around to fewer blocks)
+            sys.exit(f"error: --finetune-blocks {args.finetune_blocks} exceeds the {len(layers)} blocks of the "
+                     f"model; give at most {len(layers)}, or -1 to train all of it (embeddings included).")
         for p in transformer.parameters():
             p.requires_grad_(False)
-        blocks = transformer.h[len(transformer.h) - args.finetune_blocks:] if args.finetune_blocks else []
+        blocks = list(layers)[len(layers) - args.finetune_blocks:] if args.finetune_blocks else []
         for block in blocks:
             for p in block.parameters():
                 p.requires_grad_(True)
         if args.finetune_blocks > 0:
-            for p in transformer.ln_f.parameters():
+            for p in final_norm(transformer).parameters():
                 p.requires_grad_(True)
     return policy.eval()
 
@@ -961,6 +995,16 @@ def chunks(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def fvp_rows(n: int, num_envs: int, k: int) -> torch.Tensor:
+    """The rows of a batch of n samples that the Fisher-vector products use with `--fvp-subsample k`: every
+    k-th time step of EVERY env. The batch is stored time step first (row t * num_envs + e), so a plain
+    stride of k over the rows (what this script did before) kept only the envs e with e % k == 0 when k
+    divides num_envs (k = num_envs: env 0 alone), a biased Fisher estimate; here row r is kept when its
+    time step r // num_envs is a multiple of k, whatever k and num_envs are."""
+    rows = torch.arange(n)
+    return rows if k == 1 else rows[(rows // max(num_envs, 1)) % k == 0]
+
+
 def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions: torch.Tensor,
               advantages: torch.Tensor, args: Args) -> dict:
     """One TRPO policy update on a batch. Returns statistics and the time split."""
@@ -981,9 +1025,9 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
         g += flat_grad(loss_chunk, params)
     t_grad = time.time() - t0
 
-    # Fisher-vector products on every K-th sample: the exact Hessian of the mean KL
+    # Fisher-vector products on every K-th time step of every env: the exact Hessian of the mean KL
     t0 = time.time()
-    fidx = torch.arange(0, n, args.fvp_subsample, device=actions.device)
+    fidx = fvp_rows(n, args.num_envs, args.fvp_subsample).to(actions.device)
     f_enc, m = subset(enc, fidx), fidx.numel()
     f_parts = chunks(m, args.update_chunk)
 
