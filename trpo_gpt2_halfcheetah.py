@@ -33,6 +33,7 @@ finishes the current update, saves a checkpoint when `--save-model` is given, an
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -1190,6 +1191,13 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
         ls = log_std_of()
         return diag_gaussian_kl(mean.detach(), ls.detach(), mean, ls).sum() / m
 
+    # The fused SDPA kernels (--llm-attn sdpa) have neither a double backward nor a forward-mode derivative (CPU
+    # flash kernel, torch 2.x): the products run through SDPA's math backend, the same attention in plain ops.
+    math_attention = contextlib.ExitStack()
+    if getattr(args, "llm_attn", "eager") == "sdpa" and not isinstance(policy, MLPPolicy):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        math_attention.enter_context(sdpa_kernel(SDPBackend.MATH))
     if isinstance(policy, MLPPolicy) and args.fvp_impl == "auto":
         fvp = make_mlp_fvp(policy, params, [f_enc["obs"][s] for s in f_parts], m, args.damping)
     elif args.fvp_impl == "gauss-newton":
@@ -1210,6 +1218,7 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
     fullstep = stepdir / lm
     expected_full = float(-torch.dot(g, stepdir) / lm)
     del fvp
+    math_attention.close()
     t_cg = time.time() - t0
 
     # Backtracking line search on the whole batch: surrogate improvement AND mean KL <= max_kl

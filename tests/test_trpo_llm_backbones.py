@@ -249,3 +249,24 @@ def test_trpo_step_with_gauss_newton_equals_double_backward(tiny_llama_dir):
     assert s_a["accepted"] and s_b["accepted"]
     assert torch.allclose(x_a, x_b, atol=1e-9)
     assert s_a["kl"] == pytest.approx(s_b["kl"], rel=1e-6)
+
+
+def test_sdpa_attention_gives_the_same_step_with_either_product(tiny_llama_dir):
+    """--llm-attn sdpa: the fused kernel has no double backward and no forward-mode derivative on CPU, so the
+    products run through SDPA's math backend; the step equals the eager-attention step."""
+    results = []
+    for impl, attn in (("double-backward", "eager"), ("double-backward", "sdpa"), ("gauss-newton", "sdpa")):
+        torch.manual_seed(0)
+        args = trpo.Args(llm=tiny_llama_dir, llm_init="random", llm_layers=1, llm_embd=8, llm_heads=2, hidden_size=8,
+                         fvp_impl=impl, llm_attn=attn, instruction="run forward", num_envs=4, max_kl=0.05)
+        policy = trpo.build_policy(args, 3, 2).double()
+        assert policy.transformer.config._attn_implementation == attn
+        params = [p for p in policy.parameters() if p.requires_grad]
+        g = torch.Generator().manual_seed(1)
+        obs = torch.randn(16, 3, generator=g, dtype=torch.float64)
+        actions = torch.randn(16, 2, generator=g, dtype=torch.float64)
+        stats = trpo.trpo_step(policy, params, policy.encode(obs), actions,
+                               torch.randn(16, generator=g, dtype=torch.float64), args)
+        assert stats["accepted"]
+        results.append(trpo.flat_params(params))
+    assert torch.allclose(results[0], results[1], atol=1e-8) and torch.allclose(results[0], results[2], atol=1e-8)
