@@ -562,7 +562,8 @@ class MLPPolicy(nn.Module):
 
 
 class GPT2Policy(nn.Module):
-    """GPT-2 as the policy network (seed 000, section 9).
+    """A language model as the policy network (seed 000, section 9): GPT-2 or any causal LM's base model
+    (`transformer`, from AutoModel; only generic attributes are used: config.hidden_size, get_input_embeddings()).
 
     The state enters as `inputs_embeds` (embed: a learned projection of the normalised observation,
     one token or one token per dimension) or as text (the normalised numbers printed and tokenized,
