@@ -270,3 +270,23 @@ def test_sdpa_attention_gives_the_same_step_with_either_product(tiny_llama_dir):
         assert stats["accepted"]
         results.append(trpo.flat_params(params))
     assert torch.allclose(results[0], results[1], atol=1e-8) and torch.allclose(results[0], results[2], atol=1e-8)
+
+
+def test_checkpoint_from_before_issue_12_still_loads(tiny_gpt2_dir, tmp_path):
+    """Older checkpoints stored the GPT-2 config under `gpt2_config`; they load and give the same means."""
+    import numpy as np
+
+    args = trpo.Args(llm=tiny_gpt2_dir)
+    policy = trpo.build_policy(args, 3, 2)
+    rms = trpo.RunningMeanStd(3)
+    rms.update(np.random.default_rng(0).normal(size=(10, 3)))
+    path = str(tmp_path / "new.pt")
+    trpo.save_checkpoint(path, policy, trpo.ValueNet(3), rms, args, 3, 2, "run")
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["gpt2_config"] = ckpt.pop("llm_config")
+    old = str(tmp_path / "old.pt")
+    torch.save(ckpt, old)
+    loaded, _, _ = trpo.load_checkpoint(old)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), policy(x))
