@@ -609,12 +609,12 @@ class GPT2Policy(nn.Module):
 
     def prefix_embeds(self) -> torch.Tensor:
         """Embeddings of the instruction prefix; cached once when the token embeddings are frozen."""
-        wte = self.transformer.get_input_embeddings()
-        if wte.weight.requires_grad:
-            return wte(self.prefix_ids)
+        emb = self.transformer.get_input_embeddings()
+        if emb.weight.requires_grad:
+            return emb(self.prefix_ids)
         if self._prefix_cache is None or self._prefix_cache.device != self.prefix_ids.device:
             with torch.no_grad():
-                self._prefix_cache = wte(self.prefix_ids)
+                self._prefix_cache = emb(self.prefix_ids)
         return self._prefix_cache
 
     def features(self, enc: dict) -> torch.Tensor:
@@ -870,14 +870,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         layers = getattr(model, name, None)
         if isinstance(layers, nn.ModuleList):
             return layers
-    raise ValueError(f"cannot find the list of transformer blocks of {type(model).__name__}")
-
-
-def set_decoder_layers(model: nn.Module, layers: nn.ModuleList) -> None:
-    for name in ("layers", "h", "blocks", "layer"):
-        if isinstance(getattr(model, name, None), nn.ModuleList):
-            setattr(model, name, layers)
-            return
     raise ValueError(f"cannot find the list of transformer blocks of {type(model).__name__}")
 
 
