@@ -168,6 +168,9 @@ def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int 
     import numpy as np
 
     written = []
+    # deterministic evaluations (eval/...) are one batch of episodes at the end of training, not a learning
+    # curve: the table reports them, the plots leave them out
+    rows = [r for r in rows if not r["tag"].startswith("eval/")]
     scripts = sorted({r["script"] for r in rows if r.get("series")},
                      key=lambda s: (script_order.index(s) if s in script_order else 99, s))
     for script in scripts:
