@@ -22,7 +22,6 @@ random actions and nothing else ("raw"), against the script's own rollout loop f
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import json
 import os

@@ -47,12 +47,21 @@ def workdir(tmp_path):
     return str(tmp_path)
 
 
+def train_tiny_tokenizer(corpus: list[str], vocab_size: int, bos: str, eos: str):
+    """A byte-level BPE tokenizer trained on the spot on `corpus` (no download), as a transformers tokenizer."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus, vocab_size=vocab_size, min_frequency=1, special_tokens=list(dict.fromkeys([bos, eos])))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token=bos, eos_token=eos, unk_token=eos)
+
+
 def build_tiny_gpt2(folder: str, n_layer: int = 2, n_embd: int = 32, n_head: int = 2, n_positions: int = 512) -> str:
     """Save a tiny random GPT-2 and a byte-level BPE tokenizer trained on the spot into `folder`,
     so that `from_pretrained(folder)` exercises the same loading path as a hub model (offline)."""
     import torch
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     corpus = [
         "assert state == 3 and state != 4", "state = left()", "state = right()", "reward = try_goal(state)",
@@ -60,10 +69,7 @@ def build_tiny_gpt2(folder: str, n_layer: int = 2, n_embd: int = 32, n_head: int
         "state, reward = reset()", "0 1 2 3 4 5 6 7 8 9 -0.12 3.45 . , ( ) [ ] = == != < > + -",
         "run forward as fast as possible", "C(i=1, j=0) pos vel paddle ball ship aliens",
     ] * 20
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(corpus, vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<|endoftext|>",
-                                  eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    tok = train_tiny_tokenizer(corpus, 400, bos="<|endoftext|>", eos="<|endoftext|>")
     config = GPT2Config(vocab_size=len(tok), n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                         n_positions=n_positions, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)  # the same tiny model in every session: tests that read its outputs do not flake

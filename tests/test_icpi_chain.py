@@ -432,8 +432,6 @@ def test_openai_malformed_reply_is_retried_then_a_counted_fallback(server, tmp_p
 
 
 def test_openai_unreachable_server_is_a_clear_error():
-    import socket
-
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import trpo_gpt2_halfcheetah as trpo
-from conftest import run_script
+from conftest import run_script, train_tiny_tokenizer
 
 SCRIPT = "trpo_gpt2_halfcheetah.py"
 
@@ -59,14 +59,10 @@ def test_fvp_subsample_covers_every_env(num_envs, k, n):
 def build_tiny_llama(folder: str, n_layer: int = 2, hidden: int = 32, heads: int = 4) -> str:
     """A tiny random Llama (LlamaForCausalLM, as a hub checkpoint is saved) and a byte-level BPE tokenizer
     trained on the spot (the recipe of conftest.build_tiny_gpt2), so from_pretrained(folder) works offline."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     corpus = ["0 1 2 3 4 5 6 7 8 9 -0.12 3.45 . , -", "run forward as fast as possible"] * 20
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=1, special_tokens=["<s>", "</s>"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>",
-                                  unk_token="</s>")
+    tok = train_tiny_tokenizer(corpus, 300, bos="<s>", eos="</s>")
     config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=64, num_hidden_layers=n_layer,
                          num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=256,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
