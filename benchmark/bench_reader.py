@@ -15,6 +15,7 @@ import statistics
 from typing import Optional
 
 MARKER = "done.json"
+TRAIN_TAG = "charts/episodic_return"
 
 
 def read_scalars(run_dir: str, tag: str) -> list[tuple[int, float, float]]:
@@ -141,6 +142,10 @@ def make_rows(groups: dict, selected_keys: Optional[set]) -> list[dict]:
         agg = aggregate({seed: d for seed, (d, _) in seeds.items()}, m0["tag"], m0["last_n"],
                         {seed: m["wall_seconds"] for seed, (_, m) in seeds.items()})
         commands = sorted({re.sub(r"(--seed) \d+", r"\1 {seed}", m["command"]) for _, m in seeds.values()})
+        # a deterministic evaluation (eval/...) is one batch of episodes after training: keep the run's training
+        # return beside it, so the row has a learning curve and a training-return number too
+        train = ({str(seed): [(int(st), float(v)) for st, v, _ in read_scalars(d, TRAIN_TAG)]
+                  for seed, (d, _) in seeds.items()} if m0["tag"].startswith("eval/") else {})
         rows.append({
             "script": key[0], "env": key[1], "setting": key[2], "steps": key[3], "seeds": sorted(seeds),
             "flags": m0.get("flags", []), "tag": m0["tag"], "last_n": m0["last_n"],
@@ -158,5 +163,6 @@ def make_rows(groups: dict, selected_keys: Optional[set]) -> list[dict]:
             "code": code_texts([m.get("code") for _, m in seeds.values()], key[0]),
             "finished": max(m["finished"] for _, m in seeds.values()),
             "load": [m["load_at_end"] for _, m in seeds.values() if "load_at_end" in m],
+            **({"train_series": train} if any(train.values()) else {}),
         })
     return rows

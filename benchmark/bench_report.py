@@ -169,7 +169,11 @@ def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int 
 
     written = []
     # deterministic evaluations (eval/...) are one batch of episodes at the end of training, not a learning
-    # curve: the table reports them, the plots leave them out
+    # curve: the table reports them, and the plots draw the training return of the same runs (train_series)
+    # where the row has it, and leave the row out otherwise
+    rows = [dict(r, series=r["train_series"], last_n=r.get("train_last_n", 30), tag="charts/episodic_return",
+                 setting=f"{r['setting']} (training return)", y_label="episodic return (training)")
+            if r["tag"].startswith("eval/") and r.get("train_series") else r for r in rows]
     rows = [r for r in rows if not r["tag"].startswith("eval/")]
     scripts = sorted({r["script"] for r in rows if r.get("series")},
                      key=lambda s: (script_order.index(s) if s in script_order else 99, s))

@@ -25,6 +25,9 @@ import re
 import bench_reader as reader
 
 KINDS = ("rows", "throughput", "speed")
+TRAIN_LAST_N = 30
+"""an evaluation row's training-return number: the mean of the last 30 training episodes (TRPO: 10 envs x 1000-step
+episodes, so the last two 15000-step updates), unless the row says otherwise (`train_last_n`)"""
 
 
 def slug(text: str) -> str:
@@ -118,6 +121,13 @@ def derive(row: dict) -> dict:
         row["per_seed"], row["episodes"] = per_seed, episodes
         if first:
             row["first_mean"], row["first_std"] = reader.mean_std(list(first.values()))
+    train = row.get("train_series") or {}
+    if train and isinstance(next(iter(train.values())), list):
+        train = row["train_series"] = compact_series(train)
+    if train:  # an evaluation row's training return (see bench_reader.make_rows)
+        n = row.setdefault("train_last_n", TRAIN_LAST_N)
+        row.setdefault("extra", {})[f"training return, mean of the last {n} episodes"] = {
+            "per_seed": {seed: reader.final_mean(s["values"], n) for seed, s in train.items()}}
     per_seed = {k: _nan(v) for k, v in row.get("per_seed", {}).items()}
     row["mean"], row["std"] = reader.mean_std(list(per_seed.values()))
     for extra in row.get("extra", {}).values():  # e.g. a deterministic evaluation per seed
@@ -125,6 +135,45 @@ def derive(row: dict) -> dict:
     for key in ("sps", "wall_seconds"):
         row[key] = _nan(row.get(key))
     return row
+
+
+def merge_stored(results_dir: str, row: dict, wanted_seeds) -> dict:
+    """`row` (fresh from the reader) plus the seeds of the stored row with the same key that `row` lacks and the
+    registry still wants, so that running a subset of a setting's seeds (`--seeds 2 3` after seed 1) adds to the
+    stored row instead of replacing it. Only a row of the same measurement (same flags, tag and steps) with episode
+    series is merged; anything else is replaced, as before. The provenance of both is kept (commands, code
+    versions, loads); SPS and wall time become the mean over all the merged seeds."""
+    path = row_path(results_dir, row)
+    if not os.path.isfile(path):
+        return row
+    with open(path) as f:
+        old = json.load(f)
+    old_series = old.get("series") or {}
+    keep = [s for s in old.get("seeds", []) if s in wanted_seeds and s not in row["seeds"] and str(s) in old_series]
+    if not keep or [old.get(k) for k in ("flags", "tag", "steps")] != [row.get(k) for k in ("flags", "tag", "steps")]:
+        return row
+    new = dict(row)
+    for key in ("series", "train_series"):
+        fresh = new.get(key) or {}
+        if fresh and isinstance(next(iter(fresh.values())), list):
+            fresh = compact_series(fresh)
+        kept = {str(s): old[key][str(s)] for s in keep if str(s) in (old.get(key) or {})}
+        if fresh or kept:
+            new[key] = dict(sorted({**kept, **fresh}.items(), key=lambda kv: int(kv[0])))
+    n_old, n_new = len(keep), len(row["seeds"])
+    for key in ("sps", "wall_seconds"):
+        a, b = _nan(old.get(key)), _nan(row.get(key))
+        new[key] = b if a != a else a if b != b else (a * n_old + b * n_new) / (n_old + n_new)
+    new["seeds"] = sorted(set(row["seeds"]) | set(keep))
+    new["merged_seeds"] = {"from the store": sorted(keep), "this collect": sorted(row["seeds"])}
+    for key in ("harness_command", "machine", "versions"):
+        parts = list(dict.fromkeys(p for v in (old.get(key, ""), row.get(key, "")) for p in v.split(" / ") if p))
+        new[key] = " / ".join(parts)
+    for key in ("run_commands", "code", "load"):
+        new[key] = list(dict.fromkeys((old.get(key) or []) + (row.get(key) or [])))
+    new["finished"] = max(old.get("finished", ""), row.get("finished", ""))
+    new["nice"] = row.get("nice") if old.get("nice") == row.get("nice") else f"{old.get('nice')} / {row.get('nice')}"
+    return new
 
 
 def load(results_dir: str) -> dict:

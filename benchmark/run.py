@@ -694,10 +694,13 @@ def throughput(args: Args, harness_cmd: str) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 
 
-def collect(args: Args, selected: list[S]) -> int:
-    """Read the complete runs of the selected settings under --runs-dir into the results store."""
+def collect(args: Args, selected: list[S], registry: Optional[list[S]] = None) -> int:
+    """Read the complete runs of the selected settings under --runs-dir into the results store. Seeds that the
+    store already holds for the same setting, that the registry still lists and that these runs lack are kept
+    (bench_store.merge_stored): `--seeds 2 3` after a seed-1 run gives one 3-seed row."""
     groups = complete_runs(args.runs_dir)
     by_key = {(s.script, s.env, s.name, s.steps): s for s in selected}
+    wanted = {(s.script, s.env, s.name, s.steps): s.seeds for s in (registry or SETTINGS)}
     rows = make_rows(groups, set(by_key))
     for r in rows:
         # the registry decides the metric (a marker written by an older run.py may predate e.g. last_fraction)
@@ -705,6 +708,9 @@ def collect(args: Args, selected: list[S]) -> int:
         info = SCRIPTS[s.script]
         r["last_n"] = s.last_n or info.last_n
         r["last_fraction"] = s.last_fraction if s.last_fraction is not None else info.last_fraction
+        r = store.merge_stored(args.results_dir, r, wanted.get((s.script, s.env, s.name, s.steps), s.seeds))
+        if r.get("merged_seeds"):
+            print(f"collect: seeds {r['merged_seeds']['from the store']} kept from the stored row", flush=True)
         path = store.write_row(args.results_dir, r)
         r = store.derive(r)
         print(f"{r['script']} {r['env']} {r['setting']} {r['steps']:,} steps, seeds {r['seeds']}: "
@@ -822,7 +828,7 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
             print(f"running {len(jobs)} runs, {min(args.workers, len(jobs))} at a time, under {args.runs_dir}",
                   flush=True)
             failed = run_jobs(jobs, args.workers, args.nice, args.timeout)
-    if collect(args, selected):  # from whatever complete runs exist (the script itself may be absent here)
+    if collect(args, selected, registry):  # from whatever complete runs exist (the script itself may be absent here)
         write_report(args, registry)
     if failed:
         print(f"error: {len(failed)} run(s) failed: " + "; ".join(j.label for j in failed), file=sys.stderr)

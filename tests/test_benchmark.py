@@ -319,3 +319,43 @@ def test_collect_takes_the_metric_from_the_registry_not_an_old_marker(tmp_path):
     (row,) = bench.store.load(out["--results-dir"])["rows"]
     # last quarter of 130 steps: step >= 97.5 -> episodes at 100, 110, 120 (1.0) and 125 (0.2) -> 0.8
     assert row["last_fraction"] == 0.25 and row["mean"] == pytest.approx(0.8)
+
+
+def test_collect_merges_a_subset_of_seeds_into_the_stored_row(tmp_path):
+    # an evaluation setting with 3 registry seeds: seed 543 first, then `--seeds 1 2` in another runs folder; the
+    # stored row must end with all three (not be replaced by the 2-seed row), keep both provenances, and carry each
+    # run's training return beside the evaluation (number and curve)
+    s = bench.S("ppo_cartpole", "CartPole-v1", "evalset", 1000, (543, 1, 2), ("--save-model",), tag="eval/episodic_return",
+                last_n=2)
+    out = _store(tmp_path)
+    runs1, runs2 = str(tmp_path / "runs1"), str(tmp_path / "runs2")
+    for runs, seed, evals, train, secs in ((runs1, 543, [10.0, 20.0], [1.0, 2.0, 3.0], 30.0),
+                                          (runs2, 1, [30.0, 50.0], [5.0, 7.0], 10.0),
+                                          (runs2, 2, [0.0, 2.0], [4.0], 20.0)):
+        job = _marker_run(runs, s, seed, evals, seconds=secs)
+        _write_events(os.path.join(job.run_dir, "runs", "train"), "charts/episodic_return", train)
+    assert bench.main(["--mode", "collect", "--runs-dir", runs1, *_flags(out)], registry=[s]) == 0
+    assert bench.main(["--mode", "collect", "--seeds", "1", "2", "--runs-dir", runs2, *_flags(out)], registry=[s]) == 0
+    (row,) = bench.store.load(out["--results-dir"])["rows"]
+    assert row["seeds"] == [1, 2, 543]
+    assert row["per_seed"] == {"1": 40.0, "2": 1.0, "543": 15.0}
+    assert row["mean"] == pytest.approx(56 / 3)
+    assert row["merged_seeds"] == {"from the store": [543], "this collect": [1, 2]}
+    assert row["wall_seconds"] == pytest.approx(20.0)  # (30 + 10 + 20) / 3
+    assert row["harness_command"] == "python benchmark/run.py (test)"  # the same command once, not repeated
+    # training return: mean of the last 30 episodes of charts/episodic_return per seed
+    train = row["extra"]["training return, mean of the last 30 episodes"]
+    assert train["per_seed"] == {"1": 6.0, "2": 4.0, "543": 2.0} and train["mean"] == pytest.approx(4.0)
+    assert ("training return, mean of the last 30 episodes: seed 1: 6.00, seed 2: 4.00, seed 543: 2.00; 4.00 ± 1.63"
+            in open(out["--results-md"]).read())
+    assert os.path.isfile(os.path.join(out["--plots-dir"], "ppo_cartpole.png"))  # the training curve is drawn
+    # a seed the registry no longer lists is dropped; a different measurement (other flags) replaces the row
+    s2 = bench.replace(s, seeds=(1, 2))
+    assert bench.main(["--mode", "collect", "--runs-dir", runs2, *_flags(out)], registry=[s2]) == 0
+    assert bench.store.load(out["--results-dir"])["rows"][0]["seeds"] == [1, 2]
+    path = bench.store.row_path(out["--results-dir"], row)
+    stored = json.load(open(path))
+    stored["seeds"], stored["flags"] = [543], ["--other"]
+    bench.store.dump(stored, path)
+    assert bench.main(["--mode", "collect", "--runs-dir", runs2, *_flags(out)], registry=[s]) == 0
+    assert bench.store.load(out["--results-dir"])["rows"][0]["seeds"] == [1, 2]
