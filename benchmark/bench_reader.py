@@ -146,6 +146,14 @@ def make_rows(groups: dict, selected_keys: Optional[set]) -> list[dict]:
         # return beside it, so the row has a learning curve and a training-return number too
         train = ({str(seed): [(int(st), float(v)) for st, v, _ in read_scalars(d, TRAIN_TAG)]
                   for seed, (d, _) in seeds.items()} if m0["tag"].startswith("eval/") else {})
+        # seconds per update where the script logs them (time/rollout_seconds, time/update_seconds): [rollout, update]
+        # per seed, each the mean over the run's updates
+        timing = {}
+        for seed, (d, _) in seeds.items():
+            ro, up = read_scalars(d, "time/rollout_seconds"), read_scalars(d, "time/update_seconds")
+            if ro and up:
+                timing[str(seed)] = [round(statistics.fmean(v for _, v, _ in ro), 3),
+                                     round(statistics.fmean(v for _, v, _ in up), 3)]
         rows.append({
             "script": key[0], "env": key[1], "setting": key[2], "steps": key[3], "seeds": sorted(seeds),
             "flags": m0.get("flags", []), "tag": m0["tag"], "last_n": m0["last_n"],
@@ -164,5 +172,6 @@ def make_rows(groups: dict, selected_keys: Optional[set]) -> list[dict]:
             "finished": max(m["finished"] for _, m in seeds.values()),
             "load": [m["load_at_end"] for _, m in seeds.values() if "load_at_end" in m],
             **({"train_series": train} if any(train.values()) else {}),
+            **({"seconds_per_update": timing} if timing else {}),
         })
     return rows

@@ -128,6 +128,9 @@ def derive(row: dict) -> dict:
         n = row.setdefault("train_last_n", TRAIN_LAST_N)
         row.setdefault("extra", {})[f"training return, mean of the last {n} episodes"] = {
             "per_seed": {seed: reader.final_mean(s["values"], n) for seed, s in train.items()}}
+    if row.get("seconds_per_update"):  # [rollout, update] seconds per seed (see bench_reader.make_rows)
+        row.setdefault("extra", {})["seconds per update (rollout + update, mean over the run's updates)"] = {
+            "per_seed": {seed: ru[0] + ru[1] for seed, ru in row["seconds_per_update"].items()}}
     per_seed = {k: _nan(v) for k, v in row.get("per_seed", {}).items()}
     row["mean"], row["std"] = reader.mean_std(list(per_seed.values()))
     for extra in row.get("extra", {}).values():  # e.g. a deterministic evaluation per seed
@@ -153,9 +156,9 @@ def merge_stored(results_dir: str, row: dict, wanted_seeds) -> dict:
     if not keep or [old.get(k) for k in ("flags", "tag", "steps")] != [row.get(k) for k in ("flags", "tag", "steps")]:
         return row
     new = dict(row)
-    for key in ("series", "train_series"):
+    for key in ("series", "train_series", "seconds_per_update"):
         fresh = new.get(key) or {}
-        if fresh and isinstance(next(iter(fresh.values())), list):
+        if key != "seconds_per_update" and fresh and isinstance(next(iter(fresh.values())), list):
             fresh = compact_series(fresh)
         kept = {str(s): old[key][str(s)] for s in keep if str(s) in (old.get(key) or {})}
         if fresh or kept:

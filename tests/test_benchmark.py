@@ -334,6 +334,8 @@ def test_collect_merges_a_subset_of_seeds_into_the_stored_row(tmp_path):
                                           (runs2, 2, [0.0, 2.0], [4.0], 20.0)):
         job = _marker_run(runs, s, seed, evals, seconds=secs)
         _write_events(os.path.join(job.run_dir, "runs", "train"), "charts/episodic_return", train)
+        _write_events(os.path.join(job.run_dir, "runs", "t1"), "time/rollout_seconds", [secs / 10, secs / 5])
+        _write_events(os.path.join(job.run_dir, "runs", "t2"), "time/update_seconds", [1.0, 2.0])
     assert bench.main(["--mode", "collect", "--runs-dir", runs1, *_flags(out)], registry=[s]) == 0
     assert bench.main(["--mode", "collect", "--seeds", "1", "2", "--runs-dir", runs2, *_flags(out)], registry=[s]) == 0
     (row,) = bench.store.load(out["--results-dir"])["rows"]
@@ -349,6 +351,9 @@ def test_collect_merges_a_subset_of_seeds_into_the_stored_row(tmp_path):
     assert ("training return, mean of the last 30 episodes: seed 1: 6.00, seed 2: 4.00, seed 543: 2.00; 4.00 ± 1.63"
             in open(out["--results-md"]).read())
     assert os.path.isfile(os.path.join(out["--plots-dir"], "ppo_cartpole.png"))  # the training curve is drawn
+    # seconds per update: mean rollout (secs * 0.15) + mean update (1.5) per seed
+    per_update = row["extra"]["seconds per update (rollout + update, mean over the run's updates)"]["per_seed"]
+    assert per_update == {"1": pytest.approx(3.0), "2": pytest.approx(4.5), "543": pytest.approx(6.0)}
     # a seed the registry no longer lists is dropped; a different measurement (other flags) replaces the row
     s2 = bench.replace(s, seeds=(1, 2))
     assert bench.main(["--mode", "collect", "--runs-dir", runs2, *_flags(out)], registry=[s2]) == 0
