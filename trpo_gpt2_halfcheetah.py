@@ -138,6 +138,10 @@ class Args:
     mlp_dtype: str = "float64"
     """`--policy mlp` only: precision of the policy and value networks and of the whole update, `float64` (the
     reference's) or `float32` (about twice as fast on a CPU; the rollout buffers are float32 either way)"""
+    value_dtype: str = "same"
+    """precision of the value network and its L-BFGS fit: `same` (the policy's: float64 for `--policy mlp` by
+    default, as the reference; float32 for a language-model policy) or `float32` / `float64`. The value fit is about
+    2/3 of a float64 MLP update on a CPU; `float32` halves it (issue 17; the learning entry is in the README)"""
     fvp_impl: str = "auto"
     """how the Fisher-vector products are computed (the same product, up to rounding): `auto` = in closed
     form for `--policy mlp` (J^T M J from one kept forward pass, no double backward) and `gauss-newton` for a
@@ -950,6 +954,8 @@ def validate_args(args: Args) -> None:
         (a.mlp_dtype in ("float64", "float32"), f"--mlp-dtype must be 'float64' or 'float32', not '{a.mlp_dtype}'"),
         (a.mlp_dtype == "float64" or a.policy == "mlp",
          "--mlp-dtype applies to --policy mlp only (a GPT-2 policy runs in float32)"),
+        (a.value_dtype in ("same", "float64", "float32"),
+         f"--value-dtype must be 'same', 'float64' or 'float32', not '{a.value_dtype}'"),
         (a.llm_attn in ("eager", "sdpa"), f"--llm-attn must be 'eager' or 'sdpa', not '{a.llm_attn}'"),
         (a.fvp_impl in ("auto", "double-backward", "gauss-newton"),
          f"--fvp-impl must be 'auto', 'double-backward' or 'gauss-newton', not '{a.fvp_impl}'"),
@@ -1278,7 +1284,8 @@ def main(args: Args) -> None:
     # float64 for the MLP (as the reference; --mlp-dtype float32 is faster), float32 for GPT-2 (its native precision)
     dtype = getattr(torch, args.mlp_dtype) if args.policy == "mlp" else torch.float32
     policy = build_policy(args, obs_dim, act_dim).to(device=device, dtype=dtype)
-    value_net = ValueNet(obs_dim, args.hidden_size).to(device=device, dtype=dtype)
+    value_dtype = dtype if args.value_dtype == "same" else getattr(torch, args.value_dtype)
+    value_net = ValueNet(obs_dim, args.hidden_size).to(device=device, dtype=value_dtype)
     params = [p for p in policy.parameters() if p.requires_grad]
     n_train = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in policy.parameters())
@@ -1372,8 +1379,10 @@ def main(args: Args) -> None:
         update_start = time.time()
         b_obs = torch.from_numpy(obs_buf.reshape(-1, obs_dim)).to(device=device, dtype=dtype)
         with torch.no_grad():
-            values = value_net(b_obs).cpu().numpy().reshape(T, N)
-            next_values = value_net(torch.from_numpy(next_obs_buf.reshape(-1, obs_dim)).to(device=device, dtype=dtype))
+            b_obs_v = b_obs.to(value_dtype)  # the same tensor when the value net has the policy's precision
+            values = value_net(b_obs_v).cpu().numpy().reshape(T, N)
+            next_values = value_net(torch.from_numpy(next_obs_buf.reshape(-1, obs_dim)).to(device=device,
+                                                                                            dtype=value_dtype))
             next_values = next_values.cpu().numpy().reshape(T, N)
         advantages, returns = compute_gae(rewards_buf, values, next_values, terminations_buf, dones_buf,
                                           args.gamma, args.gae_lambda)
@@ -1383,7 +1392,7 @@ def main(args: Args) -> None:
         b_actions = torch.from_numpy(actions_buf.reshape(-1, act_dim)).to(device=device, dtype=dtype)
 
         t0 = time.time()
-        v_loss = fit_value_lbfgs(value_net, b_obs, b_returns, args.l2_reg, args.vf_iters)
+        v_loss = fit_value_lbfgs(value_net, b_obs_v, b_returns.to(value_dtype), args.l2_reg, args.vf_iters)
         t_value = time.time() - t0
         enc = policy.encode(b_obs)  # text encoding: tokenized once per update, not per product
         stats = trpo_step(policy, params, enc, b_actions, b_adv, args)

@@ -184,6 +184,10 @@ SETTINGS: list[S] = [
     S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "mlp-float32-eval", 1_000_000, (1, 2, 3),
       ("--policy", "mlp", "--mlp-dtype", "float32", "--save-model", "--eval-episodes", "10"),
       refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False, tag="eval/episodic_return", last_n=10),
+    # issue 17: the value net and its L-BFGS fit in float32, the policy and the TRPO step in float64 (the default's)
+    S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "mlp-value32-eval", 1_000_000, (1, 2, 3),
+      ("--policy", "mlp", "--value-dtype", "float32", "--save-model", "--eval-episodes", "10"),
+      refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False, tag="eval/episodic_return", last_n=10),
     # Issue 12, section 3 (reduced budget: a 2-block SmolLM2 update takes ~1-2.5 min on this 2-core CPU, so 1M
     # steps x 3 seeds x 3 settings does not fit a session): MLP vs pretrained SmolLM2-135M cut to its first 2
     # blocks vs the same architecture randomly initialised; 150k steps, deterministic evaluation after training.
@@ -289,6 +293,9 @@ THROUGHPUT: list[Peer] = [
     Peer("trpo_gpt2_halfcheetah", "HalfCheetah-v5", ("--policy", "mlp", "--mlp-dtype", "float32"),
          "benchmark/sb3_trpo_halfcheetah.py", ("--hyperparams", "same"), "SB3-contrib 2.9.2 TRPO, same settings",
          name="mlp-float32-eval", steps=150_000),
+    Peer("trpo_gpt2_halfcheetah", "HalfCheetah-v5", ("--policy", "mlp", "--value-dtype", "float32"),
+         "benchmark/sb3_trpo_halfcheetah.py", ("--hyperparams", "same"), "SB3-contrib 2.9.2 TRPO, same settings",
+         name="mlp-value32-eval", steps=150_000),
 ]
 
 
