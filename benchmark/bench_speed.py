@@ -426,6 +426,18 @@ def _script_rollout_seconds(steps: int, seed: int) -> float:
         return reader.read_scalars(cwd, "time/rollout_seconds")[0][1]
 
 
+def trpo_profile_args(argv: list[str]) -> argparse.Namespace:
+    """The flags of kind trpo-profile (a SPEED entry's `flags`)."""
+    ap = argparse.ArgumentParser(prog="--mode speed (kind trpo-profile)")
+    ap.add_argument("--before", default="759e27f", help="git revision of the 'before' script ('none': no column)")
+    ap.add_argument("--after-flags", default="mlp_dtype=float32",
+                    help="comma-separated Args overrides for a third column (empty: none)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps-per-env", type=int, default=1500, help="batch of the profiled update, per env (x 10)")
+    ap.add_argument("--rollout-steps", type=int, default=1500, help="steps per env in the rollout comparison")
+    return ap.parse_args(argv)
+
+
 def trpo_profile(argv: list[str]) -> dict:
     """Update: one batch of `--steps-per-env` x 10 HalfCheetah-v5 steps (random-init MLP policy, the script's
     rollout loop) is collected once; then the value fit and `trpo_step` of the script at `--before` (git show),
@@ -434,14 +446,7 @@ def trpo_profile(argv: list[str]) -> dict:
     slows all alike). Rollout: the bare vector
     env stepped with pre-drawn random actions, alternating with the script's own time/rollout_seconds of a
     one-update run (subprocess) for the same number of steps."""
-    ap = argparse.ArgumentParser(prog="--mode speed (kind trpo-profile)")
-    ap.add_argument("--before", default="759e27f", help="git revision of the 'before' script ('none': no column)")
-    ap.add_argument("--after-flags", default="mlp_dtype=float32",
-                    help="comma-separated Args overrides for a third column (empty: none)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps-per-env", type=int, default=1500, help="batch of the profiled update, per env (x 10)")
-    ap.add_argument("--rollout-steps", type=int, default=1500, help="steps per env in the rollout comparison")
-    a = ap.parse_args(argv)
+    a = trpo_profile_args(argv)
     import numpy as np
     import torch
 
@@ -542,10 +547,8 @@ def _fvp_child(spec: dict) -> dict:
             "trained_params": sum(p.numel() for p in params)}
 
 
-def trpo_fvp(argv: list[str]) -> dict:
-    """One trpo_step (surrogate gradient, 10 CG iterations, line search) per fresh subprocess (so that its peak RSS
-    belongs to one configuration) on a synthetic batch shaped as a real one (N(0, 1) observations, Gaussian
-    actions, standard-normal advantages, seed 0); configurations `impl:attention` alternate, `--repeats` rounds."""
+def trpo_fvp_args(argv: list[str]) -> argparse.Namespace:
+    """The flags of kind trpo-fvp (a SPEED entry's `flags`)."""
     ap = argparse.ArgumentParser(prog="--mode speed (kind trpo-fvp)")
     ap.add_argument("--llm", default="smollm2", help="as the script's --llm (smollm2: pretrained, offline)")
     ap.add_argument("--layers", type=int, default=2, help="the script's --llm-layers")
@@ -555,7 +558,14 @@ def trpo_fvp(argv: list[str]) -> dict:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--configs", default="double-backward:eager,gauss-newton:eager,gauss-newton:sdpa",
                     help="comma-separated fvp-impl:llm-attn pairs; the first is the baseline of the ratios")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def trpo_fvp(argv: list[str]) -> dict:
+    """One trpo_step (surrogate gradient, 10 CG iterations, line search) per fresh subprocess (so that its peak RSS
+    belongs to one configuration) on a synthetic batch shaped as a real one (N(0, 1) observations, Gaussian
+    actions, standard-normal advantages, seed 0); configurations `impl:attention` alternate, `--repeats` rounds."""
+    a = trpo_fvp_args(argv)
     if a.llm == "smollm2":  # convert the GGUF file once here, so that no timed child's peak memory includes it
         sys.path.insert(0, ROOT)
         import trpo_gpt2_halfcheetah as trpo
@@ -585,18 +595,23 @@ def trpo_fvp(argv: list[str]) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
+def trpo_value_dtype_args(argv: list[str]) -> argparse.Namespace:
+    """The flags of kind trpo-value-dtype (a SPEED entry's `flags`)."""
+    ap = argparse.ArgumentParser(prog="--mode speed (kind trpo-value-dtype)")
+    ap.add_argument("--checkpoint", default="", help="a checkpoint (.pt) or a folder holding one")
+    ap.add_argument("--train-steps", type=int, default=150_000, help="without --checkpoint: train one this long")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--steps-per-env", type=int, default=1500, help="the refit batch, per env (x 10)")
+    return ap.parse_args(argv)
+
+
 def trpo_value_dtype(argv: list[str]) -> dict:
     """A `--policy mlp --save-model` checkpoint (`--checkpoint`, a .pt file or a folder holding one, e.g. a harness
     run folder; else one trained here for `--train-steps`), one batch of 1500 x 10 HalfCheetah-v5 steps collected
     with its policy, the GAE returns from its value net, and copies of that value net refitted to them with the
     script's `fit_value_lbfgs` in float64 and in float32: MSE before and after, L-BFGS objective evaluations,
     explained variance, seconds."""
-    ap = argparse.ArgumentParser(prog="--mode speed (kind trpo-value-dtype)")
-    ap.add_argument("--checkpoint", default="", help="a checkpoint (.pt) or a folder holding one")
-    ap.add_argument("--train-steps", type=int, default=150_000, help="without --checkpoint: train one this long")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--steps-per-env", type=int, default=1500, help="the refit batch, per env (x 10)")
-    a = ap.parse_args(argv)
+    a = trpo_value_dtype_args(argv)
     import copy
 
     import torch
