@@ -329,7 +329,8 @@ SPEED: list[Speed] = [
           "SmolLM2-135M first 2 blocks, 8-token instruction prefix (token embeddings trained)"),
     # issue 17: is the L-BFGS value fit worse in float32? On a checkpoint trained by the kind itself (150k steps), and
     # on the 1M-step mlp-eval seed-1 checkpoint (needs that harness run folder: `--scripts trpo_gpt2_halfcheetah
-    # --settings mlp-eval --seeds 1` first; its stored result is imported from the lab tool until then)
+    # --settings mlp-eval --seeds 1` first, once the store merges a subset of seeds into the stored row; its stored
+    # result is imported from the lab tool until then)
     Speed("trpo-value-dtype", "trpo-value-dtype", ("--train-steps", "150000", "--seed", "1"),
           "value fit float64 vs float32, checkpoint trained for 150k steps by the measurement"),
     Speed("trpo-value-dtype-1m", "trpo-value-dtype",
