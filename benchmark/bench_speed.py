@@ -482,8 +482,8 @@ def trpo_profile(argv: list[str]) -> dict:
                 finals[name] = torch.cat([p.detach().double().reshape(-1) for p in [*pol.parameters(),
                                                                                     *vn.parameters()]])
             if r >= 0:
-                print(f"update round {r + 1}: " + "; ".join(f"{n} {v[-1]['update_total']:.3f} s" for n, v in runs.items()),
-                      flush=True)
+                totals = "; ".join(f"{n} {v[-1]['update_total']:.3f} s" for n, v in runs.items())
+                print(f"update round {r + 1}: {totals}", flush=True)
     first = variants[0][0]
     diffs = {n: float((finals[n] - finals[first]).abs().max()) for n in finals if n != first}
     raw_t, script_t = [], []
@@ -844,8 +844,9 @@ def render(entries: list[dict], mid: dict) -> list[str]:
             names = list(s["update"])
             rev = d.get("before_rev")
             head = [f"before ({rev})" if n == "before" else n for n in names]
-            lines += [f"One TRPO update of `--policy mlp` on one batch of {d['batch']} HalfCheetah-v5 steps (random-init "
-                      f"policy), the variants one after another, {d['repeats']} rounds, medians in seconds:", "",
+            lines += [f"One TRPO update of `--policy mlp` on one batch of {d['batch']} HalfCheetah-v5 steps "
+                      f"(random-init policy), the variants one after another, {d['repeats']} rounds, medians in "
+                      "seconds:", "",
                       "| part | " + " | ".join(head) + " |", "|---|" + "---|" * len(names)]
             for k in ("value_fit", "lbfgs_evaluations", "gradient", "cg", "line_search", "update_total", "kl"):
                 digits = {"lbfgs_evaluations": 0, "kl": 6}.get(k, 2)

@@ -323,9 +323,10 @@ SPEED: list[Speed] = [
                                    "--repeats", "2", "--configs",
                                    "double-backward:eager,gauss-newton:eager,gauss-newton:sdpa"),
           "SmolLM2-135M first 2 blocks, one state token"),
-    Speed("trpo-fvp-instruction", "trpo-fvp", ("--llm", "smollm2", "--layers", "2", "--batch", "1000",
-                                               "--fvp-subsample", "1", "--instruction", "run forward as fast as possible",
-                                               "--repeats", "1", "--configs", "double-backward:eager,gauss-newton:eager"),
+    Speed("trpo-fvp-instruction", "trpo-fvp",
+          ("--llm", "smollm2", "--layers", "2", "--batch", "1000", "--fvp-subsample", "1", "--instruction",
+           "run forward as fast as possible", "--repeats", "1", "--configs",
+           "double-backward:eager,gauss-newton:eager"),
           "SmolLM2-135M first 2 blocks, 8-token instruction prefix (token embeddings trained)"),
     # issue 17: is the L-BFGS value fit worse in float32? On a checkpoint trained by the kind itself (150k steps), and
     # on the 1M-step mlp-eval seed-1 checkpoint (needs that harness run folder: `--scripts trpo_gpt2_halfcheetah

@@ -325,7 +325,8 @@ def test_collect_takes_the_metric_from_the_registry_not_an_old_marker(tmp_path):
 # The TRPO speed kinds (trpo-profile, trpo-fvp, trpo-value-dtype), at tiny sizes
 # ----------------------------------------------------------------------------------------------
 
-TRPO_LAB = {"trpo-profile": "trpo_profile_args", "trpo-fvp": "trpo_fvp_args", "trpo-value-dtype": "trpo_value_dtype_args"}
+TRPO_LAB = {"trpo-profile": "trpo_profile_args", "trpo-fvp": "trpo_fvp_args",
+            "trpo-value-dtype": "trpo_value_dtype_args"}
 
 
 def test_trpo_lab_speed_entries_parse_with_their_kinds_flags():
@@ -389,7 +390,8 @@ def test_speed_kind_trpo_value_dtype_tiny(tmp_path, monkeypatch):
     entry = bench.Speed("tiny-value", "trpo-value-dtype", ("--train-steps", "1000", "--steps-per-env", "30"))
     stored, text = _measure(tmp_path, monkeypatch, entry)
     d = stored["data"]
-    assert d["checkpoint"].startswith("trained here: python trpo_gpt2_halfcheetah.py --policy mlp --total-timesteps 1000")
+    assert d["checkpoint"].startswith("trained here: python trpo_gpt2_halfcheetah.py --policy mlp "
+                                      "--total-timesteps 1000 ")
     assert d["batch"] == 300 and list(d["fits"]) == ["float64", "float32"]
     for f in d["fits"].values():
         assert f["mse_after"] < f["mse_before"] and f["evaluations"] > 0 and f["seconds"] > 0
