@@ -7,6 +7,12 @@ kind per script whose cost is not just steps per second, plus the raw GPU output
            another in turn so that a competing process slows all alike
   icpi     model calls, token positions and wall time per real ICPI step: the original's pattern (one
            sampled call per prediction, no cache) against this implementation, same model/buffer/states
+  trpo-profile      one 15000-step MLP update of trpo_gpt2_halfcheetah.py split in parts: the script at an older
+                    git revision against the working tree (and its float32 flag), same batch and networks,
+                    alternating; and its rollout against the bare vector env's stepping rate
+  trpo-fvp          one trpo_step of a language-model policy per fresh process: Gauss-Newton against
+                    double-backward Fisher-vector products (time, peak memory)
+  trpo-value-dtype  the L-BFGS value fit of a trained MLP checkpoint refitted in float64 and float32
 
 Each kind takes its own flags (the SPEED registry entry's `flags`; `--help` via `--speed NAME --speed-help`)
 and returns a JSON-able dict that run.py stores as results/speed/<name>.json; `render` turns stored entries
@@ -295,7 +301,383 @@ def icpi(argv: list[str]) -> dict:
     return {"bench": vars(a), "results": results}
 
 
-KINDS = {"trpo": trpo, "gpt2ppo": gpt2ppo, "icpi": icpi}
+# ----------------------------------------------------------------------------------------------
+# trpo-profile: one MLP update, a git revision of the script against the working tree; rollout vs raw env
+# ----------------------------------------------------------------------------------------------
+
+TRPO_SCRIPT = "trpo_gpt2_halfcheetah.py"
+
+
+def _trpo_module(rev: str | None, tmp: str, name: str):
+    """trpo_gpt2_halfcheetah.py as a module: at git revision `rev` (`git show` into `tmp`), or the working tree."""
+    import importlib.util
+
+    path = os.path.join(ROOT, TRPO_SCRIPT)
+    if rev is not None:
+        path = os.path.join(tmp, f"{name}.py")
+        with open(path, "w") as f:
+            f.write(subprocess.run(["git", "show", f"{rev}:{TRPO_SCRIPT}"], cwd=ROOT, capture_output=True,
+                                   text=True, check=True).stdout)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _halfcheetah_envs(mod, n: int = 10):
+    import gymnasium as gym
+
+    return gym.vector.SyncVectorEnv([mod.make_env("HalfCheetah-v5", i, False, "") for i in range(n)],
+                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+def _mlp_batch(policy, envs, obs_rms, next_obs, T: int) -> tuple:
+    """A copy of the script's rollout loop (torch forward of the policy, float64), minus TensorBoard: T steps of
+    every env -> (obs, next_obs, actions, rewards, terminations, dones), time-step first."""
+    import numpy as np
+    import torch
+
+    N = envs.num_envs
+    obs_dim, act_dim = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
+    low, high = envs.single_action_space.low, envs.single_action_space.high
+    obs_buf, next_obs_buf = np.zeros((T, N, obs_dim), np.float32), np.zeros((T, N, obs_dim), np.float32)
+    actions_buf = np.zeros((T, N, act_dim), np.float32)
+    rewards_buf, terms, dones_buf = (np.zeros((T, N)) for _ in range(3))
+    with torch.no_grad():
+        log_std = policy.action_log_std.detach().double().numpy()[0]
+        for step in range(T):
+            obs_buf[step] = next_obs
+            mean = policy(torch.from_numpy(next_obs).double()).numpy()
+            action = (mean + np.exp(log_std) * torch.randn(mean.shape, dtype=torch.float64).numpy()).astype(np.float32)
+            actions_buf[step] = action
+            raw, reward, term, trunc, infos = envs.step(np.clip(action, low, high))
+            dones = np.logical_or(term, trunc)
+            obs_rms.update(raw)
+            next_obs = obs_rms.normalize(raw)
+            rewards_buf[step], terms[step], dones_buf[step], next_obs_buf[step] = reward, term, dones, next_obs
+            for i in np.flatnonzero(dones):
+                next_obs_buf[step, i] = obs_rms.normalize(infos["final_obs"][i])
+    return obs_buf, next_obs_buf, actions_buf, rewards_buf, terms, dones_buf
+
+
+class _CountLBFGS:
+    """Counts the objective evaluations of every torch.optim.LBFGS.step inside the `with` block."""
+
+    def __enter__(self):
+        import torch
+
+        self.count, self._orig = 0, torch.optim.LBFGS.step
+        outer = self
+
+        def step(opt, closure):
+            def counted():
+                outer.count += 1
+                return closure()
+            return outer._orig(opt, counted)
+
+        torch.optim.LBFGS.step = step
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.optim.LBFGS.step = self._orig
+
+
+def _mlp_update_parts(mod, policy, value_net, batch: tuple, flags: dict, dtype) -> dict:
+    """main()'s update on one batch (GAE, value fit, trpo_step) with module `mod`: seconds per part."""
+    import torch
+
+    obs_buf, next_obs_buf, actions_buf, rewards_buf, terms, dones_buf = batch
+    T, N, obs_dim = obs_buf.shape
+    args = mod.Args(policy="mlp", **flags)
+    b_obs = torch.from_numpy(obs_buf.reshape(-1, obs_dim)).to(dtype)
+    with torch.no_grad():
+        values = value_net(b_obs).numpy().reshape(T, N)
+        next_values = value_net(torch.from_numpy(next_obs_buf.reshape(-1, obs_dim)).to(dtype)).numpy().reshape(T, N)
+    adv, ret = mod.compute_gae(rewards_buf, values, next_values, terms, dones_buf, args.gamma, args.gae_lambda)
+    b_adv = torch.from_numpy(adv.reshape(-1)).to(dtype)
+    b_adv = (b_adv - b_adv.mean()) / (b_adv.std() + 1e-8)
+    b_ret = torch.from_numpy(ret.reshape(-1)).to(dtype)
+    b_act = torch.from_numpy(actions_buf.reshape(-1, actions_buf.shape[-1])).to(dtype)
+    with _CountLBFGS() as lbfgs:
+        t0 = time.perf_counter()
+        mod.fit_value_lbfgs(value_net, b_obs, b_ret, args.l2_reg, args.vf_iters)
+        t_value = time.perf_counter() - t0
+    params = [p for p in policy.parameters() if p.requires_grad]
+    t0 = time.perf_counter()
+    stats = mod.trpo_step(policy, params, policy.encode(b_obs), b_act, b_adv, args)
+    t_step = time.perf_counter() - t0
+    return {"value_fit": t_value, "gradient": stats["grad_seconds"], "cg": stats["cg_seconds"],
+            "line_search": stats["line_search_seconds"], "update_total": t_value + t_step,
+            "lbfgs_evaluations": lbfgs.count, "kl": float(stats["kl"])}
+
+
+def _script_rollout_seconds(steps: int, seed: int) -> float:
+    """time/rollout_seconds of a one-update `--policy mlp` run of the working tree's script (a subprocess)."""
+    import bench_reader as reader
+
+    with tempfile.TemporaryDirectory() as cwd:
+        subprocess.run([sys.executable, os.path.join(ROOT, TRPO_SCRIPT), "--policy", "mlp", "--total-timesteps",
+                        str(steps), "--batch-size", str(steps), "--seed", str(seed), "--torch-threads", "1",
+                        "--no-progress"], cwd=cwd, check=True, capture_output=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
+        return reader.read_scalars(cwd, "time/rollout_seconds")[0][1]
+
+
+def trpo_profile_args(argv: list[str]) -> argparse.Namespace:
+    """The flags of kind trpo-profile (a SPEED entry's `flags`)."""
+    ap = argparse.ArgumentParser(prog="--mode speed (kind trpo-profile)")
+    ap.add_argument("--before", default="759e27f", help="git revision of the 'before' script ('none': no column)")
+    ap.add_argument("--after-flags", default="mlp_dtype=float32",
+                    help="comma-separated Args overrides for a third column (empty: none)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps-per-env", type=int, default=1500, help="batch of the profiled update, per env (x 10)")
+    ap.add_argument("--rollout-steps", type=int, default=1500, help="steps per env in the rollout comparison")
+    return ap.parse_args(argv)
+
+
+def trpo_profile(argv: list[str]) -> dict:
+    """Update: one batch of `--steps-per-env` x 10 HalfCheetah-v5 steps (random-init MLP policy, the script's
+    rollout loop) is collected once; then the value fit and `trpo_step` of the script at `--before` (git show),
+    of the working tree, and of the working tree with `--after-flags`, run on copies of the SAME networks and
+    batch, one after another (after one untimed warm-up update of each), `--repeats` rounds (a competing process
+    slows all alike). Rollout: the bare vector
+    env stepped with pre-drawn random actions, alternating with the script's own time/rollout_seconds of a
+    one-update run (subprocess) for the same number of steps."""
+    a = trpo_profile_args(argv)
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        after = _trpo_module(None, tmp, "trpo_after")
+        variants = [("after", after, {})]
+        if a.before != "none":
+            variants.insert(0, ("before", _trpo_module(a.before, tmp, "trpo_before"), {}))
+        if a.after_flags:
+            variants.append((f"after {a.after_flags}", after, dict(kv.split("=") for kv in a.after_flags.split(","))))
+        torch.manual_seed(1)
+        envs = _halfcheetah_envs(after)
+        obs_dim, act_dim = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
+        obs_rms = after.RunningMeanStd(obs_dim)
+        raw, _ = envs.reset(seed=1)
+        obs_rms.update(raw)
+        policy0, value0 = after.MLPPolicy(obs_dim, act_dim).double(), after.ValueNet(obs_dim).double()
+        batch = _mlp_batch(policy0, envs, obs_rms, obs_rms.normalize(raw), a.steps_per_env)
+        envs.close()
+        runs, finals = {name: [] for name, _, _ in variants}, {}
+        warm_up = tuple(x[:10] for x in batch)  # an untimed update of each variant first (lazy initialisation)
+        for r in [-1, *range(a.repeats)]:
+            for name, mod, flags in variants:
+                dtype = torch.float32 if flags.get("mlp_dtype") == "float32" else torch.float64
+                pol, vn = mod.MLPPolicy(obs_dim, act_dim).to(dtype), mod.ValueNet(obs_dim).to(dtype)
+                pol.load_state_dict(policy0.state_dict())
+                vn.load_state_dict(value0.state_dict())
+                if r < 0:
+                    _mlp_update_parts(mod, pol, vn, warm_up, flags, dtype)
+                    continue
+                runs[name].append(_mlp_update_parts(mod, pol, vn, batch, flags, dtype))
+                finals[name] = torch.cat([p.detach().double().reshape(-1) for p in [*pol.parameters(),
+                                                                                    *vn.parameters()]])
+            if r >= 0:
+                totals = "; ".join(f"{n} {v[-1]['update_total']:.3f} s" for n, v in runs.items())
+                print(f"update round {r + 1}: {totals}", flush=True)
+    first = variants[0][0]
+    diffs = {n: float((finals[n] - finals[first]).abs().max()) for n in finals if n != first}
+    raw_t, script_t = [], []
+    for r in range(a.repeats):
+        envs = _halfcheetah_envs(after)
+        envs.reset(seed=r)
+        low, high = envs.single_action_space.low, envs.single_action_space.high
+        acts = np.random.default_rng(r).uniform(low, high, (a.rollout_steps, 10, act_dim)).astype(np.float32)
+        t0 = time.perf_counter()
+        for i in range(a.rollout_steps):
+            envs.step(acts[i])
+        raw_t.append(time.perf_counter() - t0)
+        envs.close()
+        script_t.append(_script_rollout_seconds(a.rollout_steps * 10, r + 1))
+        print(f"rollout round {r + 1}: raw vector env {raw_t[-1]:.3f} s, script {script_t[-1]:.3f} s", flush=True)
+    return {"before_rev": None if a.before == "none" else a.before, "repeats": a.repeats,
+            "batch": a.steps_per_env * 10, "updates": runs, "max_param_diff_vs_first": diffs,
+            "rollout": {"steps": a.rollout_steps * 10, "raw_seconds": raw_t, "script_seconds": script_t}}
+
+
+# ----------------------------------------------------------------------------------------------
+# trpo-fvp: one trpo_step of a language-model policy, Gauss-Newton vs double-backward products
+# ----------------------------------------------------------------------------------------------
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _fvp_child(spec: dict) -> dict:
+    """One `trpo_step` in this (fresh) process: time, CG time, and peak RSS minus the RSS before the step."""
+    import resource
+
+    import torch
+
+    sys.path.insert(0, ROOT)
+    import trpo_gpt2_halfcheetah as trpo
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    args = trpo.Args(llm=spec["llm"], llm_layers=spec["layers"], fvp_impl=spec["impl"], llm_attn=spec["attn"],
+                     fvp_subsample=spec["fvp_subsample"], num_envs=10, progress=False,
+                     instruction=spec["instruction"] or None)
+    policy = trpo.build_policy(args, 17, 6)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(0)
+    b = spec["batch"]
+    obs, actions, adv = torch.randn(b, 17, generator=g), torch.randn(b, 6, generator=g), torch.randn(b, generator=g)
+    enc = policy.encode(obs)
+    before = _rss_mib()
+    t0 = time.time()
+    stats = trpo.trpo_step(policy, params, enc, actions, adv, args)
+    seconds = time.time() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"seconds": seconds, "cg_seconds": stats["cg_seconds"], "grad_seconds": stats["grad_seconds"],
+            "peak_extra_mib": peak - before, "kl": float(stats["kl"]), "accepted": bool(stats["accepted"]),
+            "trained_params": sum(p.numel() for p in params)}
+
+
+def trpo_fvp_args(argv: list[str]) -> argparse.Namespace:
+    """The flags of kind trpo-fvp (a SPEED entry's `flags`)."""
+    ap = argparse.ArgumentParser(prog="--mode speed (kind trpo-fvp)")
+    ap.add_argument("--llm", default="smollm2", help="as the script's --llm (smollm2: pretrained, offline)")
+    ap.add_argument("--layers", type=int, default=2, help="the script's --llm-layers")
+    ap.add_argument("--batch", type=int, default=3000)
+    ap.add_argument("--fvp-subsample", type=int, default=5)
+    ap.add_argument("--instruction", default="")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--configs", default="double-backward:eager,gauss-newton:eager,gauss-newton:sdpa",
+                    help="comma-separated fvp-impl:llm-attn pairs; the first is the baseline of the ratios")
+    return ap.parse_args(argv)
+
+
+def trpo_fvp(argv: list[str]) -> dict:
+    """One trpo_step (surrogate gradient, 10 CG iterations, line search) per fresh subprocess (so that its peak RSS
+    belongs to one configuration) on a synthetic batch shaped as a real one (N(0, 1) observations, Gaussian
+    actions, standard-normal advantages, seed 0); configurations `impl:attention` alternate, `--repeats` rounds."""
+    a = trpo_fvp_args(argv)
+    if a.llm == "smollm2":  # convert the GGUF file once here, so that no timed child's peak memory includes it
+        sys.path.insert(0, ROOT)
+        import trpo_gpt2_halfcheetah as trpo
+
+        trpo.smollm2_folder()
+    runs: dict = {}
+    for r in range(a.repeats):
+        for cfg in a.configs.split(","):
+            impl, attn = cfg.split(":")
+            spec = {"llm": a.llm, "layers": a.layers, "batch": a.batch, "fvp_subsample": a.fvp_subsample,
+                    "instruction": a.instruction, "impl": impl, "attn": attn}
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--fvp-child", json.dumps(spec)],
+                                  capture_output=True, text=True,
+                                  env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
+            if proc.returncode:
+                raise RuntimeError(f"trpo-fvp {cfg}: {proc.stderr[-2000:]}")
+            runs.setdefault(cfg, []).append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            x = runs[cfg][-1]
+            print(f"round {r + 1} {cfg}: trpo_step {x['seconds']:.2f} s (CG {x['cg_seconds']:.2f} s), peak extra "
+                  f"{x['peak_extra_mib']:.0f} MiB, kl {x['kl']:.6f}", flush=True)
+    return {"llm": a.llm, "layers": a.layers, "batch": a.batch, "fvp_subsample": a.fvp_subsample,
+            "instruction": a.instruction, "runs": runs}
+
+
+# ----------------------------------------------------------------------------------------------
+# trpo-value-dtype: the L-BFGS value fit refitted in float64 and float32 on one batch of a trained policy
+# ----------------------------------------------------------------------------------------------
+
+
+def trpo_value_dtype_args(argv: list[str]) -> argparse.Namespace:
+    """The flags of kind trpo-value-dtype (a SPEED entry's `flags`)."""
+    ap = argparse.ArgumentParser(prog="--mode speed (kind trpo-value-dtype)")
+    ap.add_argument("--checkpoint", default="", help="a checkpoint (.pt) or a folder holding one")
+    ap.add_argument("--train-steps", type=int, default=150_000, help="without --checkpoint: train one this long")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--steps-per-env", type=int, default=1500, help="the refit batch, per env (x 10)")
+    return ap.parse_args(argv)
+
+
+def trpo_value_dtype(argv: list[str]) -> dict:
+    """A `--policy mlp --save-model` checkpoint (`--checkpoint`, a .pt file or a folder holding one, e.g. a harness
+    run folder; else one trained here for `--train-steps`), one batch of 1500 x 10 HalfCheetah-v5 steps collected
+    with its policy, the GAE returns from its value net, and copies of that value net refitted to them with the
+    script's `fit_value_lbfgs` in float64 and in float32: MSE before and after, L-BFGS objective evaluations,
+    explained variance, seconds (after an untimed 2-iteration fit on 100 rows: lazy initialisation)."""
+    a = trpo_value_dtype_args(argv)
+    import copy
+
+    import torch
+
+    sys.path.insert(0, ROOT)
+    import trpo_gpt2_halfcheetah as trpo
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.time()
+        if a.checkpoint:
+            path, made = os.path.join(ROOT, a.checkpoint), f"read from {a.checkpoint}"  # (relative: to the repository)
+        else:
+            cmd = ["--policy", "mlp", "--total-timesteps", str(a.train_steps), "--seed", str(a.seed), "--save-model",
+                   "--torch-threads", "1", "--no-progress"]
+            subprocess.run([sys.executable, os.path.join(ROOT, TRPO_SCRIPT), *cmd], cwd=tmp, check=True,
+                           capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
+            path, made = tmp, "trained here: python trpo_gpt2_halfcheetah.py " + " ".join(cmd)
+        if os.path.isdir(path):
+            found = sorted(glob.glob(os.path.join(path, "**", "trpo_gpt2_halfcheetah.pt"), recursive=True))
+            if not found:
+                raise RuntimeError(f"trpo-value-dtype: no trpo_gpt2_halfcheetah.pt under {path}")
+            path = found[-1]
+        ck = torch.load(path, weights_only=True)
+        train_seconds = time.time() - t0
+    obs_dim, act_dim, ck_args = ck["obs_dim"], ck["act_dim"], ck["args"]
+    pol, vn = trpo.MLPPolicy(obs_dim, act_dim).double(), trpo.ValueNet(obs_dim).double()
+    pol.load_state_dict(ck["policy"])
+    vn.load_state_dict(ck["value"])
+    rms = trpo.RunningMeanStd(obs_dim)
+    rms.load_state_dict({k: v.numpy() if torch.is_tensor(v) else v for k, v in ck["obs_rms"].items()})
+    envs = _halfcheetah_envs(trpo)
+    raw, _ = envs.reset(seed=5)
+    rms.update(raw)
+    torch.manual_seed(5)
+    obs_buf, next_obs_buf, _, rewards, terms, dones = _mlp_batch(pol, envs, rms, rms.normalize(raw), a.steps_per_env)
+    envs.close()
+    T, N, _ = obs_buf.shape
+    with torch.no_grad():
+        values = vn(torch.from_numpy(obs_buf.reshape(-1, obs_dim)).double()).numpy().reshape(T, N)
+        next_values = vn(torch.from_numpy(next_obs_buf.reshape(-1, obs_dim)).double()).numpy().reshape(T, N)
+    _, ret = trpo.compute_gae(rewards, values, next_values, terms, dones, ck_args["gamma"], ck_args["gae_lambda"])
+    fits = {}
+    for dt in (torch.float64, torch.float32):
+        v = copy.deepcopy(vn).to(dt)
+        obs, tg = torch.from_numpy(obs_buf.reshape(-1, obs_dim)).to(dt), torch.from_numpy(ret.reshape(-1)).to(dt)
+        with torch.no_grad():
+            mse_before = float((v(obs) - tg).pow(2).mean())
+        trpo.fit_value_lbfgs(copy.deepcopy(v), obs[:100], tg[:100], ck_args["l2_reg"], 2)  # warm-up, untimed
+        with _CountLBFGS() as lbfgs:
+            t0 = time.perf_counter()
+            mse_after = trpo.fit_value_lbfgs(v, obs, tg, ck_args["l2_reg"], ck_args["vf_iters"])
+            seconds = time.perf_counter() - t0
+        with torch.no_grad():
+            ev = 1 - float((v(obs) - tg).double().var() / tg.double().var())
+        fits[str(dt).removeprefix("torch.")] = f = {"mse_before": mse_before, "mse_after": mse_after,
+                                                    "evaluations": lbfgs.count, "explained_variance": ev,
+                                                    "seconds": seconds}
+        print(f"{dt}: MSE {mse_before:.2f} -> {mse_after:.2f}, {lbfgs.count} objective evaluations, explained "
+              f"variance {ev:.4f}, {seconds:.2f} s", flush=True)
+    return {"checkpoint": made.replace(tmp + os.sep, "<tmp>/"), "checkpoint_seconds": train_seconds,
+            "batch": T * N, "returns_mean": float(ret.mean()), "returns_std": float(ret.std()), "fits": fits}
+
+
+KINDS = {"trpo": trpo, "gpt2ppo": gpt2ppo, "icpi": icpi, "trpo-profile": trpo_profile, "trpo-fvp": trpo_fvp,
+         "trpo-value-dtype": trpo_value_dtype}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,6 +767,23 @@ def summary(entry: dict) -> dict:
                     "speedup": ref["mean_seconds"] / r["mean_seconds"] if ref else None,
                     "token_ratio": ref["mean_forward_tokens"] / r["mean_forward_tokens"] if ref else None}
                 for m, r in res.items()}
+    if kind == "trpo-profile":
+        upd = {v: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for v, rs in d["updates"].items()}
+        base = next(iter(upd.values()))["update_total"]
+        ro = d["rollout"]
+        raw, script = statistics.median(ro["raw_seconds"]), statistics.median(ro["script_seconds"])
+        return {"update": upd, "speedup": {v: base / u["update_total"] for v, u in upd.items()},
+                "rollout": {"raw_s": raw, "script_s": script, "raw_steps_per_s": ro["steps"] / raw,
+                            "script_steps_per_s": ro["steps"] / script, "script_over_raw": script / raw}}
+    if kind == "trpo-fvp":
+        med = {c: {k: statistics.median(x[k] for x in rs) for k in ("seconds", "cg_seconds", "peak_extra_mib", "kl")}
+               for c, rs in d["runs"].items()}
+        base = next(iter(med.values()))
+        for m in med.values():
+            m["speedup"] = base["seconds"] / m["seconds"]
+            m["time_saved_pct"] = 100 * (1 - m["seconds"] / base["seconds"])
+            m["memory_saved_pct"] = 100 * (1 - m["peak_extra_mib"] / base["peak_extra_mib"])
+        return med
     if kind == "trpo-gpu":
         out = {}
         for flags, r in d.items():
@@ -441,6 +840,46 @@ def render(entries: list[dict], mid: dict) -> list[str]:
                 lines += [f"| {n} | {u['value_fit_seconds']:.2f} | {u['grad_seconds']:.2f} | {u['cg_seconds']:.2f} | "
                           f"{u['line_search_seconds']:.2f} | {', '.join(map(str, u['kl']))} |"
                           for n, u in d["update"].items()]
+        elif e["kind"] == "trpo-profile":
+            names = list(s["update"])
+            rev = d.get("before_rev")
+            head = [f"before ({rev})" if n == "before" else n for n in names]
+            lines += [f"One TRPO update of `--policy mlp` on one batch of {d['batch']} HalfCheetah-v5 steps "
+                      f"(random-init policy), the variants one after another, {d['repeats']} rounds, medians in "
+                      "seconds:", "",
+                      "| part | " + " | ".join(head) + " |", "|---|" + "---|" * len(names)]
+            for k in ("value_fit", "lbfgs_evaluations", "gradient", "cg", "line_search", "update_total", "kl"):
+                digits = {"lbfgs_evaluations": 0, "kl": 6}.get(k, 2)
+                lines.append(f"| {k} | " + " | ".join(_fmt(s["update"][n][k], digits) for n in names) + " |")
+            lines.append(f"| speed-up vs {head[0]} | " + " | ".join(f"{s['speedup'][n]:.2f}x" for n in names) + " |")
+            diffs = ", ".join(f"{n} {v:.1e}" for n, v in d["max_param_diff_vs_first"].items())
+            r = s["rollout"]
+            lines += ["", f"Parameters after the update, max difference from {head[0]}: {diffs}.", "",
+                      f"Rollout of {d['rollout']['steps']} steps (medians of {len(d['rollout']['raw_seconds'])}): "
+                      f"the bare 10-env vector env with random actions {r['raw_s']:.2f} s "
+                      f"({r['raw_steps_per_s']:.0f} steps/s), the script's loop {r['script_s']:.2f} s "
+                      f"({r['script_steps_per_s']:.0f} steps/s): {r['script_over_raw']:.2f}x the raw time."]
+        elif e["kind"] == "trpo-fvp":
+            first = next(iter(s))
+            lines += [f"One `trpo_step` per fresh process, `--llm {d['llm']} --llm-layers {d['layers']}`, batch "
+                      f"{d['batch']}, `--fvp-subsample {d['fvp_subsample']}`, instruction {d['instruction']!r}, "
+                      f"synthetic batch; medians; memory = peak RSS minus RSS before the step.", "",
+                      "| fvp-impl:attention | trpo_step s (each round) | of which CG s | peak extra MiB | KL | "
+                      f"time saved vs `{first}` | memory saved |", "|---|---|---|---|---|---|---|"]
+            for c, v in s.items():
+                each = ", ".join(f"{x['seconds']:.1f}" for x in d["runs"][c])
+                lines.append(f"| `{c}` | {v['seconds']:.1f} ({each}) | {v['cg_seconds']:.1f} | "
+                             f"{v['peak_extra_mib']:.0f} | {v['kl']:.5f} | {v['time_saved_pct']:.0f}% | "
+                             f"{v['memory_saved_pct']:.0f}% |")
+        elif e["kind"] == "trpo-value-dtype":
+            lines += [f"Checkpoint: {d['checkpoint']}; one batch of {d.get('batch', 15000)} steps with its policy, "
+                      "its value net refitted by `fit_value_lbfgs` to the GAE returns"
+                      + (f" (mean {d['returns_mean']:.2f}, std {d['returns_std']:.2f})" if "returns_mean" in d else "")
+                      + ".", "", "| dtype | MSE before | MSE after | L-BFGS evaluations | explained variance | "
+                      "seconds |", "|---|---|---|---|---|---|"]
+            lines += [f"| {dt} | {_fmt(f.get('mse_before'))} | {_fmt(f.get('mse_after'))} | {f['evaluations']} | "
+                      f"{_fmt(f.get('explained_variance'), 4)} | {_fmt(f.get('seconds'))} |"
+                      for dt, f in d["fits"].items()]
         elif e["kind"] == "trpo-gpu":
             lines += ["| flags | rollout s per update | update s | CG s | value fit s | gradient s | line search s "
                       "| KL | accepted | peak CUDA memory GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -453,3 +892,10 @@ def render(entries: list[dict], mid: dict) -> list[str]:
                              f"{len(r['charts/step_accepted'])} | {_fmt(r['max_allocated_gib'], 1)} |")
         lines.append("")
     return lines
+
+
+if __name__ == "__main__":  # the child process of kind trpo-fvp (one configuration per process)
+    if len(sys.argv) == 3 and sys.argv[1] == "--fvp-child":
+        print(json.dumps(_fvp_child(json.loads(sys.argv[2]))))
+    else:
+        sys.exit("bench_speed.py is run by benchmark/run.py (--mode speed); alone it only runs a trpo-fvp child")

@@ -301,7 +301,8 @@ THROUGHPUT: list[Peer] = [
 
 @dataclass(frozen=True)
 class Speed:
-    """Speed mode: one measurement of a kind in bench_speed.py (trpo, gpt2ppo, icpi), with that kind's flags."""
+    """Speed mode: one measurement of a kind in bench_speed.py (trpo, gpt2ppo, icpi, trpo-profile, trpo-fvp,
+    trpo-value-dtype), with that kind's flags."""
 
     name: str
     kind: str
@@ -321,6 +322,28 @@ SPEED: list[Speed] = [
           "SmolLM2-135M, float32 on the CPU"),
     Speed("icpi-bf16", "icpi", ("--steps", "3", "--modes", "original,ours,ours-episode-order", "--dtype", "bfloat16"),
           "SmolLM2-135M, bfloat16 weights on the CPU"),
+    # issue 17: one 15000-step MLP update, the script before issue 17 (759e27f) against now (float64, float32)
+    Speed("trpo-profile", "trpo-profile", ("--before", "759e27f", "--after-flags", "mlp_dtype=float32", "--repeats",
+                                           "3"), "one MLP update split, before/after issue 17; rollout vs raw env"),
+    # issue 12: one trpo_step of 2 pretrained SmolLM2 blocks, Gauss-Newton vs double-backward Fisher-vector products
+    Speed("trpo-fvp", "trpo-fvp", ("--llm", "smollm2", "--layers", "2", "--batch", "3000", "--fvp-subsample", "5",
+                                   "--repeats", "2", "--configs",
+                                   "double-backward:eager,gauss-newton:eager,gauss-newton:sdpa"),
+          "SmolLM2-135M first 2 blocks, one state token"),
+    Speed("trpo-fvp-instruction", "trpo-fvp",
+          ("--llm", "smollm2", "--layers", "2", "--batch", "1000", "--fvp-subsample", "1", "--instruction",
+           "run forward as fast as possible", "--repeats", "1", "--configs",
+           "double-backward:eager,gauss-newton:eager"),
+          "SmolLM2-135M first 2 blocks, 8-token instruction prefix (token embeddings trained)"),
+    # issue 17: is the L-BFGS value fit worse in float32? On a checkpoint trained by the kind itself (150k steps), and
+    # on the 1M-step mlp-eval seed-1 checkpoint (needs that harness run folder: `--scripts trpo_gpt2_halfcheetah
+    # --settings mlp-eval --seeds 1` first, once the store merges a subset of seeds into the stored row; its stored
+    # result is imported from the lab tool until then)
+    Speed("trpo-value-dtype", "trpo-value-dtype", ("--train-steps", "150000", "--seed", "1"),
+          "value fit float64 vs float32, checkpoint trained for 150k steps by the measurement"),
+    Speed("trpo-value-dtype-1m", "trpo-value-dtype",
+          ("--checkpoint", "benchmark/out/runs/trpo_gpt2_halfcheetah__HalfCheetah-v5__mlp-eval__1000000__seed1"),
+          "value fit float64 vs float32, the 1M-step mlp-eval seed-1 checkpoint"),
 ]
 
 # ----------------------------------------------------------------------------------------------
@@ -805,7 +828,7 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
             print(f"throughput {p.script} {p.env} {' '.join(p.flags) or '-'} vs {p.peer_file or '(no peer)'} "
                   f"{' '.join(p.peer_flags)}")
         for e in SPEED:
-            print(f"speed {e.name:24s} kind {e.kind:8s} flags {shlex.join(e.flags)}")
+            print(f"speed {e.name:24s} kind {e.kind:16s} flags {shlex.join(e.flags)}")
         return 0
     if args.mode == "report":
         write_report(args, registry)

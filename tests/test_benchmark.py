@@ -364,3 +364,91 @@ def test_collect_merges_a_subset_of_seeds_into_the_stored_row(tmp_path):
     bench.store.dump(stored, path)
     assert bench.main(["--mode", "collect", "--runs-dir", runs2, *_flags(out)], registry=[s]) == 0
     assert bench.store.load(out["--results-dir"])["rows"][0]["seeds"] == [1, 2]
+
+
+# ----------------------------------------------------------------------------------------------
+# The TRPO speed kinds (trpo-profile, trpo-fvp, trpo-value-dtype), at tiny sizes
+# ----------------------------------------------------------------------------------------------
+
+TRPO_LAB = {"trpo-profile": "trpo_profile_args", "trpo-fvp": "trpo_fvp_args",
+            "trpo-value-dtype": "trpo_value_dtype_args"}
+
+
+def test_trpo_lab_speed_entries_parse_with_their_kinds_flags():
+    entries = [e for e in bench.SPEED if e.kind in TRPO_LAB]
+    assert {e.name for e in entries} == {"trpo-profile", "trpo-fvp", "trpo-fvp-instruction", "trpo-value-dtype",
+                                         "trpo-value-dtype-1m"}
+    for e in entries:
+        assert e.kind in bench.speed.KINDS
+        getattr(bench.speed, TRPO_LAB[e.kind])(list(e.flags))  # argparse exits on an unknown or malformed flag
+    profile = bench.speed.trpo_profile_args(list(next(e for e in entries if e.name == "trpo-profile").flags))
+    assert (profile.before, profile.repeats, profile.steps_per_env) == ("759e27f", 3, 1500)
+
+
+def _measure(tmp_path, monkeypatch, entry):
+    monkeypatch.setattr(bench, "SPEED", [entry])
+    out = _store(tmp_path)
+    assert bench.main(["--mode", "speed", "--speed", entry.name, *_flags(out)]) == 0
+    (stored,) = bench.store.load(out["--results-dir"])["speed"]
+    assert stored["name"] == entry.name and stored["kind"] == entry.kind and stored["source"] == "harness"
+    assert stored["flags"] == list(entry.flags) and stored["seconds"] > 0
+    return stored, open(out["--results-md"]).read()
+
+
+def test_speed_kind_trpo_profile_tiny(tmp_path, monkeypatch):
+    # HEAD's script against the working tree (git show), plus float32; 30 x 10 steps, one round
+    entry = bench.Speed("tiny-profile", "trpo-profile", ("--before", "HEAD", "--repeats", "1", "--steps-per-env", "30",
+                                                        "--rollout-steps", "30"))
+    stored, text = _measure(tmp_path, monkeypatch, entry)
+    d = stored["data"]
+    assert list(d["updates"]) == ["before", "after", "after mlp_dtype=float32"] and d["batch"] == 300
+    for runs in d["updates"].values():
+        (r,) = runs
+        assert set(r) == {"value_fit", "gradient", "cg", "line_search", "update_total", "lbfgs_evaluations", "kl"}
+        assert r["update_total"] > 0 and r["lbfgs_evaluations"] > 0 and 0 < r["kl"] < 0.05
+    assert d["max_param_diff_vs_first"]["after"] < 1e-10  # the same code on the same batch and networks
+    s = bench.speed.summary(stored)
+    assert s["speedup"]["before"] == 1.0 and s["rollout"]["raw_steps_per_s"] > 0 and s["rollout"]["script_s"] > 0
+    assert "### tiny-profile (trpo-profile; machine M" in text and "| part | before (HEAD) | after |" in text
+    assert "| update_total |" in text and "Rollout of 300 steps" in text
+
+
+def test_speed_kind_trpo_fvp_tiny(tmp_path, monkeypatch, tiny_gpt2_dir):
+    # one trpo_step per fresh process on the tiny GPT-2, both products: same KL, positive time and memory
+    entry = bench.Speed("tiny-fvp", "trpo-fvp", ("--llm", tiny_gpt2_dir, "--batch", "40", "--fvp-subsample", "1",
+                                                "--repeats", "1", "--configs",
+                                                "double-backward:eager,gauss-newton:eager"))
+    stored, text = _measure(tmp_path, monkeypatch, entry)
+    runs = stored["data"]["runs"]
+    assert list(runs) == ["double-backward:eager", "gauss-newton:eager"]
+    (db,), (gn,) = runs.values()
+    for r in (db, gn):
+        assert r["seconds"] > 0 and r["cg_seconds"] > 0 and r["peak_extra_mib"] >= 0 and r["trained_params"] > 0
+    assert gn["kl"] == pytest.approx(db["kl"], rel=1e-4)
+    s = bench.speed.summary(stored)
+    assert s["double-backward:eager"]["time_saved_pct"] == 0
+    assert "### tiny-fvp (trpo-fvp; machine M" in text and "| `gauss-newton:eager` |" in text
+
+
+def test_speed_kind_trpo_value_dtype_tiny(tmp_path, monkeypatch):
+    # a checkpoint trained by the kind (1000 steps), refitted in float64 and float32
+    entry = bench.Speed("tiny-value", "trpo-value-dtype", ("--train-steps", "1000", "--steps-per-env", "30"))
+    stored, text = _measure(tmp_path, monkeypatch, entry)
+    d = stored["data"]
+    assert d["checkpoint"].startswith("trained here: python trpo_gpt2_halfcheetah.py --policy mlp "
+                                      "--total-timesteps 1000 ")
+    assert d["batch"] == 300 and list(d["fits"]) == ["float64", "float32"]
+    for f in d["fits"].values():
+        assert f["mse_after"] < f["mse_before"] and f["evaluations"] > 0 and f["seconds"] > 0
+        assert f["mse_after"] == pytest.approx(d["fits"]["float64"]["mse_after"], rel=1e-2)
+    assert "### tiny-value (trpo-value-dtype; machine M" in text and "| float32 |" in text
+
+
+def test_imported_value_dtype_row_renders():
+    # the 1M-step result, imported from the lab tool until its checkpoint exists again, renders without timings
+    data = bench.store.load(os.path.join(ROOT, "benchmark", "results"))
+    (e,) = [e for e in data["speed"] if e["name"] == "trpo-value-dtype-1m"]
+    assert e["source"] == "imported" and e["imported"]["command"]
+    text = "\n".join(bench.speed.render([e], {}))
+    assert "imported: `OMP_NUM_THREADS=1 python benchmark/trpo_value_fit_dtype.py" in text
+    assert "| float32 | 361.25 | 199.48 | 28 | 0.9618 | n/a |" in text
