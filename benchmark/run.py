@@ -293,9 +293,6 @@ THROUGHPUT: list[Peer] = [
     Peer("trpo_gpt2_halfcheetah", "HalfCheetah-v5", ("--policy", "mlp", "--mlp-dtype", "float32"),
          "benchmark/sb3_trpo_halfcheetah.py", ("--hyperparams", "same"), "SB3-contrib 2.9.2 TRPO, same settings",
          name="mlp-float32-eval", steps=150_000),
-    Peer("trpo_gpt2_halfcheetah", "HalfCheetah-v5", ("--policy", "mlp", "--value-dtype", "float32"),
-         "benchmark/sb3_trpo_halfcheetah.py", ("--hyperparams", "same"), "SB3-contrib 2.9.2 TRPO, same settings",
-         name="mlp-value32-eval", steps=150_000),
 ]
 
 
