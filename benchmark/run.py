@@ -184,6 +184,11 @@ SETTINGS: list[S] = [
     S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "mlp-float32-eval", 1_000_000, (1, 2, 3),
       ("--policy", "mlp", "--mlp-dtype", "float32", "--save-model", "--eval-episodes", "10"),
       refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False, tag="eval/episodic_return", last_n=10),
+    # issue 12: the small random GPT-2 rerun after the --fvp-subsample fix (every 5th time step of every env, not envs
+    # 0 and 5 only), with the deterministic evaluation; the training return is kept beside it (train_series)
+    S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "gpt2-2x128-random-eval", 1_000_000, (543, 1, 2),
+      TRPO_2X128 + ("--save-model", "--eval-episodes", "10"), refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False,
+      tag="eval/episodic_return", last_n=10),
     # issue 17: the value net and its L-BFGS fit in float32, the policy and the TRPO step in float64 (the default's)
     S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "mlp-value32-eval", 1_000_000, (1, 2, 3),
       ("--policy", "mlp", "--value-dtype", "float32", "--save-model", "--eval-episodes", "10"),
