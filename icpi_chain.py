@@ -1772,16 +1772,18 @@ def shaped_value_iteration(domain: Domain, states: list, gamma: float, potential
                            iters: int = 500) -> dict:
     """Exact Q by value iteration on the deterministic dynamics, no time limit, with the reward plus
     shaping_bonus(potential) (potential None: no shaping). For tests of policy invariance."""
-    phi = potential or (lambda s: 0.0)
-    q = {(s, a): 0.0 for s in states for a in range(domain.n_actions)}
+    phi = {s: potential(s) if potential else 0.0 for s in states}
+    steps = {(s, a): domain.step(s, a, None) for s in states for a in range(domain.n_actions)}
+    q = {key: 0.0 for key in steps}
     for _ in range(iters):
         new = {}
-        for s in states:
-            for a in range(domain.n_actions):
-                s2, r, term = domain.step(s, a, None)
-                nxt = 0.0 if term else max(q[(s2, b)] for b in range(domain.n_actions))
-                new[(s, a)] = r + shaping_bonus(phi(s), 0.0 if term else phi(s2), gamma, term) + gamma * nxt
+        for (s, a), (s2, r, term) in steps.items():
+            nxt = 0.0 if term else max(q[(s2, b)] for b in range(domain.n_actions))
+            new[(s, a)] = r + shaping_bonus(phi[s], 0.0 if term else phi[s2], gamma, term) + gamma * nxt
+        done = max(abs(new[k] - q[k]) for k in q) < 1e-12
         q = new
+        if done:
+            break
     return q
 
 

@@ -211,6 +211,43 @@ def test_invalid_judgements_are_reported_and_stop_the_run_past_max_invalid(tmp_p
         httpd.server_close()
 
 
+class _Judge(BaseHTTPRequestHandler):
+    """A completions server that gives valid judgements: advice `state = right()`, potential ` Yes`."""
+    prompts: list = []
+
+    def do_POST(self):
+        prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+        _Judge.prompts.append(prompt)
+        text = "state = right()" if prompt.endswith("Best action:\n") else " Yes"
+        data = json.dumps({"choices": [{"text": text}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_both_learners_run_with_an_openai_server(tmp_path):
+    httpd = HTTPServer(("127.0.0.1", 0), _Judge)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        for algo in ("llm-advisor", "llm-reward"):
+            _Judge.prompts = []
+            (tmp_path / algo).mkdir()
+            proc = run_script("icpi_chain.py", "--algo", algo, "--model", "openai:judge", "--advice-prob", "1",
+                              "--base-url", f"http://127.0.0.1:{httpd.server_port}/v1", "--env", "chain",
+                              "--total-steps", "30", "--no-cache", "--no-progress", cwd=str(tmp_path / algo))
+            assert "invalid 0, fallbacks 0" in proc.stdout
+            assert 1 <= len(_Judge.prompts) == len(set(_Judge.prompts)) <= 8  # each state's prompt asked once
+            assert all(p.startswith("Task: The state is a position on a line") for p in _Judge.prompts)
+        assert "shaping: Phi judged for" in proc.stdout and "judgements from 0.693 to 0.693" in proc.stdout
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_bad_llm_learner_flags_exit_with_one_sentence(tmp_path):
     for kw, needle in [({"advice_prob": 0.0}, "--advice-prob"), ({"advice_prob": 1.5}, "--advice-prob"),
                        ({"advice_prob": -0.2}, "--advice-prob"), ({"advice_decay": 0.0}, "--advice-decay"),
