@@ -49,6 +49,9 @@ Rollouts run in lockstep with batched, cached calls: the same predictions as one
     python icpi_chain.py --env maze --model matching
     python icpi_chain.py --env chain --total-steps 40                 # SmolLM2 on CPU, slow
     python icpi_chain.py --model openai:Qwen/Qwen2.5-7B --base-url http://gpu-box:8000/v1
+    python icpi_chain.py --algo llm-advisor --model oracle --env maze --total-steps 130
+    python icpi_chain.py --algo llm-reward --env chain --total-steps 85     # SmolLM2 judges 8 states: ~1 minute
+    python icpi_chain.py --algo llm-reward --env chain --total-steps 85 --no-task-description
 """
 
 from __future__ import annotations
