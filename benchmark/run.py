@@ -270,6 +270,15 @@ SETTINGS: list[S] = [
 ]
 
 
+def _llm_learner(name: str) -> bool:
+    return name.startswith("llm-") or name.endswith("-init0")
+
+
+# settings split over several PNGs (bench_report.plot): issue 14's learners get their own figure, with tabular-q
+PLOT_GROUPS = {"icpi_chain": [("", lambda name: not _llm_learner(name)),
+                              ("llm_learners", lambda name: _llm_learner(name) or name == "tabular-q")]}
+
+
 @dataclass(frozen=True)
 class Peer:
     """Throughput mode: `ours` and `peer` run alternately on the same budget; the ratio is printed."""
@@ -744,7 +753,7 @@ def write_report(args: Args, registry: list[S]) -> None:
         f.write(report.render(data, order))
     print(f"wrote {args.results_md} ({len(data['rows'])} rows, {len(data['throughput'])} throughput, "
           f"{len(data['speed'])} speed entries)", flush=True)
-    for path in report.plot(data["rows"], args.plots_dir, list(SCRIPTS)):
+    for path in report.plot(data["rows"], args.plots_dir, list(SCRIPTS), groups=PLOT_GROUPS):
         print(f"wrote {path}", flush=True)
 
 
