@@ -20,7 +20,7 @@ optimal return per start state, so every episode reports its regret. Model backe
 `--algo tabular-q` and `--algo no-argmax` are the paper's other baselines.
 
 Seed 001's LLM-as-advisor and LLM-as-reward, on the same domains (issue 14); both are the tabular-q learner
-(learning rate 1, optimistic initial values 1, the same warm-up) with the model's judgements of single states:
+(learning rate 1, untried pairs at --q-init, default 1, the same warm-up) with the model's judgements of states:
   * `--algo llm-advisor`: with probability p_t = advice_prob * advice_decay^(finished episodes) the agent
     takes the action the model ranks first for the current state; otherwise it acts as tabular-q does.
   * `--algo llm-reward`: Q-learning on the reward plus F = gamma Phi(s') - Phi(s), Phi(terminal) = 0: the
@@ -101,7 +101,7 @@ class Args:
     """llm-reward: Phi(s) = shaping_scale * the model's log-odds that s is good (oracle: * V*(s)); > 0"""
     q_init: float = 1.0
     """tabular-q, llm-advisor, llm-reward: the Q value of a (state, action) not tried yet (the original's
-    optimistic 1; with shaping, Q is the shaped value, so this is the init of Q - Phi)"""
+    optimistic 1); llm-reward learns the shaped Q, so its start acts as q_init + Phi(s) would without shaping"""
     task_description: bool = True
     """llm-advisor, llm-reward: start the judgement prompts with the domain's task description
     (`--no-task-description`: the same prompts and scoring without it)"""
@@ -1749,7 +1749,8 @@ def shaping_bonus(phi_s: float, phi_next: float, gamma: float, terminal: bool) -
     under reward transformations", ICML 1999): along any trajectory the bonuses telescope to -Phi(s_0) plus a
     term that vanishes at the end, so Q*_shaped(s, a) = Q*(s, a) - Phi(s) and the optimal policy is unchanged.
     That needs Phi = 0 at a terminal next state (otherwise ending the episode would earn gamma Phi(s'), which
-    no later step pays back); a time-out is not terminal and keeps its Phi(s')."""
+    no later step pays back); a time-out is not terminal and keeps its Phi(s'). With learning rate 1, as here,
+    shaping is the same as starting Q at q_init + Phi(s) (Wiewiora, JAIR 2003): it changes the exploration."""
     return gamma * (0.0 if terminal else phi_next) - phi_s
 
 
@@ -1894,6 +1895,8 @@ def check_llm_learner_args(args: Args) -> None:
         sys.exit(f"error: --advice-decay is a factor per episode in (0, 1], got {args.advice_decay:g}.")
     if not (math.isfinite(args.shaping_scale) and args.shaping_scale > 0):
         sys.exit(f"error: --shaping-scale must be a positive finite number, got {args.shaping_scale:g}.")
+    if not math.isfinite(args.q_init):
+        sys.exit(f"error: --q-init must be a finite number, got {args.q_init:g}.")
 
 
 def main(args: Args) -> None:

@@ -253,7 +253,7 @@ def test_bad_llm_learner_flags_exit_with_one_sentence(tmp_path):
                        ({"advice_prob": -0.2}, "--advice-prob"), ({"advice_decay": 0.0}, "--advice-decay"),
                        ({"advice_decay": 1.01}, "--advice-decay"), ({"shaping_scale": 0.0}, "--shaping-scale"),
                        ({"shaping_scale": -1.0}, "--shaping-scale"), ({"shaping_scale": float("inf")}, "--shaping-scale"),
-                       ({"advice_prob": float("nan")}, "--advice-prob"),
+                       ({"advice_prob": float("nan")}, "--advice-prob"), ({"q_init": float("nan")}, "--q-init"),
                        ({"algo": "llm-advisor", "model": "matching"}, "cannot judge a state")]:
         with pytest.raises(SystemExit) as e:
             ic.check_llm_learner_args(ic.Args(**kw))
