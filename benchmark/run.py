@@ -278,9 +278,12 @@ def _llm_learner(name: str) -> bool:
     return name.startswith("llm-") or "-init" in name
 
 
-# settings split over several PNGs (bench_report.plot): issue 14's learners get their own figure, with tabular-q
+# settings split over several PNGs (bench_report.plot): issue 14's learners get two figures of their own, the
+# default learners (optimistic 1) with tabular-q and the control, and the --q-init 0 learners
 PLOT_GROUPS = {"icpi_chain": [("", lambda name: not _llm_learner(name)),
-                              ("llm_learners", lambda name: _llm_learner(name) or name == "tabular-q")]}
+                              ("llm_learners", lambda name: (_llm_learner(name) and not name.endswith("-init0"))
+                               or name == "tabular-q"),
+                              ("llm_learners_init0", lambda name: name.endswith("-init0"))]}
 
 
 @dataclass(frozen=True)
