@@ -82,3 +82,41 @@ def build_tiny_gpt2(folder: str, n_layer: int = 2, n_embd: int = 32, n_head: int
 def tiny_gpt2_dir(tmp_path_factory):
     """A folder holding a tiny GPT-2 (2 layers, width 32) and its tokenizer, built once per session."""
     return build_tiny_gpt2(str(tmp_path_factory.mktemp("tiny_gpt2")))
+
+
+class FixedTextModel:
+    """A stand-in language model for icpi_chain.py's Agent: answers every request with `text` (None: a malformed
+    reply), recording the requests."""
+    name = "fixed"
+
+    def __init__(self, text):
+        self.text, self.requests = text, []
+
+    def count_tokens(self, s):
+        import icpi_chain
+
+        return icpi_chain.simple_token_count(s)
+
+    def complete(self, reqs):
+        self.requests += reqs
+        return [None if self.text is None else (self.text, 1) for _ in reqs]
+
+
+def completions_handler(reply):
+    """An OpenAI-compatible /v1/completions handler class for http.server whose answer text is `reply(prompt)`."""
+    import json
+    from http.server import BaseHTTPRequestHandler
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"]))).get("prompt", "")
+            data = json.dumps({"choices": [{"text": reply(prompt)}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    return Handler

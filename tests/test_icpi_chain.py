@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import icpi_chain as ic
-from conftest import only_run_dir, read_scalars, run_script
+from conftest import FixedTextModel, only_run_dir, read_scalars, run_script
 
 # The six domains, their texts and prompts are checked byte for byte against outputs recorded from
 # the original code in tests/test_icpi_original.py; this file checks the rest.
@@ -646,38 +646,23 @@ def test_a_short_run_says_why_the_model_was_not_used(tmp_path):
     assert "the model chose 0 of 5 actions" in proc.stdout and "note: the model was never used" in proc.stdout
 
 
-class _Recorder:
-    """A stand-in language model that records its requests and answers with a fixed text."""
-    name = "recorder"
-
-    def __init__(self, text):
-        self.text, self.requests = text, []
-
-    def count_tokens(self, s):
-        return ic.simple_token_count(s)
-
-    def complete(self, reqs):
-        self.requests += reqs
-        return [(self.text, 1) for _ in reqs]
-
-
 def test_language_model_requests_follow_the_original():
     eps = [[T((3,), 2, 0, False, (4,)), T((4,), 1, 1, True, (4,))]]
     for algo, temperature in (("icpi", 0.1), ("no-argmax", 0.0)):
-        rec = _Recorder("state = right()")
+        rec = FixedTextModel("state = right()")
         a = ic.Agent(ic.Chain(), rec, ic.Args(model="openai:x", algo=algo, no_cache=True), np.random.default_rng(0))
         a.add_episode(ic.Episode(eps[0]))
         assert a.predict("policy", [{"state": (5,)}]) == [2]
         assert rec.requests[-1].temperature == temperature        # original: Pi samples at temperature 0
         assert rec.requests[-1].stop == "\n" and rec.requests[-1].prompt.endswith(
             "\nstate, reward = reset()\nassert state == [5] and state != [4]\n")
-    rec = _Recorder("assert reward == 0")
+    rec = FixedTextModel("assert reward == 0")
     a = ic.Agent(ic.Chain(), rec, ic.Args(model="openai:x", no_cache=True), np.random.default_rng(0))
     a.add_episode(ic.Episode(eps[0]))
     assert a.predict("reward", [{"state": (5,), "action": 2, "done": True}]) == [0]
     assert rec.requests[-1].prompt == "assert state == [5] and state != [4]\nstate = right()\n"  # query alone
     inv = ic.MiniInvaders()
-    rec = _Recorder("assert reward == 1\nfor a in aliens:\n    a.descend")
+    rec = FixedTextModel("assert reward == 1\nfor a in aliens:\n    a.descend")
     a = ic.Agent(inv, rec, ic.Args(model="openai:x", env="mini-invaders", no_cache=True), np.random.default_rng(0))
     s = (1, ((1, 4), (2, 4)))
     assert a.predict("reward", [{"state": s, "action": 1, "done": False}]) == [1]

@@ -6,13 +6,13 @@ import importlib.util
 import json
 import math
 import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import HTTPServer
 
 import numpy as np
 import pytest
 
 import icpi_chain as ic
-from conftest import only_run_dir, read_scalars, run_script
+from conftest import FixedTextModel, completions_handler, only_run_dir, read_scalars, run_script
 
 
 # ---------------------------------------------------------------- the math
@@ -121,23 +121,8 @@ class _Scorer:
         return [[(x, 1) for x in scores[:n]]]
 
 
-class _Sampler:
-    """A stand-in openai model: answers every request with a fixed text, counting its requests."""
-    name = "sampler"
-
-    def __init__(self, text):
-        self.text, self.requests = text, []
-
-    def count_tokens(self, s):
-        return ic.simple_token_count(s)
-
-    def complete(self, reqs):
-        self.requests += reqs
-        return [None if self.text is None else (self.text, 1) for _ in reqs]
-
-
 def llm_agent(model, cache=None, **kw):
-    args = ic.Args(model="openai:x" if isinstance(model, _Sampler) else "hf:x", algo="llm-reward", **kw)
+    args = ic.Args(model="openai:x" if isinstance(model, FixedTextModel) else "hf:x", algo="llm-reward", **kw)
     return ic.Agent(ic.Chain(), model, args, np.random.default_rng(0), cache)
 
 
@@ -159,14 +144,14 @@ def test_a_cached_judgement_is_never_asked_again(tmp_path):
     other = llm_agent(_Scorer(), ic.CompletionCache(path, "another model"))
     other.advice((3,))
     assert other.model.calls == 1                                  # the cache key holds the model
-    sampler = _Sampler("state = right()")                          # openai: sampled, cached the same way
+    sampler = FixedTextModel("state = right()")                          # openai: sampled, cached the same way
     c = llm_agent(sampler, ic.CompletionCache(str(tmp_path / "s.sqlite"), sampler.name))
     assert [c.advice((2,)) for _ in range(3)] == [2, 2, 2] and len(sampler.requests) == 1
     assert sampler.requests[0].prompt.endswith("State: assert state == [2] and state != [4]\nBest action:\n")
 
 
 def test_unparseable_answers_and_backend_errors_fall_back_counted():
-    for model in (_Sampler("I think left"), _Sampler(None)):       # unparseable text; malformed replies (None)
+    for model in (FixedTextModel("I think left"), FixedTextModel(None)):       # unparseable text; malformed replies (None)
         a = llm_agent(model, attempts=3)
         assert a.advice((3,)) is None and a.potential((3,)) == 0.0  # fallbacks: tabular-q's action, Phi = 0
         assert a.stats.invalid == 6 and a.stats.fallbacks == 2
@@ -175,23 +160,11 @@ def test_unparseable_answers_and_backend_errors_fall_back_counted():
     nan = _Scorer(scores=[float("nan"), -1.0, -2.0])
     a = llm_agent(nan)
     assert a.advice((3,)) is None and a.stats.invalid == 1 and a.stats.fallbacks == 1
-    yes = llm_agent(_Sampler(" Yes"))
+    yes = llm_agent(FixedTextModel(" Yes"))
     assert yes.potential((4,)) == pytest.approx(math.log(2))
 
 
-class _Garbage(BaseHTTPRequestHandler):
-    """A completions server that answers every request with text that is no valid judgement."""
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
-        data = json.dumps({"choices": [{"text": "hmm, hard to say"}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
+_Garbage = completions_handler(lambda prompt: "hmm, hard to say")  # never a valid judgement
 
 
 def test_invalid_judgements_are_reported_and_stop_the_run_past_max_invalid(tmp_path):
@@ -211,22 +184,14 @@ def test_invalid_judgements_are_reported_and_stop_the_run_past_max_invalid(tmp_p
         httpd.server_close()
 
 
-class _Judge(BaseHTTPRequestHandler):
-    """A completions server that gives valid judgements: advice `state = right()`, potential ` Yes`."""
-    prompts: list = []
+def _judge_reply(prompt):
+    """Valid judgements: advice `state = right()`, potential ` Yes`; the prompts are recorded."""
+    _Judge.prompts.append(prompt)
+    return "state = right()" if prompt.endswith("Best action:\n") else " Yes"
 
-    def do_POST(self):
-        prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
-        _Judge.prompts.append(prompt)
-        text = "state = right()" if prompt.endswith("Best action:\n") else " Yes"
-        data = json.dumps({"choices": [{"text": text}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
-    def log_message(self, *a):
-        pass
+_Judge = completions_handler(_judge_reply)
+_Judge.prompts = []
 
 
 def test_both_learners_run_with_an_openai_server(tmp_path):
