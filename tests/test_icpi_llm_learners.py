@@ -3,7 +3,6 @@ LLM-as-reward on the text domains): the shaping's policy invariance, the oracle 
 cache, fallbacks, bad flags, and smoke runs with the default model."""
 
 import importlib.util
-import json
 import math
 import threading
 from http.server import HTTPServer
