@@ -1640,8 +1640,8 @@ class Agent:
         return argmax_random(q, self.rng), q
 
     def tabular_update(self, t: Transition, shaping: float = 0.0) -> None:
-        """Q(s, a) <- r + F + gamma max_a' Q(s', a') (learning rate 1, optimistic 1; F: llm-reward's shaping
-        bonus, else 0); no bootstrap after a terminal step (original: passed done = False always); a
+        """Q(s, a) <- r + F + gamma max_a' Q(s', a') (learning rate 1, untried pairs at --q-init; F: llm-reward's
+        shaping bonus, else 0); no bootstrap after a terminal step (original: passed done = False always); a
         time-out step is bootstrapped."""
         nxt = 0.0 if t.done else max(self.q_table.get((t.next_state, b), self.args.q_init)
                                      for b in range(self.domain.n_actions))

@@ -102,15 +102,13 @@ class FixedTextModel:
         return [None if self.text is None else (self.text, 1) for _ in reqs]
 
 
-def completions_handler(reply):
-    """An OpenAI-compatible /v1/completions handler class for http.server whose answer text is `reply(prompt)`."""
-    import json
+def post_handler(body):
+    """A handler class for http.server that answers every POST with the bytes `body(request_body)`."""
     from http.server import BaseHTTPRequestHandler
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
-            prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"]))).get("prompt", "")
-            data = json.dumps({"choices": [{"text": reply(prompt)}]}).encode()
+            data = body(self.rfile.read(int(self.headers["Content-Length"])))
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -120,3 +118,11 @@ def completions_handler(reply):
             pass
 
     return Handler
+
+
+def completions_handler(reply):
+    """An OpenAI-compatible /v1/completions handler class whose answer text is `reply(prompt)`."""
+    import json
+
+    return post_handler(lambda raw: json.dumps({"choices": [{"text": reply(json.loads(raw).get("prompt", ""))}]})
+                        .encode())

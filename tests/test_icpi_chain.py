@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import icpi_chain as ic
-from conftest import FixedTextModel, only_run_dir, read_scalars, run_script
+from conftest import FixedTextModel, only_run_dir, post_handler, read_scalars, run_script
 
 # The six domains, their texts and prompts are checked byte for byte against outputs recorded from
 # the original code in tests/test_icpi_original.py; this file checks the rest.
@@ -496,21 +496,8 @@ def test_smollm2_wheel_is_located_without_importing_it():
 # ---------------------------------------------------------------- failure modes
 
 
-class _Garbage(BaseHTTPRequestHandler):
-    """A completions server whose replies are never completions (bad JSON or no choices)."""
-    n = 0
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
-        _Garbage.n += 1
-        data = b"{not json" if _Garbage.n % 2 else b'{"choices": []}'
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
+# a completions server whose replies are never completions: bad JSON and an empty choices list, alternately
+_Garbage = post_handler(lambda raw, bodies=itertools.cycle([b"{not json", b'{"choices": []}']): next(bodies))
 
 
 def _serve(handler):
