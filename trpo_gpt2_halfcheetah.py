@@ -46,6 +46,7 @@ import signal
 import sys
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, Optional
 
@@ -131,6 +132,11 @@ class Args:
     """L2 regularisation of the value network's L-BFGS fit"""
     vf_iters: int = 25
     """L-BFGS iterations of the value fit"""
+    overlap_value_fit: bool = True
+    """run update k's value fit in a second thread, beside update k's policy step and rollout k+1 (the second CPU
+    core); neither reads the value net and the fit reads only batch k, so every number is the same as with
+    `--no-overlap-value-fit` (in line, one after the other; tested bit for bit); the fit is waited for before the
+    value net is read again (the advantages of update k+1, a checkpoint)"""
     obs_clip: float = 5.0
     """normalised observations are clipped to [-obs_clip, obs_clip]"""
     update_chunk: int = 16384
@@ -681,6 +687,48 @@ def fit_value_lbfgs(value_net: ValueNet, obs: torch.Tensor, targets: torch.Tenso
     opt.step(closure)
     with torch.no_grad():
         return float((value_net(obs) - targets).pow(2).mean())
+
+
+class BackgroundValueFit:
+    """Update k's value fit in a worker thread (issue 17): the policy step of update k and the rollout of update
+    k+1 need nothing of the value net, and the fit needs nothing of them (it gets its own copies of batch k), so
+    the fit can run on the second core while they run. Nothing is computed differently: the same operations on
+    the same numbers, only at the same time as others (tested: the parameters of a run with and without overlap
+    are equal bit for bit). `wait()` returns (value loss, seconds the fit took, seconds spent waiting for it) and
+    must be called before anything reads the value net. With overlap=False the fit runs in line in `start`."""
+
+    def __init__(self, overlap: bool):
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="value-fit") if overlap else None
+        self.pending: Optional[Future] = None
+
+    @staticmethod
+    def _timed_fit(*fit_args) -> tuple[float, float]:
+        t0 = time.time()
+        loss = fit_value_lbfgs(*fit_args)
+        return loss, time.time() - t0
+
+    def start(self, value_net: ValueNet, obs: torch.Tensor, targets: torch.Tensor, l2_reg: float,
+              max_iter: int) -> None:
+        assert self.pending is None, "wait() for the previous fit first"
+        if self.pool is None:
+            self.pending = Future()
+            self.pending.set_result(self._timed_fit(value_net, obs, targets, l2_reg, max_iter))
+        else:  # clone: the next rollout overwrites the buffers that obs may share memory with
+            self.pending = self.pool.submit(self._timed_fit, value_net, obs.clone(), targets.clone(), l2_reg,
+                                            max_iter)
+
+    def wait(self) -> Optional[tuple[float, float, float]]:
+        if self.pending is None:
+            return None
+        t0 = time.time()
+        loss, seconds = self.pending.result()  # re-raises an error of the fit here, in the main thread
+        self.pending = None
+        return loss, seconds, time.time() - t0
+
+    def close(self) -> None:
+        self.wait()
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
 def is_local_path(llm: str) -> bool:
@@ -1337,6 +1385,15 @@ def main(args: Args) -> None:
                dynamic_ncols=True)
 
     print_progress = args.progress_every > 0 and not sys.stdout.isatty()
+    value_fit = BackgroundValueFit(args.overlap_value_fit)
+
+    def log_value_fit(fitted: Optional[tuple], step: int) -> None:  # logged under the step of its batch
+        if fitted is not None:
+            loss, seconds, waited = fitted
+            writer.add_scalar("losses/value_loss", loss, step)
+            writer.add_scalar("time/value_fit_seconds", seconds, step)
+            writer.add_scalar("time/value_fit_wait_seconds", waited, step)
+
     stop = StopOnCtrlC()
     for iteration in range(1, num_iterations + 1):
         rollout_start = time.time()
@@ -1377,6 +1434,7 @@ def main(args: Args) -> None:
 
         # ---- update ----
         update_start = time.time()
+        log_value_fit(value_fit.wait(), global_step - args.batch_size)  # update k-1's fit, before V is read
         b_obs = torch.from_numpy(obs_buf.reshape(-1, obs_dim)).to(device=device, dtype=dtype)
         with torch.no_grad():
             b_obs_v = b_obs.to(value_dtype)  # the same tensor when the value net has the policy's precision
@@ -1391,9 +1449,8 @@ def main(args: Args) -> None:
         b_returns = torch.from_numpy(returns.reshape(-1)).to(device=device, dtype=dtype)
         b_actions = torch.from_numpy(actions_buf.reshape(-1, act_dim)).to(device=device, dtype=dtype)
 
-        t0 = time.time()
-        v_loss = fit_value_lbfgs(value_net, b_obs_v, b_returns.to(value_dtype), args.l2_reg, args.vf_iters)
-        t_value = time.time() - t0
+        # the value fit on this batch: in a second thread beside the policy step and the next rollout
+        value_fit.start(value_net, b_obs_v, b_returns.to(value_dtype), args.l2_reg, args.vf_iters)
         enc = policy.encode(b_obs)  # text encoding: tokenized once per update, not per product
         stats = trpo_step(policy, params, enc, b_actions, b_adv, args)
         update_time = time.time() - update_start
@@ -1403,7 +1460,6 @@ def main(args: Args) -> None:
         writer.add_scalar("losses/policy_loss", -stats["surrogate"], global_step)  # the name the PPO scripts use
         writer.add_scalar("losses/surrogate_improvement", stats["surrogate"] - stats["surrogate_before"], global_step)
         writer.add_scalar("losses/kl", stats["kl"], global_step)
-        writer.add_scalar("losses/value_loss", v_loss, global_step)
         writer.add_scalar("losses/entropy", stats["entropy"], global_step)
         writer.add_scalar("losses/explained_variance", explained_variance(values.reshape(-1), returns.reshape(-1)),
                           global_step)
@@ -1412,7 +1468,6 @@ def main(args: Args) -> None:
         writer.add_scalar("charts/SPS", sps, global_step)
         writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
         writer.add_scalar("time/update_seconds", update_time, global_step)
-        writer.add_scalar("time/value_fit_seconds", t_value, global_step)
         writer.add_scalar("time/grad_seconds", stats["grad_seconds"], global_step)
         writer.add_scalar("time/cg_seconds", stats["cg_seconds"], global_step)
         writer.add_scalar("time/line_search_seconds", stats["line_search_seconds"], global_step)
@@ -1427,6 +1482,8 @@ def main(args: Args) -> None:
 
     bar.close()
     stop.restore()
+    log_value_fit(value_fit.wait(), global_step)  # the last update's fit: the checkpoint holds the fitted net
+    value_fit.close()
     sps = int(global_step / (time.time() - start_time))
     model_path = f"runs/{run_name}/{args.exp_name}.pt"
     if stop.requested:  # Ctrl-C: save what there is, close everything, one line

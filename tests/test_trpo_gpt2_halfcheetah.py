@@ -281,6 +281,32 @@ def test_mlp_smoke_every_episode_logged_and_seeded_runs_identical(tmp_path):
         assert len(read_scalars(run, tag)) == 2, tag
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_value_fit_overlap_computes_the_same_numbers_bit_for_bit(tmp_path, dtype):
+    # issue 17: the value fit of update k runs in a second thread beside the policy step and rollout k+1; the same
+    # operations on the same numbers, so the weights and every logged loss equal the in-line run's exactly. In
+    # float32 the fit's observations share memory with the rollout buffer unless copied: a missing copy shows here.
+    out = {}
+    for overlap in ("--overlap-value-fit", "--no-overlap-value-fit"):
+        cwd = str(tmp_path / overlap)
+        os.makedirs(cwd)
+        run_script(SCRIPT, *_short(3, "--total-timesteps", "6000", "--mlp-dtype", dtype, "--save-model",
+                                   "--eval-episodes", "1", overlap), cwd=cwd)
+        run = only_run_dir(cwd)
+        ckpt = torch.load(glob.glob(os.path.join(run, "*.pt"))[0], weights_only=True)
+        out[overlap] = (ckpt, {tag: read_scalars(run, tag) for tag in ("losses/value_loss", "losses/kl",
+                                                                        "losses/explained_variance")})
+    (a, sa), (b, sb) = out.values()
+    assert sa == sb and len(sa["losses/value_loss"]) == 3  # every update's value loss, under its own step
+    assert [s for s, _ in sa["losses/value_loss"]] == [2000, 4000, 6000]
+    for net in ("policy", "value"):
+        assert a[net].keys() == b[net].keys()
+        for k in a[net]:
+            assert torch.equal(a[net][k], b[net][k]), (net, k)
+    # and the value net did train: the checkpoint's is not the initial one (output layer starts at bias 0)
+    assert float(a["value"]["net.4.bias"].abs()) > 0
+
+
 def test_learns_inverted_pendulum(tmp_path):
     cwd = str(tmp_path)
     run_script(SCRIPT, "--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--batch-size", "2000", "--num-envs",
