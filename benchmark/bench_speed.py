@@ -109,7 +109,9 @@ def _trpo_update_split(flags: list[str], cwd: str) -> dict:
     import bench_reader as reader
 
     t0 = time.time()
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "trpo_gpt2_halfcheetah.py"), *flags, "--no-progress"],
+    # the value fit in line (not overlapped with the rest): "update" is then the whole update, split in its parts
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "trpo_gpt2_halfcheetah.py"), *flags, "--no-progress",
+                           "--no-overlap-value-fit"],
                           cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"),
                           capture_output=True, text=True)
     if proc.returncode:
