@@ -5,7 +5,10 @@ Checked: every decimal number (e.g. 220.8, -0.037, 2.07 in 2.07x) in every Markd
 the flag tables (first header cell `flag`), outside `code spans`. A README number with d decimals matches a
 value of the store rounded to d decimals: a row's mean, std, per-seed values, first-quarter mean, extra columns,
 its references; a throughput entry; a speed entry's raw data and the medians and ratios derived from it. The
-episode series are left out on purpose: thousands of returns would match almost anything."""
+episode series are left out on purpose: thousands of returns would match almost anything.
+
+Stricter where a table row names a store setting in a code span (e.g. `mlp-eval`): its numbers must then be
+values of that setting's rows, not of any row, so a number copied from the neighbouring row is caught."""
 
 import importlib.util
 import math
@@ -71,6 +74,25 @@ def store_numbers(results_dir: str) -> list[float]:
     return values
 
 
+def rows_by_setting(results_dir: str) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in bench.store.load(results_dir)["rows"]:
+        out.setdefault(r["setting"], []).append(r)
+    return out
+
+
+def unmatched(text: str, results_dir: str) -> list[str]:
+    """README table numbers that the store does not hold (for a row naming settings: those settings' rows)."""
+    values, by_setting = store_numbers(results_dir), rows_by_setting(results_dir)
+    missing = []
+    for n, line in table_numbers(text):
+        named = [x for x in re.findall(r"`([^`]*)`", line) if x in by_setting]
+        pool = numbers_in([r for x in named for r in by_setting[x]]) if named else values
+        if not matches(n, pool):
+            missing.append(f"{n} in: {line}" + (f" (checked against the rows of {', '.join(named)})" if named else ""))
+    return missing
+
+
 def matches(written: str, values: list[float]) -> bool:
     digits = len(written.split(".")[1])
     return any(f"{v:.{digits}f}" == written for v in values)
@@ -88,9 +110,22 @@ def test_every_number_in_the_readme_result_tables_is_in_the_results_store():
     with open(os.path.join(ROOT, "README.md")) as f:
         found = table_numbers(f.read())
     assert len(found) > 50  # the README's result tables are found at all
-    values = store_numbers(os.path.join(ROOT, "benchmark", "results"))
-    missing = [f"{n} in: {line}" for n, line in found if not matches(n, values)]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        missing = unmatched(f.read(), os.path.join(ROOT, "benchmark", "results"))
     assert not missing, "README numbers not in benchmark/results/:\n" + "\n".join(missing)
+
+
+def test_a_number_of_another_setting_in_a_row_naming_a_setting_is_caught():
+    results = os.path.join(ROOT, "benchmark", "results")
+    rows = rows_by_setting(results)
+    own, other = rows["mlp-eval"][0], rows["mlp-float32-eval"][0]
+    row = "| run | eval |\n|---|---|\n| ours (`mlp-eval`) | {:.2f} ± {:.2f} |\n"
+    assert unmatched(row.format(own["mean"], own["std"]), results) == []
+    # the neighbouring row's mean is in the store, but not in the row this line names
+    wrong = unmatched(row.format(other["mean"], own["std"]), results)
+    assert len(wrong) == 1 and wrong[0].startswith(f"{other['mean']:.2f} in:") and "mlp-eval" in wrong[0]
+    # without a setting named, any row of the store may hold it (the old, looser rule)
+    assert unmatched(f"| run | eval |\n|---|---|\n| ours | {other['mean']:.2f} |\n", results) == []
 
 
 def test_a_retyped_number_is_caught(tmp_path):
