@@ -140,12 +140,13 @@ def derive(row: dict) -> dict:
     return row
 
 
-def merge_stored(results_dir: str, row: dict, wanted_seeds) -> dict:
+def merge_stored(results_dir: str, row: dict, wanted_seeds, same_as=()) -> dict:
     """`row` (fresh from the reader) plus the seeds of the stored row with the same key that `row` lacks and the
     registry still wants, so that running a subset of a setting's seeds (`--seeds 2 3` after seed 1) adds to the
     stored row instead of replacing it. Only a row of the same measurement (same flags, tag and steps) with episode
     series is merged; anything else is replaced, as before. The provenance of both is kept (commands, code
-    versions, loads); SPS and wall time become the mean over all the merged seeds."""
+    versions, loads); SPS and wall time become the mean over all the merged seeds. `same_as`: earlier flag lists
+    of the setting that the registry declares the same measurement (e.g. a default value later written out)."""
     path = row_path(results_dir, row)
     if not os.path.isfile(path):
         return row
@@ -153,7 +154,8 @@ def merge_stored(results_dir: str, row: dict, wanted_seeds) -> dict:
         old = json.load(f)
     old_series = old.get("series") or {}
     keep = [s for s in old.get("seeds", []) if s in wanted_seeds and s not in row["seeds"] and str(s) in old_series]
-    if not keep or [old.get(k) for k in ("flags", "tag", "steps")] != [row.get(k) for k in ("flags", "tag", "steps")]:
+    same_flags = old.get("flags") == row.get("flags") or old.get("flags") in [list(f) for f in same_as]
+    if not keep or not same_flags or [old.get(k) for k in ("tag", "steps")] != [row.get(k) for k in ("tag", "steps")]:
         return row
     new = dict(row)
     for key in ("series", "train_series", "seconds_per_update"):

@@ -123,6 +123,9 @@ class S:
     """episodes averaged per seed, if not the script's"""
     last_fraction: Optional[float] = None
     """the script's last_fraction overridden (see Script)"""
+    same_as: tuple[tuple[str, ...], ...] = ()
+    """earlier flag lists of this setting that made the same measurement (say why beside the entry): collect merges
+    a stored row made with one of them as if its flags were these"""
 
 
 SCRIPTS = {
@@ -258,7 +261,9 @@ SETTINGS: list[S] = [
     S("icpi_chain", "chain", "oracle", 85, (1, 2, 3, 4), ("--model", "oracle"), refs=(ICPI_CHAIN,)),
     S("icpi_chain", "chain", "matching", 85, (1, 2, 3, 4), ("--model", "matching"), refs=(ICPI_CHAIN,)),
     S("icpi_chain", "chain", "tabular-q", 85, (1, 2, 3, 4), ("--algo", "tabular-q"), refs=(ICPI_CHAIN,)),
-    S("icpi_chain", "chain", "smollm2-bf16", 85, (1, 2, 3, 4), SMOLLM2_BF16, refs=(ICPI_CHAIN,), quick=False),
+    # seed 1 ran when the setting's flags were `--dtype bfloat16` alone: the default --model was smollm2 then as now
+    S("icpi_chain", "chain", "smollm2-bf16", 85, (1, 2, 3, 4), SMOLLM2_BF16, refs=(ICPI_CHAIN,), quick=False,
+      same_as=(("--dtype", "bfloat16"),)),
     S("icpi_chain", "maze", "oracle", 130, (1, 2, 3, 4), ("--model", "oracle"), refs=(ICPI_MAZE,)),
     S("icpi_chain", "maze", "matching", 130, (1, 2, 3, 4), ("--model", "matching"), refs=(ICPI_MAZE,)),
     S("icpi_chain", "maze", "tabular-q", 130, (1, 2, 3, 4), ("--algo", "tabular-q"), refs=(ICPI_MAZE,)),
@@ -775,7 +780,7 @@ def collect(args: Args, selected: list[S], registry: Optional[list[S]] = None) -
         r["last_n"] = s.last_n or info.last_n
         r["last_fraction"] = s.last_fraction if s.last_fraction is not None else info.last_fraction
         r["refs"] = [asdict(x) for x in s.refs]  # likewise the reference numbers shown beside it
-        r = store.merge_stored(args.results_dir, r, wanted.get((s.script, s.env, s.name, s.steps), s.seeds))
+        r = store.merge_stored(args.results_dir, r, wanted.get((s.script, s.env, s.name, s.steps), s.seeds), s.same_as)
         if r.get("merged_seeds"):
             print(f"collect: seeds {r['merged_seeds']['from the store']} kept from the stored row", flush=True)
         path = store.write_row(args.results_dir, r)

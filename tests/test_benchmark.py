@@ -364,6 +364,16 @@ def test_collect_merges_a_subset_of_seeds_into_the_stored_row(tmp_path):
     bench.store.dump(stored, path)
     assert bench.main(["--mode", "collect", "--runs-dir", runs2, *_flags(out)], registry=[s]) == 0
     assert bench.store.load(out["--results-dir"])["rows"][0]["seeds"] == [1, 2]
+    # ... unless the registry declares those flags the same measurement (same_as): then the stored seed is kept
+    stored = json.load(open(path))
+    stored["seeds"], stored["flags"] = [543], ["--other"]
+    stored["series"] = {"543": stored["series"]["1"]}
+    bench.store.dump(stored, path)
+    s3 = bench.replace(s, same_as=(("--other",),))
+    assert bench.main(["--mode", "collect", "--runs-dir", runs2, *_flags(out)], registry=[s3]) == 0
+    (row,) = bench.store.load(out["--results-dir"])["rows"]
+    assert row["seeds"] == [1, 2, 543] and row["flags"] == ["--save-model"]
+    assert row["merged_seeds"] == {"from the store": [543], "this collect": [1, 2]}
 
 
 # ----------------------------------------------------------------------------------------------
