@@ -156,9 +156,9 @@ class Args:
     max_invalid: float = 0.8
     """stop the run when more than this fraction of the model's answers (after at least 20) were invalid
     (malformed replies or failed validation): the agent would mostly act at random; below it, warn. Each
-    prediction gets --attempts tries, so at a fraction p of invalid answers about p**3 of the predictions fall
-    back: 0.8 means about half. (It was 0.5, which stopped a default SmolLM2-135M run on chain: 20 of its first
-    31 sampled answers were invalid, a start that other seeds outgrow, e.g. 21% over a whole run)"""
+    prediction gets --attempts tries, so at a fraction p of invalid answers about p**attempts of the predictions
+    fall back: 0.8 means about half at the default 3 attempts. A small sampled model's first answers are its worst (few examples in the
+    prompts), so a lower bar can stop a run that would have recovered"""
     workers: int = 8
     """concurrent HTTP requests for `openai:` models"""
     device: str = "auto"

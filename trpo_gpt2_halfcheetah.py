@@ -147,7 +147,7 @@ class Args:
     value_dtype: str = "same"
     """precision of the value network and its L-BFGS fit: `same` (the policy's: float64 for `--policy mlp` by
     default, as the reference; float32 for a language-model policy) or `float32` / `float64`. The value fit is about
-    2/3 of a float64 MLP update on a CPU; `float32` halves it (issue 17; the learning entry is in the README)"""
+    2/3 of a float64 MLP update on a CPU; `float32` halves it but learned worse at 1M steps (README), hence `same`"""
     fvp_impl: str = "auto"
     """how the Fisher-vector products are computed (the same product, up to rounding): `auto` = in closed
     form for `--policy mlp` (J^T M J from one kept forward pass, no double backward) and `gauss-newton` for a
