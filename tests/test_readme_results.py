@@ -8,7 +8,10 @@ its references; a throughput entry; a speed entry's raw data and the medians and
 episode series are left out on purpose: thousands of returns would match almost anything.
 
 Stricter where a table row names a store setting in a code span (e.g. `mlp-eval`): its numbers must then be
-values of that setting's rows, not of any row, so a number copied from the neighbouring row is caught."""
+values of that setting's rows, not of any row, so a number copied from the neighbouring row is caught. Stricter
+where a column header or a row's first cell begins with an env id of the store (`chain (85)`, `LunarLander-v3,
+307k steps`): a number must then come from that env's rows, throughput or speed entries, so a number copied
+from the neighbouring column is caught."""
 
 import importlib.util
 import math
@@ -43,14 +46,28 @@ def result_tables(text: str) -> list[list[str]]:
     return tables
 
 
-def table_numbers(text: str) -> list[tuple[str, str]]:
-    """(number as written, its table line) for every decimal number in the result tables, code spans removed."""
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def table_cells(text: str) -> list[tuple[str, str, str, str]]:
+    """(number as written, its table line, its column's header cell, the row's first cell) for every decimal
+    number in the result tables, code spans removed."""
     out = []
     for table in result_tables(text):
+        header = cells(table[0])
         for line in table[2:]:  # after the header and the |---| line
-            plain = re.sub(r"`[^`]*`", "", line)
-            out += [(m.group(0), line) for m in NUMBER.finditer(plain)]
+            row = cells(line)
+            for j, cell in enumerate(row):
+                plain = re.sub(r"`[^`]*`", "", cell)
+                head = header[j] if j < len(header) else ""
+                out += [(m.group(0), line, head, row[0]) for m in NUMBER.finditer(plain)]
     return out
+
+
+def table_numbers(text: str) -> list[tuple[str, str]]:
+    """(number as written, its table line) for every decimal number in the result tables, code spans removed."""
+    return [(n, line) for n, line, _, _ in table_cells(text)]
 
 
 def numbers_in(x, skip=("series",)) -> list[float]:
@@ -66,11 +83,15 @@ def numbers_in(x, skip=("series",)) -> list[float]:
     return []
 
 
-def store_numbers(results_dir: str) -> list[float]:
+def store_numbers(results_dir: str, env=None) -> list[float]:
+    """Every number of the store; with `env`, of that env's rows, throughput entries and speed entries (a
+    speed entry names its env in data["env_id"]; one that names none is left out)."""
     data = bench.store.load(results_dir)
-    values = numbers_in(data["rows"]) + numbers_in(data["throughput"])
+    keep = [r for r in data["rows"] if env is None or r["env"] == env]
+    values = numbers_in(keep) + numbers_in([t for t in data["throughput"] if env is None or t["env"] == env])
     for entry in data["speed"] + bench.speed.gpu_entries():
-        values += numbers_in(entry["data"]) + numbers_in(bench.speed.summary(entry))
+        if env is None or (isinstance(entry["data"], dict) and entry["data"].get("env_id") == env):
+            values += numbers_in(entry["data"]) + numbers_in(bench.speed.summary(entry))
     return values
 
 
@@ -81,15 +102,29 @@ def rows_by_setting(results_dir: str) -> dict[str, list[dict]]:
     return out
 
 
+def env_named(cell: str, envs) -> "str | None":
+    """The env id a header or first cell begins with (`chain (85)` -> chain; `distractor-chain` is not chain)."""
+    first = re.split(r"[\s,(]", cell.strip().strip("*`"), maxsplit=1)[0]
+    return first if first in envs else None
+
+
 def unmatched(text: str, results_dir: str) -> list[str]:
-    """README table numbers that the store does not hold (for a row naming settings: those settings' rows)."""
-    values, by_setting = store_numbers(results_dir), rows_by_setting(results_dir)
+    """README table numbers that the store does not hold (for a row naming settings: those settings' rows; in
+    a column or row naming an env: that env's rows)."""
+    by_setting = rows_by_setting(results_dir)
+    envs = {r["env"] for rows in by_setting.values() for r in rows}
+    pools: dict = {}
     missing = []
-    for n, line in table_numbers(text):
-        named = [x for x in re.findall(r"`([^`]*)`", line) if x in by_setting]
-        pool = numbers_in([r for x in named for r in by_setting[x]]) if named else values
-        if not matches(n, pool):
-            missing.append(f"{n} in: {line}" + (f" (checked against the rows of {', '.join(named)})" if named else ""))
+    for n, line, head, first in table_cells(text):
+        named = tuple(x for x in re.findall(r"`([^`]*)`", line) if x in by_setting)
+        env = env_named(head, envs) or env_named(first, envs)
+        if (named, env) not in pools:
+            pools[named, env] = (numbers_in([r for x in named for r in by_setting[x] if env in (None, r["env"])])
+                                 if named else store_numbers(results_dir, env))
+        if not matches(n, pools[named, env]):
+            where = [f"the rows of {', '.join(named)}"] if named else []
+            where += [f"env {env}"] if env else []
+            missing.append(f"{n} in: {line}" + (f" (checked against {' in '.join(where)})" if where else ""))
     return missing
 
 
@@ -142,3 +177,17 @@ def test_the_readme_shows_the_harness_plots(path):
     with open(os.path.join(ROOT, "README.md")) as f:
         assert f"]({path})" in f.read()
     assert os.path.isfile(os.path.join(ROOT, path))
+
+
+def test_a_number_of_another_env_in_a_column_naming_an_env_is_caught():
+    results = os.path.join(ROOT, "benchmark", "results")
+    chain = next(r for r in rows_by_setting(results)["tabular-q"] if r["env"] == "chain")
+    table = "| agent | chain (85) | distractor-chain (140) | maze (130) |\n|---|---|---|---|\n| Tabular Q | {} | | {} |\n"
+    assert unmatched(table.format(f"{chain['mean']:.3f}", ""), results) == []
+    # chain's number in the maze column: in the store, but not among maze's rows
+    wrong = unmatched(table.format("", f"{chain['mean']:.3f}"), results)
+    assert len(wrong) == 1 and wrong[0].startswith(f"{chain['mean']:.3f} in:") and "env maze" in wrong[0]
+    # a row whose first cell names the env restricts the same way; `distractor-chain` is not `chain`
+    rows = "| env | ours |\n|---|---|\n| {} | {:.3f} |\n"
+    assert unmatched(rows.format("chain", chain["mean"]), results) == []
+    assert len(unmatched(rows.format("distractor-chain", chain["mean"]), results)) == 1
