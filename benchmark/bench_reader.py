@@ -165,7 +165,11 @@ def make_rows(groups: dict, selected_keys: Optional[set]) -> list[dict]:
             "episodes": {str(s): p["episodes"] for s, p in agg["per_seed"].items()},
             "mean": agg["mean"], "std": agg["std"],
             "sps": agg["sps"], "wall_seconds": agg["wall_seconds"],
-            "machine": m0["machine"], "versions": m0["versions"], "nice": m0["nice"],
+            # per seed too, so that a later collect merging seeds (bench_store.merge_stored) can average exactly
+            "seed_sps": {str(s): p["sps"] for s, p in agg["per_seed"].items()},
+            "seed_wall_seconds": {str(s): p["wall_seconds"] for s, p in agg["per_seed"].items()},
+            "machine": m0["machine"], "versions": m0["versions"],
+            "nice": " / ".join(dict.fromkeys(str(m["nice"]) for _, m in seeds.values())),  # each run's niceness
             "harness_command": " / ".join(sorted({m["harness_command"] for _, m in seeds.values()})),
             "run_commands": commands,
             "code": code_texts([m.get("code") for _, m in seeds.values()], key[0]),

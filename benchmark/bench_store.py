@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import statistics
 
 import bench_reader as reader
 
@@ -145,7 +146,7 @@ def merge_stored(results_dir: str, row: dict, wanted_seeds, same_as=()) -> dict:
     registry still wants, so that running a subset of a setting's seeds (`--seeds 2 3` after seed 1) adds to the
     stored row instead of replacing it. Only a row of the same measurement (same flags, tag and steps) with episode
     series is merged; anything else is replaced, as before. The provenance of both is kept (commands, code
-    versions, loads); SPS and wall time become the mean over all the merged seeds. `same_as`: earlier flag lists
+    versions, loads); SPS and wall time become the mean over all the merged seeds (see below). `same_as`: earlier flag lists
     of the setting that the registry declares the same measurement (e.g. a default value later written out)."""
     path = row_path(results_dir, row)
     if not os.path.isfile(path):
@@ -158,6 +159,7 @@ def merge_stored(results_dir: str, row: dict, wanted_seeds, same_as=()) -> dict:
     if not keep or not same_flags or [old.get(k) for k in ("tag", "steps")] != [row.get(k) for k in ("tag", "steps")]:
         return row
     new = dict(row)
+    new["seeds"] = sorted(set(row["seeds"]) | set(keep))
     for key in ("series", "train_series", "seconds_per_update"):
         fresh = new.get(key) or {}
         if key != "seconds_per_update" and fresh and isinstance(next(iter(fresh.values())), list):
@@ -165,11 +167,25 @@ def merge_stored(results_dir: str, row: dict, wanted_seeds, same_as=()) -> dict:
         kept = {str(s): old[key][str(s)] for s in keep if str(s) in (old.get(key) or {})}
         if fresh or kept:
             new[key] = dict(sorted({**kept, **fresh}.items(), key=lambda kv: int(kv[0])))
-    n_old, n_new = len(keep), len(row["seeds"])
     for key in ("sps", "wall_seconds"):
-        a, b = _nan(old.get(key)), _nan(row.get(key))
-        new[key] = b if a != a else a if b != b else (a * n_old + b * n_new) / (n_old + n_new)
-    new["seeds"] = sorted(set(row["seeds"]) | set(keep))
+        # per seed where the stored row says it (or has one seed): the mean over exactly the merged seeds. A row
+        # stored without per-seed values whose mean also covers seeds this collect replaces gives nothing exact
+        # for the kept seeds: the mean is then over the fresh seeds only (weighting the stored mean by the kept
+        # seeds' count, as before, mixed the replaced seeds in).
+        fresh = {k: _nan(v) for k, v in (row.get(f"seed_{key}") or {}).items()}
+        stored = old.get(f"seed_{key}") or ({str(old["seeds"][0]): old.get(key)} if len(old["seeds"]) == 1 else {})
+        kept = {str(s): _nan(stored[str(s)]) for s in keep if str(s) in stored}
+        if len(kept) == len(keep):
+            merged = {**kept, **fresh}
+            new[f"seed_{key}"] = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
+            known = [v for v in merged.values() if v == v]
+            new[key] = statistics.fmean(known) if known else float("nan")
+        elif set(old["seeds"]) == set(keep):  # the stored mean is over exactly the kept seeds
+            a, b = _nan(old.get(key)), _nan(row.get(key))
+            new[key] = b if a != a else a if b != b else (a * len(keep) + b * len(row["seeds"])) / len(new["seeds"])
+            new.pop(f"seed_{key}", None)
+        else:
+            new.pop(f"seed_{key}", None)
     new["merged_seeds"] = {"from the store": sorted(keep), "this collect": sorted(row["seeds"])}
     for key in ("harness_command", "machine", "versions"):
         parts = list(dict.fromkeys(p for v in (old.get(key, ""), row.get(key, "")) for p in v.split(" / ") if p))
@@ -177,7 +193,8 @@ def merge_stored(results_dir: str, row: dict, wanted_seeds, same_as=()) -> dict:
     for key in ("run_commands", "code", "load"):
         new[key] = list(dict.fromkeys((old.get(key) or []) + (row.get(key) or [])))
     new["finished"] = max(old.get("finished", ""), row.get("finished", ""))
-    new["nice"] = row.get("nice") if old.get("nice") == row.get("nice") else f"{old.get('nice')} / {row.get('nice')}"
+    new["nice"] = " / ".join(dict.fromkeys(p for v in (old.get("nice"), row.get("nice")) if v is not None
+                                           for p in str(v).split(" / ")))
     return new
 
 

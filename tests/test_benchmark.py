@@ -376,6 +376,40 @@ def test_collect_merges_a_subset_of_seeds_into_the_stored_row(tmp_path):
     assert row["merged_seeds"] == {"from the store": [543], "this collect": [1, 2]}
 
 
+def test_a_merge_averages_wall_time_over_exactly_the_merged_seeds(tmp_path):
+    # seeds 543 (30 s) and 1 (100 s) stored; seed 1 rerun (10 s) with seed 2 (20 s): the row's wall time must be
+    # the mean over 543's 30, 10 and 20 = 20 s. The stored mean (65 s) also covers the replaced seed-1 run, so
+    # weighting it by the one kept seed (the old rule) gave (65 + 2 * 15) / 3 = 31.7 s.
+    s = bench.S("ppo_cartpole", "CartPole-v1", "walls", 1000, (543, 1, 2), ())
+    out = _store(tmp_path)
+    runs1, runs2 = str(tmp_path / "runs1"), str(tmp_path / "runs2")
+    for runs, seed, secs in ((runs1, 543, 30.0), (runs1, 1, 100.0), (runs2, 1, 10.0), (runs2, 2, 20.0)):
+        _marker_run(runs, s, seed, [float(seed)], seconds=secs)
+    assert bench.main(["--mode", "collect", "--runs-dir", runs1, *_flags(out)], registry=[s]) == 0
+    (row,) = bench.store.load(out["--results-dir"])["rows"]
+    assert row["wall_seconds"] == pytest.approx(65.0) and row["seed_wall_seconds"] == {"1": 100.0, "543": 30.0}
+    path = bench.store.row_path(out["--results-dir"], row)
+    stored = json.load(open(path))
+    assert bench.main(["--mode", "collect", "--seeds", "1", "2", "--runs-dir", runs2, *_flags(out)], registry=[s]) == 0
+    (row,) = bench.store.load(out["--results-dir"])["rows"]
+    assert row["seeds"] == [1, 2, 543] and row["merged_seeds"] == {"from the store": [543], "this collect": [1, 2]}
+    assert row["wall_seconds"] == pytest.approx(20.0)
+    assert row["seed_wall_seconds"] == {"1": 10.0, "2": 20.0, "543": 30.0}
+    # a row stored before per-seed walls were kept: nothing exact is known of seed 543 alone, so the mean is over
+    # the fresh seeds (said in merge_stored), not a mixture with the replaced run
+    del stored["seed_wall_seconds"], stored["seed_sps"]
+    bench.store.dump(stored, path)
+    assert bench.main(["--mode", "collect", "--seeds", "1", "2", "--runs-dir", runs2, *_flags(out)], registry=[s]) == 0
+    (row,) = bench.store.load(out["--results-dir"])["rows"]
+    assert row["seeds"] == [1, 2, 543] and row["wall_seconds"] == pytest.approx(15.0) and "seed_wall_seconds" not in row
+    # ... but one stored seed, or a stored mean over exactly the kept seeds, is exact
+    stored.update(seeds=[543], wall_seconds=30.0, series={"543": stored["series"]["543"]})
+    bench.store.dump(stored, path)
+    assert bench.main(["--mode", "collect", "--seeds", "1", "2", "--runs-dir", runs2, *_flags(out)], registry=[s]) == 0
+    (row,) = bench.store.load(out["--results-dir"])["rows"]
+    assert row["wall_seconds"] == pytest.approx(20.0) and row["seed_wall_seconds"]["543"] == 30.0
+
+
 # ----------------------------------------------------------------------------------------------
 # The TRPO speed kinds (trpo-profile, trpo-fvp, trpo-value-dtype), at tiny sizes
 # ----------------------------------------------------------------------------------------------
