@@ -157,8 +157,8 @@ class Args:
     """stop the run when more than this fraction of the model's answers (after at least 20) were invalid
     (malformed replies or failed validation): the agent would mostly act at random; below it, warn. Each
     prediction gets --attempts tries, so at a fraction p of invalid answers about p**attempts of the predictions
-    fall back: 0.8 means about half at the default 3 attempts. A small sampled model's first answers are its worst (few examples in the
-    prompts), so a lower bar can stop a run that would have recovered"""
+    fall back: 0.8 means about half at the default 3 attempts. A small sampled model's first answers are its
+    worst (few examples in the prompts), so a lower bar can stop a run that would have recovered"""
     workers: int = 8
     """concurrent HTTP requests for `openai:` models"""
     device: str = "auto"

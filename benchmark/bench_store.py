@@ -146,8 +146,9 @@ def merge_stored(results_dir: str, row: dict, wanted_seeds, same_as=()) -> dict:
     registry still wants, so that running a subset of a setting's seeds (`--seeds 2 3` after seed 1) adds to the
     stored row instead of replacing it. Only a row of the same measurement (same flags, tag and steps) with episode
     series is merged; anything else is replaced, as before. The provenance of both is kept (commands, code
-    versions, loads); SPS and wall time become the mean over all the merged seeds (see below). `same_as`: earlier flag lists
-    of the setting that the registry declares the same measurement (e.g. a default value later written out)."""
+    versions, loads); SPS and wall time become the mean over all the merged seeds (see below). `same_as`: earlier
+    flag lists of the setting that the registry declares the same measurement (e.g. a default value later written
+    out)."""
     path = row_path(results_dir, row)
     if not os.path.isfile(path):
         return row
@@ -172,11 +173,12 @@ def merge_stored(results_dir: str, row: dict, wanted_seeds, same_as=()) -> dict:
         # stored without per-seed values whose mean also covers seeds this collect replaces gives nothing exact
         # for the kept seeds: the mean is then over the fresh seeds only (weighting the stored mean by the kept
         # seeds' count, as before, mixed the replaced seeds in).
-        fresh = {k: _nan(v) for k, v in (row.get(f"seed_{key}") or {}).items()}
-        stored = old.get(f"seed_{key}") or ({str(old["seeds"][0]): old.get(key)} if len(old["seeds"]) == 1 else {})
-        kept = {str(s): _nan(stored[str(s)]) for s in keep if str(s) in stored}
-        if len(kept) == len(keep):
-            merged = {**kept, **fresh}
+        fresh_per_seed = {k: _nan(v) for k, v in (row.get(f"seed_{key}") or {}).items()}
+        stored_per_seed = old.get(f"seed_{key}") or (
+            {str(old["seeds"][0]): old.get(key)} if len(old["seeds"]) == 1 else {})
+        kept_per_seed = {str(s): _nan(stored_per_seed[str(s)]) for s in keep if str(s) in stored_per_seed}
+        if len(kept_per_seed) == len(keep) and len(fresh_per_seed) == len(row["seeds"]):
+            merged = {**kept_per_seed, **fresh_per_seed}
             new[f"seed_{key}"] = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
             known = [v for v in merged.values() if v == v]
             new[key] = statistics.fmean(known) if known else float("nan")

@@ -402,12 +402,22 @@ def test_a_merge_averages_wall_time_over_exactly_the_merged_seeds(tmp_path):
     assert bench.main(["--mode", "collect", "--seeds", "1", "2", "--runs-dir", runs2, *_flags(out)], registry=[s]) == 0
     (row,) = bench.store.load(out["--results-dir"])["rows"]
     assert row["seeds"] == [1, 2, 543] and row["wall_seconds"] == pytest.approx(15.0) and "seed_wall_seconds" not in row
-    # ... but one stored seed, or a stored mean over exactly the kept seeds, is exact
-    stored.update(seeds=[543], wall_seconds=30.0, series={"543": stored["series"]["543"]})
-    bench.store.dump(stored, path)
+    # ... but one stored seed is exact
+    one = dict(stored, seeds=[543], wall_seconds=30.0, series={"543": stored["series"]["543"]})
+    bench.store.dump(one, path)
     assert bench.main(["--mode", "collect", "--seeds", "1", "2", "--runs-dir", runs2, *_flags(out)], registry=[s]) == 0
     (row,) = bench.store.load(out["--results-dir"])["rows"]
     assert row["wall_seconds"] == pytest.approx(20.0) and row["seed_wall_seconds"]["543"] == 30.0
+    # ... and so is a stored mean over exactly the kept seeds (543 and 3 at 40 s on average, fresh 1 and 2 at 15 s):
+    # (2 * 40 + 2 * 15) / 4, with no per-seed values to pass on
+    s4 = bench.replace(s, seeds=(543, 1, 2, 3))
+    two = dict(stored, seeds=[3, 543], wall_seconds=40.0,
+               series={"3": stored["series"]["543"], "543": stored["series"]["543"]})
+    bench.store.dump(two, path)
+    assert bench.main(["--mode", "collect", "--seeds", "1", "2", "--runs-dir", runs2, *_flags(out)], registry=[s4]) == 0
+    (row,) = bench.store.load(out["--results-dir"])["rows"]
+    assert row["seeds"] == [1, 2, 3, 543] and row["merged_seeds"]["from the store"] == [3, 543]
+    assert row["wall_seconds"] == pytest.approx(27.5) and "seed_wall_seconds" not in row
 
 
 # ----------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ def result_tables(text: str) -> list[list[str]]:
 
 
 def cells(line: str) -> list[str]:
+    """The cells of a Markdown table line, stripped."""
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
@@ -182,7 +183,8 @@ def test_the_readme_shows_the_harness_plots(path):
 def test_a_number_of_another_env_in_a_column_naming_an_env_is_caught():
     results = os.path.join(ROOT, "benchmark", "results")
     chain = next(r for r in rows_by_setting(results)["tabular-q"] if r["env"] == "chain")
-    table = "| agent | chain (85) | distractor-chain (140) | maze (130) |\n|---|---|---|---|\n| Tabular Q | {} | | {} |\n"
+    table = ("| agent | chain (85) | distractor-chain (140) | maze (130) |\n|---|---|---|---|\n"
+             "| Tabular Q | {} | | {} |\n")
     assert unmatched(table.format(f"{chain['mean']:.3f}", ""), results) == []
     # chain's number in the maze column: in the store, but not among maze's rows
     wrong = unmatched(table.format("", f"{chain['mean']:.3f}"), results)
