@@ -139,7 +139,8 @@ class Args:
     within a real step) and run only the query and the answer on top of it, one query at a time; on a
     CPU this beats batching by far. False: batched left-padded calls over the whole prompts"""
     cache: str = "~/.cache/icpi_chain/completions.sqlite"
-    """SQLite completion cache (key: model, prompt, stop, temperature, max tokens, seed, candidates)"""
+    """SQLite completion cache (key: model, prompt, stop, temperature, max tokens, seed, candidates); a stopped
+    run started again with the same flags replays what it had done from here (counted in model/replayed)"""
     no_cache: bool = False
     """do not read or write the completion cache"""
     require_cache: bool = False
@@ -830,6 +831,9 @@ class CompletionCache:
     def __init__(self, path: str, model_id: str, readonly: bool = False):
         self.path = os.path.expanduser(path)
         self.model_id, self.lock = model_id, threading.Lock()
+        # keys this process wrote: a hit on any other key replays a completion recorded by an earlier run (a
+        # resumed or repeated run), which takes no model time - counted so the run's wall time is read rightly
+        self.written: set[str] = set()
         exists = os.path.exists(self.path)
         if exists and not os.path.isfile(self.path):
             sys.exit(f"error: --cache {path} is not a file.")
@@ -877,6 +881,7 @@ class CompletionCache:
             with self.lock:
                 self.db.execute(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens))
                 self.db.commit()
+                self.written.add(key)
         except sqlite3.OperationalError as e:
             sys.exit(f"error: --cache {self.path} cannot be written now ({e}).")
         except sqlite3.DatabaseError as e:
@@ -1352,6 +1357,7 @@ class StepStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cache_hits: int = 0
+    replayed: int = 0           # cache hits recorded by an earlier run (resumed or repeated): no model time
     invalid: int = 0            # completions that failed validation
     fallbacks: int = 0          # predictions that stayed invalid after all attempts
     no_match: int = 0           # matching model: rollouts ended for want of a match
@@ -1554,6 +1560,7 @@ class Agent:
                 if hit is not None:
                     out[k] = hit[0]
                     self.stats.cache_hits += 1
+                    self.stats.replayed += key not in self.cache.written
                     keys.append(key)
                     continue
                 if a.require_cache:
@@ -1697,6 +1704,7 @@ class Agent:
             if hit is not None:
                 scores = json.loads(hit[0])
                 self.stats.cache_hits += 1
+                self.stats.replayed += key not in self.cache.written
             elif self.args.require_cache:
                 sys.exit("error: --require-cache: a judgement is missing from the cache "
                          f"{self.args.cache} (different flags or seed than the recorded run?).")
@@ -2017,6 +2025,7 @@ def main(args: Args) -> None:
         writer.add_scalar("model/prompt_tokens", s.prompt_tokens, step)
         writer.add_scalar("model/completion_tokens", s.completion_tokens, step)
         writer.add_scalar("model/cache_hits", s.cache_hits, step)
+        writer.add_scalar("model/replayed", s.replayed, step)
         writer.add_scalar("model/invalid", s.invalid, step)
         writer.add_scalar("model/fallbacks", s.fallbacks, step)
         writer.add_scalar("model/no_match", s.no_match, step)
@@ -2054,8 +2063,13 @@ def main(args: Args) -> None:
     print(f"{run_name}: {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last "
           f"{min(8, len(regrets))} episodes {mean8:.3f}; {judged}{who} chose {used} of {args.total_steps} actions "
           f"(random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready); model calls "
-          f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits}, invalid {totals.invalid}, "
-          f"fallbacks {totals.fallbacks}; {elapsed:.1f} s ({elapsed / args.total_steps:.2f} s per step)")
+          f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits} ({totals.replayed} recorded by "
+          f"an earlier run), invalid {totals.invalid}, fallbacks {totals.fallbacks}; {elapsed:.1f} s "
+          f"({elapsed / args.total_steps:.2f} s per step)")
+    if totals.replayed:
+        print(f"note: {totals.replayed} answers were replayed from the completion cache {args.cache}, recorded by an "
+              "earlier run with the same flags (a resumed or repeated run): they took no model time, so this run's "
+              "time is not a whole run's (--no-cache, or a new --cache file, measures one).")
     last = args.total_steps - 1
     if advisor:
         agree = advice_agreement(advised, agent.q_table, domain.n_actions, args.q_init)

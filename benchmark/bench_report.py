@@ -14,13 +14,35 @@ import bench_reader as reader
 import bench_speed as speed
 
 
+def cpu_features(flags: set) -> str:
+    """The CPU's bfloat16 matmul support, which decides whether `--dtype bfloat16` / `--bf16` is faster or slower
+    than float32 on it (an AMX Xeon ran bfloat16 ~3x faster, an AVX-512 VNNI one ~3x slower): a model name like
+    "Intel(R) Xeon(R) Processor" alone does not tell the two apart."""
+    if not flags:
+        return ""
+    if "amx_bf16" in flags:
+        return "AMX"
+    if "avx512_bf16" in flags:
+        return "AVX512-BF16, no AMX"
+    return ("AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2") + ", no AMX"
+
+
+def resumed_mark(row: dict) -> str:
+    return " (resumed)" if any((row.get("seed_replayed") or {}).values()) else ""
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
+    flags: set = set()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            lines = f.read().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
     except (OSError, StopIteration):
         pass
+    if cpu_features(flags):
+        cpu += f" ({cpu_features(flags)})"
     gpu = "no GPU"
     if shutil.which("nvidia-smi"):
         try:
@@ -88,7 +110,8 @@ def render(data: dict, order: list[tuple]) -> str:
         "edit by hand). Ours: per seed the mean of the last N episodes (or, for ICPI, of the episodes that "
         "ended in the last quarter of the real steps), then mean ± population std (ddof=0) across seeds, the "
         "openrlbenchmark convention. SPS: the run's final `charts/SPS`, mean over seeds; wall: one run's wall "
-        "time, mean over seeds. Most runs shared a 2-core machine with other jobs: SPS and wall times are "
+        "time, mean over seeds, marked (resumed) where a run replayed answers that an earlier, stopped attempt had "
+        "left in the completion cache (ICPI), so that its wall time covers only what it computed. Most runs shared a 2-core machine with other jobs: SPS and wall times are "
         "contended and only comparable within one side-by-side measurement (Throughput, Speed).",
         "",
         "Source `harness`: trained by `benchmark/run.py` and read back from its runs' event files. "
@@ -106,7 +129,7 @@ def render(data: dict, order: list[tuple]) -> str:
         metric = "" if r["tag"] == "charts/episodic_return" else f" ({r['tag']})"
         lines.append(f"| {i + 1} | `{r['script']}.py` | {r['env']} | {r['setting']} | {r['steps']:,} | "
                      f"{' '.join(map(str, r['seeds']))} | {fmt(r['mean'], d)} ± {fmt(r['std'], d)}{metric} | {refs} | "
-                     f"{fmt(r['sps'], 0)} | {duration(r['wall_seconds'])} | "
+                     f"{fmt(r['sps'], 0)} | {duration(r['wall_seconds'])}{resumed_mark(r)} | "
                      f"{mid[r['machine'] + '; ' + r['versions']]} | {r.get('source', 'harness')} |")
     lines += ["", "Per row: the flags, the metric, the per-seed numbers, and the command that made it.", ""]
     for i, r in enumerate(rows):
@@ -120,6 +143,10 @@ def render(data: dict, order: list[tuple]) -> str:
         for name, extra in r.get("extra", {}).items():
             text += (f" {name}: " + ", ".join(f"seed {s}: {fmt(v, d)}" for s, v in extra["per_seed"].items())
                      + f"; {fmt(extra['mean'], d)} ± {fmt(extra['std'], d)}.")
+        if resumed_mark(r):
+            text += (" Resumed: " + ", ".join(f"seed {s} replayed {n} cached answers" for s, n in
+                                             r["seed_replayed"].items() if n)
+                     + " recorded by an earlier, stopped attempt (a resumed run's wall time covers only the rest).")
         if r.get("source") == "imported":
             imp = r["imported"]
             text += f" Imported: made by `{imp['command']}`"

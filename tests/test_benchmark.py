@@ -172,6 +172,18 @@ def test_gpu_raw_outputs_are_read_not_retyped():
     assert "H100" in entries["icpi-h100"]["machine"]
 
 
+def test_the_machine_says_whether_the_cpu_has_amx():
+    # bfloat16 was ~3x faster than float32 on an AMX Xeon and ~3x slower on an AVX-512 VNNI one, both named
+    # "Intel(R) Xeon(R) Processor": the stored machine must tell them apart
+    f = bench.report.cpu_features
+    assert f({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}) == "AMX"
+    assert f({"avx2", "avx512f", "avx512_bf16"}) == "AVX512-BF16, no AMX"
+    assert f({"avx2", "avx512f", "avx512_vnni"}) == "AVX-512, no AMX"
+    assert f({"sse4_2", "avx2"}) == "AVX2, no AMX" and f({"sse4_2"}) == "no AVX2, no AMX" and f(set()) == ""
+    m = bench.report.machine()
+    assert " cores, " in m and ("AMX" in m or not os.path.exists("/proc/cpuinfo"))
+
+
 def test_speed_mode_measures_stores_and_renders(tmp_path, monkeypatch):
     # a tiny SPEED entry of kind gpt2ppo: 2 epochs of 256 steps of the MLP critic, stored and rendered
     tiny = bench.Speed("tiny", "gpt2ppo", ("--epochs", "2", "--steps-per-epoch", "256", "--configs", "mlp"))
@@ -426,6 +438,34 @@ def test_a_merge_averages_wall_time_over_exactly_the_merged_seeds(tmp_path):
 
 TRPO_LAB = {"trpo-profile": "trpo_profile_args", "trpo-fvp": "trpo_fvp_args",
             "trpo-value-dtype": "trpo_value_dtype_args"}
+
+
+def test_a_run_resumed_from_the_completion_cache_is_marked(tmp_path):
+    # ICPI logs model/replayed per step: answers an earlier, stopped attempt left in the completion cache. Such a
+    # run's wall time covers only what it computed: the row keeps the count per seed, and the report says so.
+    s = bench.S("ppo_cartpole", "CartPole-v1", "resumed", 1000, (1, 2, 3), ())
+    out = _store(tmp_path)
+    runs1, runs2 = str(tmp_path / "runs1"), str(tmp_path / "runs2")
+    job = _marker_run(runs1, s, 1, [1.0, 2.0], seconds=50.0)
+    _write_events(os.path.join(job.run_dir, "runs", "r"), "model/replayed", [40.0, 0.0, 0.0])
+    _marker_run(runs1, s, 2, [3.0, 4.0], seconds=90.0)
+    assert bench.main(["--mode", "collect", "--runs-dir", runs1, *_flags(out)], registry=[s]) == 0
+    (row,) = bench.store.load(out["--results-dir"])["rows"]
+    assert row["seed_replayed"] == {"1": 40, "2": 0}
+    text = open(out["--results-md"]).read()
+    assert "| 1 2 | 2.50 ± 1.00 | - | n/a | 70 s (resumed) |" in text
+    assert "Resumed: seed 1 replayed 40 cached answers recorded by an earlier, stopped attempt" in text
+    # a later collect of seed 3 keeps seed 1's count; a row where nothing was replayed has no mark
+    _marker_run(runs2, s, 3, [5.0], seconds=10.0)
+    assert bench.main(["--mode", "collect", "--seeds", "3", "--runs-dir", runs2, *_flags(out)], registry=[s]) == 0
+    (row,) = bench.store.load(out["--results-dir"])["rows"]
+    assert row["seeds"] == [1, 2, 3] and row["seed_replayed"] == {"1": 40, "2": 0}
+    s2 = bench.replace(s, name="whole")
+    _marker_run(runs2, s2, 1, [1.0], seconds=10.0)
+    assert bench.main(["--mode", "collect", "--settings", "whole", "--runs-dir", runs2, *_flags(out)],
+                      registry=[s, s2]) == 0
+    rows = {r["setting"]: r for r in bench.store.load(out["--results-dir"])["rows"]}
+    assert "seed_replayed" not in rows["whole"] and "(resumed)" not in bench.report.resumed_mark(rows["whole"])
 
 
 def test_trpo_lab_speed_entries_parse_with_their_kinds_flags():

@@ -288,10 +288,12 @@ def test_hf_backend_plumbing_and_cache_replay(tmp_path, tiny_gpt2_dir):
         proc = run_script("icpi_chain.py", *flags, *extra, cwd=cwd, timeout=200)
         # a replay from the cache needs no model: the weights are never loaded
         assert ("loading the weights" in proc.stderr) == (not extra)
+        # the replay says that its time is not a whole run's (its answers came from the first run)
+        assert ("answers were replayed from the completion cache" in proc.stdout) == bool(extra)
         run = only_run_dir(cwd)
         logged.append({tag: read_scalars(run, tag) for tag in
                        ("charts/episodic_return", "charts/regret", "model/calls", "model/cache_hits",
-                        "model/invalid", "charts/used_model")})
+                        "model/replayed", "model/invalid", "charts/used_model")})
     first, replay = logged
     assert sum(v for _, v in first["charts/used_model"]) >= 3
     assert sum(v for _, v in first["model/calls"]) > 0
@@ -299,6 +301,9 @@ def test_hf_backend_plumbing_and_cache_replay(tmp_path, tiny_gpt2_dir):
     assert first["charts/regret"] == replay["charts/regret"]
     assert first["model/invalid"] == replay["model/invalid"]
     assert sum(v for _, v in replay["model/calls"]) == 0          # no model call in the replay
+    # the first run's hits were of answers it had computed itself; every hit of the replay was recorded before it
+    assert sum(v for _, v in first["model/replayed"]) == 0
+    assert replay["model/replayed"] == replay["model/cache_hits"]
     assert sum(v for _, v in replay["model/cache_hits"]) == sum(v for _, v in first["model/calls"]) + \
         sum(v for _, v in first["model/cache_hits"])
     with sqlite3.connect(cache) as db:
@@ -429,6 +434,26 @@ def test_openai_malformed_reply_is_retried_then_a_counted_fallback(server, tmp_p
     out = agent.predict("done", [{"state": (5,), "action": 2}])
     assert out == [None]
     assert agent.stats.fallbacks == 1 and agent.stats.invalid == 3  # 3 attempts, all malformed
+
+
+def test_replayed_counts_only_answers_an_earlier_run_recorded(tmp_path):
+    # a run stopped and started again with the same flags replays its first part from the completion cache:
+    # those hits took no model time (the run's wall time covers only the rest) and are counted apart from the
+    # hits on answers the run computed itself
+    path = str(tmp_path / "c.sqlite")
+    req = ic.Request("assert state == 3\nstate = left()\n", 7)
+    first_model = FixedTextModel("assert not done")
+    first = ic.Agent(ic.Chain(), first_model, ic.Args(model="openai:x", cache=path), np.random.default_rng(0),
+                     ic.CompletionCache(path, "fixed"))
+    assert first.complete([req]) == ["assert not done"] and first.complete([req]) == ["assert not done"]
+    assert (first.stats.calls, first.stats.cache_hits, first.stats.replayed) == (1, 1, 0)
+    again_model = FixedTextModel("never asked")
+    again = ic.Agent(ic.Chain(), again_model, ic.Args(model="openai:x", cache=path), np.random.default_rng(0),
+                     ic.CompletionCache(path, "fixed"))
+    assert again.complete([req, ic.Request("another prompt", 7)]) == ["assert not done", "never asked"]
+    assert (again.stats.calls, again.stats.cache_hits, again.stats.replayed) == (1, 1, 1)
+    assert again.complete([ic.Request("another prompt", 7)]) == ["never asked"]
+    assert again.stats.replayed == 1 and len(again_model.requests) == 1
 
 
 def test_openai_unreachable_server_is_a_clear_error():

@@ -141,6 +141,7 @@ def test_a_cached_judgement_is_never_asked_again(tmp_path):
     b = llm_agent(fresh, ic.CompletionCache(path, fresh.name))     # another run, same model and cache
     assert [b.advice((s,)) for s in range(8)] == [0] * 8 and b.potential((5,)) == pytest.approx(1.0)
     assert fresh.calls == 0 and b.stats.cache_hits == 9
+    assert a.stats.replayed == 0 and b.stats.replayed == 9        # b's answers were recorded by run a
     other = llm_agent(_Scorer(), ic.CompletionCache(path, "another model"))
     other.advice((3,))
     assert other.model.calls == 1                                  # the cache key holds the model
