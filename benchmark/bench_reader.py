@@ -155,9 +155,10 @@ def make_rows(groups: dict, selected_keys: Optional[set]) -> list[dict]:
                 timing[str(seed)] = [round(statistics.fmean(v for _, v, _ in ro), 3),
                                      round(statistics.fmean(v for _, v, _ in up), 3)]
         # ICPI: answers replayed from the completion cache as an earlier attempt of the run recorded them (a run
-        # resumed after it was stopped): they took no model time, so the wall time covers only the rest
-        replayed = {str(seed): int(sum(v for _, v, _ in read_scalars(d, "model/replayed")))
-                    for seed, (d, _) in seeds.items()}
+        # resumed after it was stopped): they took no model time, so the wall time covers only the rest. A run
+        # that logged no count at all (older code) is left out: unknown, not zero
+        replayed = {str(seed): int(sum(v for _, v, _ in points)) for seed, (d, _) in seeds.items()
+                    if (points := read_scalars(d, "model/replayed"))}
         rows.append({
             "script": key[0], "env": key[1], "setting": key[2], "steps": key[3], "seeds": sorted(seeds),
             "flags": m0.get("flags", []), "tag": m0["tag"], "last_n": m0["last_n"],
@@ -181,6 +182,6 @@ def make_rows(groups: dict, selected_keys: Optional[set]) -> list[dict]:
             "load": [m["load_at_end"] for _, m in seeds.values() if "load_at_end" in m],
             **({"train_series": train} if any(train.values()) else {}),
             **({"seconds_per_update": timing} if timing else {}),
-            **({"seed_replayed": replayed} if any(replayed.values()) else {}),
+            **({"seed_replayed": replayed} if replayed else {}),
         })
     return rows

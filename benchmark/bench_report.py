@@ -146,7 +146,13 @@ def render(data: dict, order: list[tuple]) -> str:
         if resumed_mark(r):
             text += (" Resumed: " + ", ".join(f"seed {s} replayed {n} cached answers" for s, n in
                                              r["seed_replayed"].items() if n)
-                     + " recorded by an earlier, stopped attempt (a resumed run's wall time covers only the rest).")
+                     + " recorded by an earlier, stopped attempt (a resumed run's wall time covers only the rest)")
+            uncounted = [str(s) for s in r["seeds"] if str(s) not in r["seed_replayed"]]
+            if uncounted:
+                many = len(uncounted) > 1
+                text += (f"; seed{'s' * many} {', '.join(uncounted)} logged no count (`model/replayed`), so whether "
+                         f"{'they' if many else 'it'} replayed is not known here")
+            text += "."
         if r.get("source") == "imported":
             imp = r["imported"]
             text += f" Imported: made by `{imp['command']}`"

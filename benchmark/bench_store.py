@@ -191,7 +191,7 @@ def merge_stored(results_dir: str, row: dict, wanted_seeds, same_as=()) -> dict:
     replayed = {**{str(s): old["seed_replayed"][str(s)] for s in keep if str(s) in (old.get("seed_replayed") or {})},
                 **(row.get("seed_replayed") or {})}
     new.pop("seed_replayed", None)
-    if any(replayed.values()):
+    if replayed:  # the seeds whose runs counted (zero included); a seed missing here is not known
         new["seed_replayed"] = dict(sorted(replayed.items(), key=lambda kv: int(kv[0])))
     new["merged_seeds"] = {"from the store": sorted(keep), "this collect": sorted(row["seeds"])}
     for key in ("harness_command", "machine", "versions"):

@@ -448,18 +448,23 @@ def test_a_run_resumed_from_the_completion_cache_is_marked(tmp_path):
     runs1, runs2 = str(tmp_path / "runs1"), str(tmp_path / "runs2")
     job = _marker_run(runs1, s, 1, [1.0, 2.0], seconds=50.0)
     _write_events(os.path.join(job.run_dir, "runs", "r"), "model/replayed", [40.0, 0.0, 0.0])
-    _marker_run(runs1, s, 2, [3.0, 4.0], seconds=90.0)
+    _marker_run(runs1, s, 2, [3.0, 4.0], seconds=90.0)  # logged no count (older code): unknown, not zero
     assert bench.main(["--mode", "collect", "--runs-dir", runs1, *_flags(out)], registry=[s]) == 0
     (row,) = bench.store.load(out["--results-dir"])["rows"]
-    assert row["seed_replayed"] == {"1": 40, "2": 0}
+    assert row["seed_replayed"] == {"1": 40}
     text = open(out["--results-md"]).read()
     assert "| 1 2 | 2.50 ± 1.00 | - | n/a | 70 s (resumed) |" in text
-    assert "Resumed: seed 1 replayed 40 cached answers recorded by an earlier, stopped attempt" in text
-    # a later collect of seed 3 keeps seed 1's count; a row where nothing was replayed has no mark
-    _marker_run(runs2, s, 3, [5.0], seconds=10.0)
+    assert ("Resumed: seed 1 replayed 40 cached answers recorded by an earlier, stopped attempt (a resumed run's "
+            "wall time covers only the rest); seed 2 logged no count (`model/replayed`), so whether it replayed is "
+            "not known here.") in text
+    # a later collect of seed 3, which counted and replayed nothing, keeps seed 1's count
+    job = _marker_run(runs2, s, 3, [5.0], seconds=10.0)
+    _write_events(os.path.join(job.run_dir, "runs", "r"), "model/replayed", [0.0, 0.0])
     assert bench.main(["--mode", "collect", "--seeds", "3", "--runs-dir", runs2, *_flags(out)], registry=[s]) == 0
     (row,) = bench.store.load(out["--results-dir"])["rows"]
-    assert row["seeds"] == [1, 2, 3] and row["seed_replayed"] == {"1": 40, "2": 0}
+    assert row["seeds"] == [1, 2, 3] and row["seed_replayed"] == {"1": 40, "3": 0}
+    assert "; seed 2 logged no count" in open(out["--results-md"]).read()
+    # a row where nothing was replayed has no mark
     s2 = bench.replace(s, name="whole")
     _marker_run(runs2, s2, 1, [1.0], seconds=10.0)
     assert bench.main(["--mode", "collect", "--settings", "whole", "--runs-dir", runs2, *_flags(out)],
