@@ -143,16 +143,22 @@ def render(data: dict, order: list[tuple]) -> str:
         for name, extra in r.get("extra", {}).items():
             text += (f" {name}: " + ", ".join(f"seed {s}: {fmt(v, d)}" for s, v in extra["per_seed"].items())
                      + f"; {fmt(extra['mean'], d)} ± {fmt(extra['std'], d)}.")
-        if resumed_mark(r):
-            text += (" Resumed: " + ", ".join(f"seed {s} replayed {n} cached answers" for s, n in
-                                             r["seed_replayed"].items() if n)
-                     + " recorded by an earlier, stopped attempt (a resumed run's wall time covers only the rest)")
+        if r.get("seed_replayed"):  # some seed's run counted its replayed answers (possibly zero)
+            sentences = []
+            if resumed_mark(r):
+                sentences.append("Resumed: " + ", ".join(f"seed {s} replayed {n} cached answers" for s, n in
+                                                         r["seed_replayed"].items() if n)
+                                 + " recorded by an earlier, stopped attempt (a resumed run's wall time covers only"
+                                 " the rest)")
+            # said even when no counted seed replayed: an uncounted seed may have been resumed
             uncounted = [str(s) for s in r["seeds"] if str(s) not in r["seed_replayed"]]
             if uncounted:
                 many = len(uncounted) > 1
-                text += (f"; seed{'s' * many} {', '.join(uncounted)} logged no count (`model/replayed`), so whether "
-                         f"{'they' if many else 'it'} replayed is not known here")
-            text += "."
+                sentences.append(f"seed{'s' * many} {', '.join(uncounted)} logged no count (`model/replayed`), so "
+                                 f"whether {'they' if many else 'it'} replayed is not known here")
+            if sentences:
+                joined = "; ".join(sentences)
+                text += " " + joined[0].upper() + joined[1:] + "."
         if r.get("source") == "imported":
             imp = r["imported"]
             text += f" Imported: made by `{imp['command']}`"

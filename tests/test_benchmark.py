@@ -464,6 +464,16 @@ def test_a_run_resumed_from_the_completion_cache_is_marked(tmp_path):
     (row,) = bench.store.load(out["--results-dir"])["rows"]
     assert row["seeds"] == [1, 2, 3] and row["seed_replayed"] == {"1": 40, "3": 0}
     assert "; seed 2 logged no count" in open(out["--results-md"]).read()
+    # a row whose counted seeds replayed nothing has no mark, but still names the seed that logged no count
+    s3 = bench.replace(s, name="counted-zero")
+    job = _marker_run(runs2, s3, 1, [1.0], seconds=10.0)
+    _write_events(os.path.join(job.run_dir, "runs", "r"), "model/replayed", [0.0])
+    _marker_run(runs2, s3, 2, [2.0], seconds=10.0)
+    assert bench.main(["--mode", "collect", "--settings", "counted-zero", "--runs-dir", runs2, *_flags(out)],
+                      registry=[s3]) == 0
+    text = open(out["--results-md"]).read()
+    assert "| 1 2 | 1.50 ± 0.50 | - | n/a | 10 s |" in text
+    assert " Seed 2 logged no count (`model/replayed`), so whether it replayed is not known here." in text
     # a row where nothing was replayed has no mark
     s2 = bench.replace(s, name="whole")
     _marker_run(runs2, s2, 1, [1.0], seconds=10.0)
