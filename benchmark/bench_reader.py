@@ -181,6 +181,7 @@ def make_rows(groups: dict, selected_keys: Optional[set]) -> list[dict]:
             "finished": max(m["finished"] for _, m in seeds.values()),
             "load": [m["load_at_end"] for _, m in seeds.values() if "load_at_end" in m],
             **({"train_series": train} if any(train.values()) else {}),
+            **({"train_last_n": m0["train_last_n"]} if m0.get("train_last_n") else {}),
             **({"seconds_per_update": timing} if timing else {}),
             **({"seed_replayed": replayed} if replayed else {}),
         })

@@ -123,6 +123,9 @@ class S:
     """episodes averaged per seed, if not the script's"""
     last_fraction: Optional[float] = None
     """the script's last_fraction overridden (see Script)"""
+    train_last_n: Optional[int] = None
+    """an evaluation row (tag eval/...): training episodes averaged for its training-return number, if not the
+    store's default (bench_store.TRAIN_LAST_N)"""
     same_as: tuple[tuple[str, ...], ...] = ()
     """earlier flag lists of this setting that made the same measurement (say why beside the entry): collect merges
     a stored row made with one of them as if its flags were these"""
@@ -152,6 +155,9 @@ ZOO_TRPO_HC = Ref(1785.5, 68.7, "rl-baselines3-zoo TRPO, 1M steps")
 ZOO_LUNAR = Ref(242.1, 31.8, "rl-baselines3-zoo PPO, 1M steps")
 SEED2_LUNAR_PPO = Ref(-25, None, "seed 002 PPO at epoch 150 (~307k steps), read off its plot")
 SEED2_LUNAR_GPT = Ref(-45, None, "seed 002 GPT2PPO at epoch 150 (~307k steps), read off its plot")
+ZOO_BIPEDAL = Ref(287.9, None, "rl-baselines3-zoo PPO, 5M steps")
+SEED2_BIPEDAL_PPO = Ref(-15, None, "seed 002 PPO at epoch 150 (~307k steps), read off its plot")
+SEED2_BIPEDAL_GPT = Ref(-120, None, "seed 002 GPT2PPO at epoch 150 (~307k steps), read off its plot")
 ZOO_ACRO = Ref(-73.5, None, "rl-baselines3-zoo PPO, 1M steps")
 SEED2_ACRO_PPO = Ref(-115, None, "seed 002 PPO at epoch 150, read off its plot")
 SEED2_ACRO_GPT = Ref(-150, None, "seed 002 GPT2PPO at epoch 150, read off its plot")
@@ -166,6 +172,7 @@ TRPO_2X128 = ("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "128", 
 SMOLLM2_TRPO = ("--llm", "smollm2", "--llm-layers", "2", "--fvp-subsample", "5")  # issue 12
 GPT2PPO_SEEDS = (123, 124, 125)
 STRIDE64 = ("--critic", "gpt2", "--value-stride", "64")
+EVAL10 = ("--save-model", "--eval-episodes", "10")
 SMOLLM2_BF16 = ("--model", "smollm2", "--dtype", "bfloat16")
 # issue 14: one judgement cache shared by every SmolLM2 run of llm-advisor / llm-reward (git-ignored, under out/):
 # a judgement depends on the model and the prompt only (not on the seed or the learner), so seeds and settings that
@@ -248,6 +255,13 @@ SETTINGS: list[S] = [
     S("gpt2ppo_lunar", "Acrobot-v1", "gpt2-stride64", 1_000_000, GPT2PPO_SEEDS, STRIDE64, refs=(ZOO_ACRO,)),
     S("gpt2ppo_lunar", "Acrobot-v1", "gpt2-stride64-dropout0.1", 1_000_000, GPT2PPO_SEEDS,
       STRIDE64 + ("--dropout", "0.1"), refs=(ZOO_ACRO,)),
+    # BipedalWalker-v3, the seed's third environment (continuous actions): 1M steps, the deterministic evaluation of the
+    # final actor (10 episodes) as the number, and the mean of the last 100 training episodes beside it
+    *[S("gpt2ppo_lunar", "BipedalWalker-v3", name, 1_000_000, GPT2PPO_SEEDS, flags + EVAL10,
+        refs=(SEED2_BIPEDAL_PPO if name.startswith("mlp") else SEED2_BIPEDAL_GPT, ZOO_BIPEDAL),
+        quick=False, tag="eval/episodic_return", last_n=10, train_last_n=100)
+      for name, flags in (("mlp-eval", ("--critic", "mlp")), ("gpt2-stride64-eval", STRIDE64),
+                          ("gpt2-stride64-dropout0.1-eval", STRIDE64 + ("--dropout", "0.1")))],
     # issue 15: Table I's "5 training steps per epoch" as 5 shuffled passes (the default) against the authors'
     # schedule (5 consecutive Adam steps per minibatch, one unshuffled pass); seeds and windows as the README's rows
     S("gpt2ppo_lunar", "LunarLander-v3", "mlp-shuffled", GPT2PPO_EPOCHS, (123, 124, 125),
@@ -647,6 +661,7 @@ def write_marker(job: Job, seconds: float, nice: int = 0, code: Optional[dict] =
         "script": s.script, "env": s.env, "setting": s.name, "steps": s.steps, "seed": job.seed,
         "flags": list(s.flags), "tag": s.tag or info.tag, "last_n": s.last_n or info.last_n,
         "last_fraction": s.last_fraction if s.last_fraction is not None else info.last_fraction,
+        **({"train_last_n": s.train_last_n} if s.train_last_n else {}),
         "x_label": info.x_label, "y_label": s.tag or info.y_label, "refs": [asdict(r) for r in s.refs],
         "machine": report.machine(), "versions": report.versions(), "nice": os.nice(0) + nice,
         "harness_command": job.harness_command, "code": code,
