@@ -42,6 +42,60 @@ def only_run_dir(cwd: str, pattern: str = "*") -> str:
     return dirs[0]
 
 
+# The scripts as they were before the redesign into minimal scripts: a redesigned script must log the same numbers,
+# bit for bit, as this version does with the same flags on the same machine (both run here, side by side, so the
+# check holds on any CPU; a clone without this commit skips it).
+BASELINE = "17d5a16"
+UNTIMED = ("charts/SPS", "time/")  # wall-clock scalars: never the same twice
+
+
+def baseline_script(script: str, folder: str) -> str:
+    """`script` as committed at BASELINE, written into `folder` under its own name; skips when git or the commit is
+    not there."""
+    proc = subprocess.run(["git", "-C", ROOT, "show", f"{BASELINE}:{script}"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"baseline {BASELINE} not in this clone: {proc.stderr.strip()[:200]}")
+    path = os.path.join(folder, script)
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(proc.stdout)
+    return path
+
+
+def all_scalars(run_dir: str, ignore: tuple[str, ...] = UNTIMED) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of a run folder's event files (tags starting with an `ignore` prefix left out)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]
+            if not t.startswith(ignore)}
+
+
+def same_numbers(script: str, *flags: str, tmp_path, ignore: tuple[str, ...] = UNTIMED, baseline_flags=None,
+                 timeout: float = 600) -> tuple[str, str]:
+    """Run the BASELINE version of `script` and the working tree's with the same flags (`baseline_flags` where the
+    old spelling differs), each in its own folder, and assert that every scalar the baseline logged (tags under
+    `ignore` aside) is logged by the current script with the same steps and values, bit for bit. Returns the two
+    run folders (baseline, current) for further checks (checkpoints, say)."""
+    old = baseline_script(script, str(tmp_path / "baseline_code"))
+    folders = []
+    for name, path, fl in (("baseline", old, baseline_flags or flags),
+                           ("current", os.path.join(ROOT, script), flags)):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        proc = subprocess.run([sys.executable, path, *fl], cwd=str(cwd), env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        assert proc.returncode == 0, f"{name} {script} {' '.join(fl)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        folders.append(only_run_dir(str(cwd)))
+    old_scalars, new_scalars = all_scalars(folders[0], ignore), all_scalars(folders[1], ignore)
+    assert old_scalars, f"the baseline run logged no scalars in {folders[0]}"
+    for tag, points in old_scalars.items():
+        assert new_scalars.get(tag) == points, f"{script} {' '.join(flags)}: '{tag}' differs from {BASELINE}"
+    return folders[0], folders[1]
+
+
 @pytest.fixture
 def workdir(tmp_path):
     return str(tmp_path)
