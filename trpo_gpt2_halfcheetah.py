@@ -144,10 +144,6 @@ class Args:
     mlp_dtype: str = "float64"
     """`--policy mlp` only: precision of the policy and value networks and of the whole update, `float64` (the
     reference's) or `float32` (about twice as fast on a CPU; the rollout buffers are float32 either way)"""
-    value_dtype: str = "same"
-    """precision of the value network and its L-BFGS fit: `same` (the policy's: float64 for `--policy mlp` by
-    default, as the reference; float32 for a language-model policy) or `float32` / `float64`. The value fit is about
-    2/3 of a float64 MLP update on a CPU; `float32` halves it but learned worse at 1M steps (README), hence `same`"""
     fvp_impl: str = "auto"
     """how the Fisher-vector products are computed (the same product, up to rounding): `auto` = in closed
     form for `--policy mlp` (J^T M J from one kept forward pass, no double backward) and `gauss-newton` for a
@@ -1002,8 +998,6 @@ def validate_args(args: Args) -> None:
         (a.mlp_dtype in ("float64", "float32"), f"--mlp-dtype must be 'float64' or 'float32', not '{a.mlp_dtype}'"),
         (a.mlp_dtype == "float64" or a.policy == "mlp",
          "--mlp-dtype applies to --policy mlp only (a GPT-2 policy runs in float32)"),
-        (a.value_dtype in ("same", "float64", "float32"),
-         f"--value-dtype must be 'same', 'float64' or 'float32', not '{a.value_dtype}'"),
         (a.llm_attn in ("eager", "sdpa"), f"--llm-attn must be 'eager' or 'sdpa', not '{a.llm_attn}'"),
         (a.fvp_impl in ("auto", "double-backward", "gauss-newton"),
          f"--fvp-impl must be 'auto', 'double-backward' or 'gauss-newton', not '{a.fvp_impl}'"),
@@ -1332,8 +1326,7 @@ def main(args: Args) -> None:
     # float64 for the MLP (as the reference; --mlp-dtype float32 is faster), float32 for GPT-2 (its native precision)
     dtype = getattr(torch, args.mlp_dtype) if args.policy == "mlp" else torch.float32
     policy = build_policy(args, obs_dim, act_dim).to(device=device, dtype=dtype)
-    value_dtype = dtype if args.value_dtype == "same" else getattr(torch, args.value_dtype)
-    value_net = ValueNet(obs_dim, args.hidden_size).to(device=device, dtype=value_dtype)
+    value_net = ValueNet(obs_dim, args.hidden_size).to(device=device, dtype=dtype)
     params = [p for p in policy.parameters() if p.requires_grad]
     n_train = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in policy.parameters())
@@ -1437,10 +1430,9 @@ def main(args: Args) -> None:
         log_value_fit(value_fit.wait(), global_step - args.batch_size)  # update k-1's fit, before V is read
         b_obs = torch.from_numpy(obs_buf.reshape(-1, obs_dim)).to(device=device, dtype=dtype)
         with torch.no_grad():
-            b_obs_v = b_obs.to(value_dtype)  # the same tensor when the value net has the policy's precision
-            values = value_net(b_obs_v).cpu().numpy().reshape(T, N)
+            values = value_net(b_obs).cpu().numpy().reshape(T, N)
             next_values = value_net(torch.from_numpy(next_obs_buf.reshape(-1, obs_dim)).to(device=device,
-                                                                                            dtype=value_dtype))
+                                                                                            dtype=dtype))
             next_values = next_values.cpu().numpy().reshape(T, N)
         advantages, returns = compute_gae(rewards_buf, values, next_values, terminations_buf, dones_buf,
                                           args.gamma, args.gae_lambda)
@@ -1450,7 +1442,7 @@ def main(args: Args) -> None:
         b_actions = torch.from_numpy(actions_buf.reshape(-1, act_dim)).to(device=device, dtype=dtype)
 
         # the value fit on this batch: in a second thread beside the policy step and the next rollout
-        value_fit.start(value_net, b_obs_v, b_returns.to(value_dtype), args.l2_reg, args.vf_iters)
+        value_fit.start(value_net, b_obs, b_returns, args.l2_reg, args.vf_iters)
         enc = policy.encode(b_obs)  # text encoding: tokenized once per update, not per product
         stats = trpo_step(policy, params, enc, b_actions, b_adv, args)
         update_time = time.time() - update_start
