@@ -1,3 +1,4 @@
+import dataclasses
 import glob
 import math
 import os
@@ -8,10 +9,14 @@ import pytest
 import torch
 
 import gpt2ppo_lunar as g2
-from conftest import only_run_dir, read_scalars, run_script
+from conftest import ROOT, only_run_dir, read_scalars, run_script, same_numbers
 
-TINY = ("--hidden-size", "16", "--n-head", "2", "--context-len", "8", "--update-epochs", "2",
-        "--minibatch-size", "64", "--no-progress")
+TINY = ("--hidden-size", "16", "--n-head", "2", "--context-len", "8", "--update-epochs", "2", "--minibatch-size", "64")
+
+
+def _rows(hist, steps, envs):
+    """Flat History rows of (rollout step, env) pairs."""
+    return (np.asarray(envs) * hist.L + hist.K - 1 + np.asarray(steps)).astype(np.int64)
 
 
 def _tiny_critic(obs_dim=3, act_dim=2, K=6, dropout=0.0, max_t=50, seed=0):
@@ -100,7 +105,7 @@ def test_rollout_windows_equal_training_windows_across_rollouts(K, S):
                 episodes[i], t_ep[i] = [], 0
         hist.put_state(T, obs.astype(np.float32), t_ep)
         for (step, i), naive in expected.items():
-            s, a, t, m = hist.windows(hist.flat_rows(np.array([step]), np.array([i])))
+            s, a, t, m = hist.windows(_rows(hist, np.array([step]), np.array([i])))
             n = len(naive)
             assert m[0].sum() == n and m[0, K - n:].all()
             assert torch.equal(s[0, K - n:], torch.from_numpy(np.stack([o for o, _, _ in naive])))
@@ -133,7 +138,7 @@ def test_segment_values_equal_per_window_values():
                 hist.put_action(step, np.eye(2, dtype=np.float32)[rng.integers(0, 2, N)])
             t_ep = np.where(rng.random(N) < 0.1, 0, t_ep + 1)
         critic = _tiny_critic(K=K).eval()
-        rows = hist.flat_rows(np.tile(np.arange(T + 1), N), np.repeat(np.arange(N), T + 1))
+        rows = _rows(hist, np.tile(np.arange(T + 1), N), np.repeat(np.arange(N), T + 1))
         seg_rows, _, _ = hist.segments(rows)
         if S > 1:
             assert len(seg_rows) < len(rows) / 2  # the point of segments: fewer passes
@@ -263,24 +268,169 @@ def test_actor_heads():
 # ---------------------------------------------------------------------------------------------
 
 
+def test_minibatch_plan_schedules():
+    batch, n_seg, mbs, epochs = 12, 5, 4, 3
+    # authors: one pass in rollout order, `epochs` consecutive steps on each minibatch
+    plan = list(g2.minibatch_plan("authors", batch, n_seg, mbs, epochs, np.random.default_rng(0)))
+    assert len(plan) == 3 * epochs
+    for j, (mb, seg) in enumerate(plan):
+        k = j // epochs
+        assert mb.tolist() == list(range(4 * k, 4 * k + 4))
+        assert seg.tolist() == np.array_split(np.arange(n_seg), 3)[k].tolist()
+    # shuffled: `epochs` passes, each a fresh permutation of the rollout and of the segments (cumulative in-place
+    # shuffles of one generator, as the update always drew them)
+    rng, ref = np.random.default_rng(3), np.random.default_rng(3)
+    b_ref, s_ref = np.arange(batch), np.arange(n_seg)
+    plan = list(g2.minibatch_plan("shuffled", batch, n_seg, mbs, epochs, rng))
+    assert len(plan) == epochs * batch // mbs  # both schedules take the same number of Adam steps
+    for e in range(epochs):
+        ref.shuffle(b_ref)
+        ref.shuffle(s_ref)
+        group = plan[3 * e:3 * e + 3]
+        assert np.concatenate([mb for mb, _ in group]).tolist() == b_ref.tolist()
+        assert np.concatenate([seg for _, seg in group]).tolist() == s_ref.tolist()
+
+
+def test_compute_gae_bootstraps_truncations_and_cuts_terminations():
+    r = np.array([[1.0], [1.0], [1.0]], dtype=np.float32)
+    v = np.array([[0.5], [0.5], [0.5]], dtype=np.float32)
+    nv = np.array([[0.5], [2.0], [0.5]], dtype=np.float32)  # step 1 was truncated: V(final obs) = 2
+    term, done = np.array([[0.0], [0.0], [1.0]]), np.array([[0.0], [1.0], [1.0]])
+    adv, ret = g2.compute_gae(r, v, nv, term, done, gamma=0.9, gae_lambda=0.5)
+    d2 = 1.0 - 0.5  # terminal: no bootstrap
+    d1 = 1.0 + 0.9 * 2.0 - 0.5  # truncated: bootstrap V(final obs), recursion cut
+    d0 = 1.0 + 0.9 * 0.5 - 0.5
+    assert np.allclose(adv[:, 0], [d0 + 0.45 * d1, d1, d2]) and np.allclose(ret, adv + v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Continuous actions and the critic's modes inside the training loop (one in-process run, spied on)
+# ---------------------------------------------------------------------------------------------
+
+
+class TinyBox(gym.Env):
+    """3-d observations, a 2-d action with asymmetric bounds (samples of a std-1 Gaussian often fall outside),
+    reward -|a|^2, 12-step episodes (time-limit truncations). Records every action it receives."""
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
+    action_space = gym.spaces.Box(np.array([-0.3, -1.0], np.float32), np.array([0.2, 0.5], np.float32))
+    received: list = []
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.np_random.normal(size=3).astype(np.float32), {}
+
+    def step(self, action):
+        TinyBox.received.append(np.array(action, copy=True))
+        return self.np_random.normal(size=3).astype(np.float32), -float(np.sum(np.square(action))), False, False, {}
+
+
+gym.register("TinyBox-v0", entry_point=TinyBox, max_episode_steps=12)
+
+
+@pytest.fixture(scope="module")
+def spied_continuous_run(tmp_path_factory):
+    """Train the GPT-2 critic (dropout 0.5) on TinyBox in process, recording what the actor sampled, what the env
+    received, what History stored, every log-probability call (with a hand-computed diagonal-Gaussian log-prob of
+    the same actions) and the mode of every critic pass."""
+    rec = {"sampled": [], "stored": [], "logprob": [], "critic": []}
+    real_act, real_lp, real_put, real_fwd = g2.Actor.act, g2.Actor.log_prob_entropy, g2.History.put_action, \
+        g2.GPT2Critic.forward
+
+    def act(self, obs, greedy=False):
+        a = real_act(self, obs, greedy)
+        rec["sampled"].append(a.clone())
+        return a
+
+    def log_prob_entropy(self, obs, actions):
+        lp, ent = real_lp(self, obs, actions)
+        with torch.no_grad():
+            mean, log_std = self.head(self.body(obs)), self.log_std
+            hand = (-0.5 * ((actions - mean) / log_std.exp()) ** 2 - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+        rec["logprob"].append((actions.detach().clone(), lp.detach().clone(), hand, torch.is_inference_mode_enabled()))
+        return lp, ent
+
+    def put_action(self, step, actions_vec):
+        rec["stored"].append(np.array(actions_vec, copy=True))
+        return real_put(self, step, actions_vec)
+
+    def forward(self, states, actions, timesteps, mask):
+        rec["critic"].append((self.training, torch.is_grad_enabled(), actions.detach().clone()))
+        return real_fwd(self, states, actions, timesteps, mask)
+
+    TinyBox.received.clear()
+    cwd = tmp_path_factory.mktemp("tinybox")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        mp.setattr(g2.Actor, "act", act)
+        mp.setattr(g2.Actor, "log_prob_entropy", log_prob_entropy)
+        mp.setattr(g2.History, "put_action", put_action)
+        mp.setattr(g2.GPT2Critic, "forward", forward)
+        g2.main(g2.Args(env_id="TinyBox-v0", total_timesteps=96, steps_per_epoch=48, num_envs=2, minibatch_size=16,
+                        update_epochs=2, hidden_size=16, n_head=2, context_len=8, dropout=0.5, seed=5))
+    return rec
+
+
+def test_continuous_actions_sampled_stored_and_clipped_only_for_the_env(spied_continuous_run):
+    """Issue 30: the env receives the Gaussian sample clipped to its bounds; the rollout buffer (hence the log-probs
+    PPO's ratio uses) and the critic's history hold the sample itself; every log-prob is the diagonal Gaussian's
+    with the state-independent log-std."""
+    rec = spied_continuous_run
+    sampled = torch.cat(rec["sampled"]).numpy()  # (steps * envs, 2), step-major
+    received = np.stack(TinyBox.received)
+    low, high = TinyBox.action_space.low, TinyBox.action_space.high
+    assert sampled.shape == received.shape == (96, 2)
+    assert np.array_equal(received, np.clip(sampled, low, high))
+    assert ((sampled < low) | (sampled > high)).mean() > 0.3  # clipping did happen, often
+    assert np.array_equal(np.concatenate(rec["stored"]), sampled)  # History: the sample, not the clipped action
+    rollout_calls = [c for c in rec["logprob"] if c[3]]  # the old log-probs, computed after each rollout
+    assert len(rollout_calls) == 2
+    assert np.array_equal(torch.cat([c[0] for c in rollout_calls]).numpy(), sampled)
+    for actions, lp, hand, _ in rec["logprob"]:
+        assert torch.allclose(lp, hand, atol=1e-5)
+    seen = torch.cat([a.reshape(-1, 2) for _, _, a in rec["critic"]]).numpy()
+    assert (seen[:, 0] > high[0]).any() and (seen[:, 1] < low[1]).any()  # the critic reads unclipped samples
+
+
+def test_gpt2_critic_eval_mode_in_rollouts_and_targets_train_mode_in_the_update(spied_continuous_run):
+    calls = spied_continuous_run["critic"]
+    no_grad = [training for training, grad, _ in calls if not grad]  # rollout values, truncation bootstraps
+    with_grad = [training for training, grad, _ in calls if grad]  # the update's training passes
+    assert no_grad and with_grad
+    assert not any(no_grad), "dropout was on while computing values for the targets"
+    assert all(with_grad), "dropout was off in the update"
+
+
 # ---------------------------------------------------------------------------------------------
 # The script end to end
 # ---------------------------------------------------------------------------------------------
 
 TAGS = ("charts/episodic_return", "charts/episodic_length", "charts/SPS", "losses/policy_loss",
         "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/explained_variance")
+BUDGET = ("--total-timesteps", "512", "--steps-per-epoch", "256", "--seed", "3")
 
 
-@pytest.mark.parametrize("env_id", ["LunarLander-v3", "BipedalWalker-v3"])
-def test_smoke_both_critics(tmp_path, env_id):
-    for critic in ("mlp", "gpt2"):
-        cwd = str(tmp_path / critic)
-        os.makedirs(cwd)
-        run_script("gpt2ppo_lunar.py", "--env-id", env_id, "--critic", critic, "--total-timesteps", "512",
-                   "--steps-per-epoch", "256", "--num-envs", "2", *TINY, cwd=cwd)
-        run = only_run_dir(cwd)
-        for tag in TAGS[2:]:
-            assert len(read_scalars(run, tag)) == 2, (critic, tag)
+@pytest.mark.parametrize("flags", [
+    ("--critic", "mlp"),
+    ("--critic", "gpt2", "--value-stride", "64"),
+    ("--critic", "gpt2"),  # exact windows (stride 1), the default
+    ("--critic", "gpt2", "--value-stride", "64", "--dropout", "0.1"),
+    ("--critic", "gpt2", "--value-stride", "64", "--update-schedule", "authors"),
+    ("--env-id", "BipedalWalker-v3", "--critic", "gpt2", "--value-stride", "64", "--save-model", "--eval-episodes", "1"),
+], ids=["mlp", "gpt2-stride64", "gpt2-exact", "dropout0.1", "authors", "bipedal-gpt2-eval"])
+def test_same_numbers_as_before_the_redesign(tmp_path, flags):
+    """Every kept path logs, bit for bit, what the script logged before the redesign (same machine, side by side)."""
+    _, run = same_numbers("gpt2ppo_lunar.py", *BUDGET, *flags, tmp_path=tmp_path)
+    for tag in TAGS[2:]:
+        assert len(read_scalars(run, tag)) == 2, tag
+    if "--save-model" in flags:  # every trainable GPT-2 parameter moved; the zeroed position embeddings did not
+        actor, critic, a = g2.load_checkpoint(os.path.join(run, "gpt2ppo_lunar.pt"))
+        torch.manual_seed(3)
+        g2.Actor(24, 4, False, a["hidden_size"])
+        init = g2.make_critic("gpt2", 24, 4, a)
+        trained = dict(critic.named_parameters())
+        for name, p0 in init.named_parameters():
+            assert torch.equal(trained[name], p0) == name.startswith(("gpt2.wpe", "gpt2.wte")), name
+        assert len(read_scalars(run, "eval/episodic_return")) == 1
 
 
 def test_acrobot_both_critics_truncation_and_checkpoint_round_trip(tmp_path):
@@ -304,68 +454,6 @@ def test_acrobot_both_critics_truncation_and_checkpoint_round_trip(tmp_path):
     assert len(eval_run) == 1 and len(read_scalars(eval_run[0], "eval/episodic_return")) == 2
     actor, critic, a = g2.load_checkpoint(ckpt[0])
     assert a["env_id"] == "Acrobot-v1" and a["critic"] == "gpt2" and isinstance(critic, g2.GPT2Critic)
-    r1 = g2.evaluate(actor, "Acrobot-v1", 1, seed=0)
-    assert r1 == g2.evaluate(actor, "Acrobot-v1", 1, seed=0) and -500 <= r1[0] <= 0
-
-
-def test_seeded_runs_identical_and_gpt2_trained(tmp_path):
-    returns = []
-    for k in range(2):
-        cwd = str(tmp_path / f"r{k}")
-        os.makedirs(cwd)
-        run_script("gpt2ppo_lunar.py", "--total-timesteps", "512", "--steps-per-epoch", "256", "--seed", "7",
-                   "--save-model", "--eval-episodes", "1", *TINY, cwd=cwd)
-        returns.append(read_scalars(only_run_dir(cwd), "charts/episodic_return"))
-    assert len(returns[0]) >= 3 and returns[0] == returns[1]
-    # the GPT-2 blocks and embeddings moved away from their initialisation (the authors' never did),
-    # while the zeroed position embeddings stayed zero
-    ckpt = glob.glob(str(tmp_path / "r0" / "runs" / "*" / "gpt2ppo_lunar.pt"))[0]
-    actor, critic, a = g2.load_checkpoint(ckpt)
-    torch.manual_seed(7)
-    g2.Actor(8, 4, True, a["hidden_size"])
-    init = g2.make_critic("gpt2", 8, 4, a)
-    trained = dict(critic.named_parameters())
-    for name, p0 in init.named_parameters():
-        if name.startswith("gpt2.wpe") or name.startswith("gpt2.wte"):
-            assert torch.equal(trained[name], p0), name
-        else:
-            assert not torch.equal(trained[name], p0), f"{name} was not trained"
-    assert not critic.gpt2.wpe.weight.any()
-
-
-def test_unsupported_spaces_in_process():
-    with pytest.raises(SystemExit, match="Discrete or Box action space"):
-        g2.check_spaces("X", gym.spaces.Box(-1, 1, (3,)), gym.spaces.MultiDiscrete([2, 3]))
-    with pytest.raises(SystemExit, match="flat Box observation"):
-        g2.check_spaces("X", gym.spaces.Box(0, 255, (4, 4, 3)), gym.spaces.Discrete(2))
-    g2.check_spaces("X", gym.spaces.Box(-1, 1, (3,)), gym.spaces.Box(-1, 1, (2,)))  # fine
-
-
-@pytest.mark.parametrize("kw, message", [
-    (dict(steps_per_epoch=100, num_envs=3), "must be a positive multiple"),
-    (dict(value_stride=0), "--value-stride must be between 1"),
-    (dict(value_stride=65), "--value-stride must be between 1"),
-    (dict(n_head=3), "must divide --hidden-size"),
-])
-def test_bad_arguments_in_process(kw, message):
-    with pytest.raises(SystemExit, match=message):
-        g2.check_args(g2.Args(**kw))
-    g2.check_args(g2.Args())  # the defaults are fine
-
-
-@pytest.mark.parametrize("flags, message", [
-    (("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
-    (("--env-id", "Blackjack-v1"), "needs a flat Box observation"),
-    (("--eval-checkpoint", "missing.pt"), "does not exist"),
-    pytest.param(("--cuda",), "torch sees no CUDA device", marks=pytest.mark.skipif(
-        torch.cuda.is_available(), reason="a CUDA device is present")),
-    pytest.param(("--eval-checkpoint", "missing.pt", "--cuda"), "torch sees no CUDA device",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")),
-])
-def test_bad_input_one_clear_sentence(tmp_path, flags, message):
-    proc = run_script("gpt2ppo_lunar.py", *flags, cwd=str(tmp_path), check=False)
-    assert proc.returncode != 0
-    assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_learns_cartpole_with_gpt2_critic(tmp_path):
@@ -381,192 +469,227 @@ def test_learns_cartpole_with_gpt2_critic(tmp_path):
     assert np.mean(rets[-30:]) > 100, np.mean(rets[-30:])
 
 
-def test_capture_video_without_moviepy_is_one_clear_sentence(tmp_path):
-    import importlib.util
-
-    if importlib.util.find_spec("moviepy") is not None:
-        pytest.skip("moviepy is installed here, so --capture-video records instead of failing")
-    proc = run_script("gpt2ppo_lunar.py", "--capture-video", "--total-timesteps", "4096", cwd=str(tmp_path), check=False)
-    assert proc.returncode != 0
-    assert "--capture-video needs the moviepy package" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-# ---------------------------------------------------------------------------------------------
-# Issue 15: bad numbers, evaluation seeds, run names, Ctrl-C, the authors' update schedule
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("kw, message", [
-    (dict(update_epochs=0), "--update-epochs must be >= 1"),
-    (dict(minibatch_size=0), "--minibatch-size 0 must divide"),
-    (dict(minibatch_size=100), "--minibatch-size 100 must divide --steps-per-epoch 2048"),
-    (dict(num_envs=0), "must be a positive multiple of --num-envs 0"),
-    (dict(steps_per_epoch=0), "must be a positive multiple"),
-    (dict(total_timesteps=0), "--total-timesteps must be >= 1"),
-    (dict(actor_lr=-1.0), "--actor-lr and --critic-lr must be > 0"),
-    (dict(critic_lr=0.0), "--actor-lr and --critic-lr must be > 0"),
-    (dict(gamma=2.0), "--gamma must be in [0, 1]"),
-    (dict(gae_lambda=-0.1), "--gae-lambda must be in [0, 1]"),
-    (dict(clip_coef=0.0), "--clip-coef must be > 0"),
-    (dict(target_kl=0.0), "--target-kl must be > 0"),
-    (dict(hidden_size=0), "--hidden-size must be >= 1"),
-    (dict(context_len=0), "--context-len must be >= 1"),
-    (dict(n_layer=0), "--n-layer and --n-head must be >= 1"),
-    (dict(dropout=1.0), "--dropout must be in [0, 1)"),
-    (dict(eval_episodes=0), "--eval-episodes must be >= 1"),
-    (dict(torch_threads=0), "--torch-threads must be >= 1"),
-    (dict(progress_every=-1), "--progress-every must be >= 0"),
-])
-def test_check_args_one_sentence_per_bad_number(kw, message):
-    with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        g2.check_args(g2.Args(**kw))
-
-
-def test_track_without_wandb_is_one_sentence(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(SystemExit, match="--track needs the wandb package"):
-        g2.check_args(g2.Args(track=True))
-
-
-def test_budget_rounds_up_to_whole_rollouts():
-    assert g2.num_rollouts(307200, 2048) == 150
-    assert g2.num_rollouts(1_000_000, 2048) == 489  # 1,001,472 steps: never fewer than asked
-    assert g2.num_rollouts(1, 2048) == 1
-
-
-def test_run_time_fields_are_not_flags(tmp_path):
-    for flag in ("--num-steps", "--num-iterations", "--batch-size"):
-        proc = run_script("gpt2ppo_lunar.py", flag, "3", cwd=str(tmp_path), check=False)
-        assert proc.returncode != 0 and "Traceback" not in proc.stderr, flag
-    assert not os.path.exists(tmp_path / "runs")
-
-
-def test_bad_number_exits_before_any_work_and_leaves_no_run_folder(tmp_path):
-    proc = run_script("gpt2ppo_lunar.py", "--update-epochs", "0", "--total-timesteps", "256", cwd=str(tmp_path),
-                      check=False)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == ["error: --update-epochs must be >= 1, got 0."]
-    assert not os.path.exists(tmp_path / "runs")
-
-
-def test_minibatch_plan_schedules():
-    batch, n_seg, mbs, epochs = 12, 5, 4, 3
-    # authors: one pass in rollout order, `epochs` consecutive steps on each minibatch
-    plan = list(g2.minibatch_plan("authors", batch, n_seg, mbs, epochs, np.random.default_rng(0)))
-    assert len(plan) == 3 and all(len(group) == epochs for group in plan)
-    for k, group in enumerate(plan):
-        for mb, seg in group:
-            assert mb.tolist() == list(range(4 * k, 4 * k + 4))
-            assert seg.tolist() == np.array_split(np.arange(n_seg), 3)[k].tolist()
-    # shuffled: `epochs` passes, each a fresh permutation of the rollout and of the segments, drawn
-    # exactly as the update drew them before the option existed (cumulative in-place shuffles)
-    rng, ref = np.random.default_rng(3), np.random.default_rng(3)
-    b_ref, s_ref = np.arange(batch), np.arange(n_seg)
-    plan = list(g2.minibatch_plan("shuffled", batch, n_seg, mbs, epochs, rng))
-    assert len(plan) == epochs
-    for group in plan:
-        ref.shuffle(b_ref)
-        ref.shuffle(s_ref)
-        assert np.concatenate([mb for mb, _ in group]).tolist() == b_ref.tolist()
-        assert np.concatenate([seg for _, seg in group]).tolist() == s_ref.tolist()
-    # both take the same number of Adam steps
-    assert sum(map(len, plan)) == epochs * batch // mbs
-
-
-def test_eval_seed_rule():
-    assert g2.eval_seed(7) == 10007  # after --save-model, and --eval-checkpoint without --seed
-    assert g2.eval_seed(7, 3) == 10003  # --eval-checkpoint --seed 3
-
-
-def test_make_run_dir_is_unique_and_names_the_setting(tmp_path):
-    a = g2.Args(seed=5, critic="mlp")
-    names = [g2.make_run_dir(g2.run_base_name(a), root=str(tmp_path)) for _ in range(3)]
-    assert len(set(names)) == 3 and all(os.path.isdir(tmp_path / n) for n in names)
-    assert all(n.startswith("LunarLander-v3__gpt2ppo_lunar__critic-mlp__5__") for n in names)
-    assert "critic-gpt2-authors-schedule__5" in g2.run_base_name(g2.Args(seed=5, update_schedule="authors"))
-
-
-def test_returns_text_says_when_no_episode_finished():
-    assert g2.returns_text([]) == "no episode has finished yet"
-    assert g2.returns_text([1.0, 3.0]) == "mean return of the last 2 episodes 2.00"
-
-
-def test_probe_leaves_random_state_and_gradients_alone():
-    critic = _tiny_critic(dropout=0.5)
-    critic.eval()
-    state = torch.get_rng_state()
-    est = g2.probe_update_seconds(critic, 3, 2, 6, windows=100, update_epochs=5, device=torch.device("cpu"))
-    assert est > 0 and torch.equal(state, torch.get_rng_state())
-    assert not critic.training and all(p.grad is None for p in critic.parameters())
-
-
-def test_save_model_eval_equals_eval_checkpoint_and_directory_is_named(tmp_path):
+def test_save_model_eval_equals_eval_checkpoint_and_names(tmp_path):
     cwd = str(tmp_path)
-    flags = ("--critic", "mlp", "--total-timesteps", "512", "--steps-per-epoch", "256", "--seed", "4",
-             "--save-model", "--eval-episodes", "2", "--no-eval-greedy", "--progress-every", "1", *TINY)
+    flags = ("--critic", "mlp", "--total-timesteps", "300", "--steps-per-epoch", "256", "--seed", "4",
+             "--save-model", "--eval-episodes", "2", *TINY)
     out = run_script("gpt2ppo_lunar.py", *flags, cwd=cwd).stdout
     run = only_run_dir(cwd)
     assert os.path.basename(run).startswith("LunarLander-v3__gpt2ppo_lunar__critic-mlp__4__")
-    assert "update 1/2, 256 steps" in out  # stdout is not a terminal: progress lines
-    assert not read_scalars(run, "losses/actor_loss") and not read_scalars(run, "losses/critic_loss")
-    assert read_scalars(run, "losses/policy_loss") and read_scalars(run, "losses/value_loss")
-    in_run = out.split("eval: ")[1].split(" over")[0]
+    assert "device cpu" in out and "update 1/2, 256 steps" in out  # 300 steps: rounded up to 2 whole rollouts
+    assert "512 of 512 steps" in out and len(read_scalars(run, "losses/policy_loss")) == 2
+    in_run = out.split("eval: ")[1].strip()
     ckpt = os.path.join(run, "gpt2ppo_lunar.pt")
     torch.load(ckpt, weights_only=True)  # plain tensors and Python values only
-    out = run_script("gpt2ppo_lunar.py", "--eval-checkpoint", ckpt, "--eval-episodes", "2", "--no-eval-greedy",
-                     cwd=cwd).stdout
-    assert out.split(": ")[1].split(" over")[0] == in_run  # the same rule, the same numbers
+    out = run_script("gpt2ppo_lunar.py", "--eval-checkpoint", ckpt, "--eval-episodes", "2", cwd=cwd).stdout
+    assert in_run in out and "seeds 10004..10005" in out  # the same rule (10000 + seed + i), the same numbers
     eval_runs = glob.glob(os.path.join(cwd, "runs", os.path.basename(run) + "-eval__10004__*"))
-    assert len(eval_runs) == 1  # named after the checkpoint's run and its evaluation seed
-    out = run_script("gpt2ppo_lunar.py", "--eval-checkpoint", ckpt, "--eval-episodes", "2", "--no-eval-greedy",
-                     "--seed", "9", cwd=cwd).stdout
+    assert len(eval_runs) == 1
+    out = run_script("gpt2ppo_lunar.py", "--eval-checkpoint", ckpt, "--eval-episodes", "2", "--seed", "9",
+                     cwd=cwd).stdout
     assert "seeds 10009..10010" in out
-    proc = run_script("gpt2ppo_lunar.py", "--eval-checkpoint", run, cwd=cwd, check=False)
-    assert proc.returncode != 0 and "is a directory" in proc.stderr and "Traceback" not in proc.stderr
+    assert g2.make_run_dir("x", root=str(tmp_path / "r")) != g2.make_run_dir("x", root=str(tmp_path / "r"))
 
 
-def interrupt_after_first_update(script: str, flags: tuple, cwd: str, marker: str = "update 1/"):
-    """Start a long run, wait for its first progress line, press Ctrl-C (SIGINT); return (rc, stdout, stderr)."""
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_signal_mid_run_keeps_the_checkpoint_and_exits_with_one_line(tmp_path, sig):
+    """Ctrl-C and SIGTERM (timeout, kill, schedulers) alike: the update finishes, the checkpoint is saved, one line."""
     import signal
     import subprocess
     import sys
 
-    from conftest import ROOT
-
+    cwd = str(tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *flags, "--progress-every", "1"], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "gpt2ppo_lunar.py"), "--critic", "mlp",
+                             "--total-timesteps", "10000000", "--steps-per-epoch", "256", "--save-model", *TINY],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if marker in line:
+        if "update 1/" in line:
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, sig))
     out, err = proc.communicate(timeout=120)
-    return proc.returncode, "".join(lines) + out, err
-
-
-def test_ctrl_c_saves_checkpoint_closes_and_exits_with_one_line(tmp_path):
-    cwd = str(tmp_path)
-    rc, out, err = interrupt_after_first_update(
-        "gpt2ppo_lunar.py", ("--critic", "mlp", "--total-timesteps", "10000000", "--steps-per-epoch", "256",
-                             "--save-model", *TINY), cwd)
-    assert rc == 130 and "Traceback" not in err, err
-    last = out.strip().splitlines()[-1]
-    assert "interrupted after" in last and "checkpoint saved to" in last
+    assert proc.returncode == 128 + getattr(signal, sig) and "Traceback" not in err, err
+    last = ("".join(lines) + out).strip().splitlines()[-1]
+    assert f"stopped by {sig} after" in last and "checkpoint saved to" in last
     ckpt = glob.glob(os.path.join(cwd, "runs", "*", "gpt2ppo_lunar.pt"))
-    assert len(ckpt) == 1
+    assert len(ckpt) == 1 and not glob.glob(os.path.join(cwd, "runs", "*", "*.tmp*"))
     actor, critic, a = g2.load_checkpoint(ckpt[0])
     assert a["critic"] == "mlp" and isinstance(actor, g2.Actor)
     assert read_scalars(only_run_dir(cwd), "losses/policy_loss")  # the writer was flushed and closed
 
 
-def test_slow_update_note_only_when_slow():
-    assert g2.slow_update_note(5.0, 150, "cpu", 1) is None
-    note = g2.slow_update_note(36.0, 150, "cpu", 1)
-    assert "~36 s per update on cpu" in note and "~1.5 h for 150 updates" in note and "--value-stride 64" in note
-    assert "--value-stride" not in g2.slow_update_note(36.0, 150, "cpu", 8)
+def test_stop_during_evaluation_keeps_what_was_done(tmp_path, capsys):
+    class Stop:
+        signum = 0
+
+    stop, writer = Stop(), g2.SummaryWriter(str(tmp_path))
+    log = writer.add_scalar
+
+    def add_scalar(*a, **k):  # Ctrl-C as soon as the first episode is logged
+        log(*a, **k)
+        stop.signum = 2
+
+    writer.add_scalar = add_scalar
+    with pytest.raises(SystemExit) as e:
+        g2.evaluate(g2.Actor(4, 2, True, 8), "CartPole-v1", 3, seed=0, stop=stop, writer=writer)
+    assert e.value.code == 130 and "evaluation stopped after 1 of 3 episodes" in capsys.readouterr().out
+    assert len(read_scalars(str(tmp_path), "eval/episodic_return")) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile input: one sentence on stderr, a non-zero exit, nothing written
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A good LunarLander checkpoint and hostile variants of it, in their own folder."""
+    d = tmp_path_factory.mktemp("ckpts")
+    args = {**dataclasses.asdict(g2.Args(seed=1, critic="mlp")), "max_timestep": 1000}
+    good = str(d / "good.pt")
+    g2.save_checkpoint(good, g2.Actor(8, 4, True, 64), g2.MLPCritic(8, 64), args,
+                       {"obs_dim": 8, "act_dim": 4, "discrete": True}, "run1")
+    ckpt = torch.load(good, weights_only=True)
+    variants = {
+        "garbage": b"not a checkpoint at all",
+        "truncated": open(good, "rb").read()[:300],
+        "foreign": {"model": {}, "step": 3},
+        "wrong-type": {**ckpt, "args": {**args, "seed": "one"}},
+        "other-env": {**ckpt, "args": {**args, "env_id": "CartPole-v1"}},
+        "huge-size": {**ckpt, "args": {**args, "hidden_size": 10**9}},
+        "bad-run-name": {**ckpt, "run_name": "../../escape"},
+        "wrong-shapes": {**ckpt, "args": {**args, "hidden_size": 32}},
+    }
+    for name, content in variants.items():
+        if isinstance(content, bytes):
+            (d / f"{name}.pt").write_bytes(content)
+        else:
+            torch.save(content, str(d / f"{name}.pt"))
+    return d
+
+
+CKPT_CASES = [
+    ("missing", "no such file"), ("garbage", "cannot be read"), ("truncated", "cannot be read"),
+    ("foreign", "keys are missing or of the wrong type"), ("wrong-type", "keys are missing or of the wrong type"),
+    ("other-env", "are not those of CartPole-v1"), ("huge-size", "--hidden-size must be a finite number in"),
+    ("bad-run-name", "run name"), ("wrong-shapes", "its weights do not fit its args"), ("", "is a directory"),
+]
+HOSTILE = [
+    (("--total-timesteps", "0"), "--total-timesteps must be a finite number in [1, "),
+    (("--actor-lr", "inf"), "--actor-lr must be a finite number"),
+    (("--critic-lr", "nan"), "--critic-lr must be a finite number"),
+    (("--gamma", "1.5"), "--gamma must be a finite number in [0.0, 1.0]"),
+    (("--gae-lambda", "-0.1"), "--gae-lambda must be"),
+    (("--clip-coef", "0"), "--clip-coef must be"),
+    (("--dropout", "1.0"), "--dropout must be"),
+    (("--max-grad-norm", "-1"), "--max-grad-norm must be"),
+    (("--seed", "-1"), "--seed must be a finite number in [0, 4294967295]"),
+    (("--seed", str(2**32)), "--seed must be"),
+    (("--hidden-size", "0"), "--hidden-size must be"),
+    (("--num-envs", "100000"), "--num-envs must be"),
+    (("--update-epochs", "0"), "--update-epochs must be"),
+    (("--eval-episodes", "0"), "--eval-episodes must be"),
+    (("--torch-threads", "0"), "--torch-threads must be"),
+    (("--minibatch-size", "100"), "--minibatch-size must divide --steps-per-epoch 2048"),
+    (("--steps-per-epoch", "100", "--num-envs", "3"), "must be a multiple of --num-envs 3"),
+    (("--value-stride", "65"), "--value-stride must be between 1 and --context-len 64"),
+    (("--n-head", "3"), "--n-head 3 must divide --hidden-size 64"),
+    (("--hidden-size", "65536", "--n-layer", "96"), "GiB, more than this machine's"),
+    (("--context-len", "4096", "--minibatch-size", "2048"), "GiB, more than this machine's"),
+    (("--exp-name", "../up"), "--exp-name must be a plain name"),
+    (("--exp-name", "a/b"), "--exp-name must be a plain name"),
+    (("--exp-name", ".."), "--exp-name must be a plain name"),
+    (("--exp-name", "x" * 65), "--exp-name must be a plain name"),
+    (("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
+    (("--env-id", "Blackjack-v1"), "needs a flat Box observation"),
+    (("--eval-checkpoint", "CKPT:good", "--critic", "mlp", "--total-timesteps", "5"),
+     "training flags cannot be given with it (--critic --total-timesteps)"),
+    *[(("--eval-checkpoint", f"CKPT:{name}"), message) for name, message in CKPT_CASES],
+    pytest.param(("--cuda",), "torch sees no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="a CUDA device is present")),
+]
+
+
+@pytest.mark.parametrize("flags, message", HOSTILE, ids=lambda v: " ".join(v)[:50] if isinstance(v, tuple) else "")
+def test_hostile_input_one_sentence_nonzero_exit_nothing_written(tmp_path, monkeypatch, capsys, checkpoints,
+                                                                  flags, message):
+    import tyro
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    flags = [(str(checkpoints / f"{f[5:]}.pt") if f[5:] else str(checkpoints)) if f.startswith("CKPT:") else f
+             for f in flags]
+    with pytest.raises(SystemExit) as e:
+        g2.main(tyro.cli(g2.Args, args=flags), cuda_asked="--cuda" in flags)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2, err
+    assert err.startswith("error: ") and message in err and "\n" not in err and err.endswith("."), err
+    assert os.listdir(cwd) == []  # no run folder, no model
+
+
+def test_not_flags_and_unwritable_runs_end_without_traceback(tmp_path):
+    for flag in ("--num-steps", "--batch-size", "--progress-every", "--target-kl"):  # run-time fields, removed flags
+        proc = run_script("gpt2ppo_lunar.py", flag, "3", cwd=str(tmp_path), check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, flag
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "runs").write_text("a file where the runs folder should be")  # as unwritable as it gets, even as root
+    proc = run_script("gpt2ppo_lunar.py", "--critic", "mlp", "--total-timesteps", "256", cwd=str(tmp_path),
+                      check=False)
+    assert proc.returncode == 1 and proc.stderr.strip().startswith("error: cannot create the run folder runs/")
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("failure", ["disk full", "target is a folder"])
+def test_failed_save_keeps_the_previous_checkpoint_and_leaves_no_temporary_file(tmp_path, monkeypatch, capsys,
+                                                                               failure):
+    path = str(tmp_path / "m.pt")
+    spaces = {"obs_dim": 8, "act_dim": 4, "discrete": True}
+    args = {**dataclasses.asdict(g2.Args(critic="mlp")), "max_timestep": 1000}
+    actor, critic = g2.Actor(8, 4, True, 64), g2.MLPCritic(8, 64)
+    if failure == "disk full":
+        g2.save_checkpoint(path, actor, critic, args, spaces, "r")
+        before = open(path, "rb").read()
+        real_save = torch.save
+
+        def full(obj, f):
+            real_save(obj, f)
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(torch, "save", full)
+    else:
+        os.makedirs(os.path.join(path, "x"))
+    with pytest.raises(SystemExit) as e:
+        g2.save_checkpoint(path, actor, critic, args, spaces, "r")
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err.startswith("error: could not save the checkpoint") and "\n" not in err
+    assert sorted(os.listdir(tmp_path)) == ["m.pt"]  # no temporary file left
+    if failure == "disk full":
+        assert open(path, "rb").read() == before
+
+
+def test_every_numeric_field_has_a_range_and_the_targets_hold():
+    numeric = {f.name for f in dataclasses.fields(g2.Args) if f.type in ("int", "float", "Optional[int]")}
+    assert numeric == set(g2.RANGES)
+    g2.check_args(g2.Args())  # the defaults pass
+    with open(g2.__file__) as f:
+        lines = f.read().splitlines()
+    fields = len(dataclasses.fields(g2.Args))
+    print(f"gpt2ppo_lunar.py: {len(lines)} lines (target <= 650), {fields} Args fields (target <= 32)")
+    assert len(lines) <= 650 and fields <= 32
+
+
+def test_check_env_refuses_unfit_spaces():
+    class MultiAct(TinyBox):
+        action_space = gym.spaces.MultiDiscrete([2, 3])
+
+    gym.register("MultiAct-v0", entry_point=MultiAct, max_episode_steps=5)
+    gym.register("NoLimit-v0", entry_point=TinyBox)
+    with pytest.raises(SystemExit):
+        g2.check_env("MultiAct-v0")
+    with pytest.raises(SystemExit):
+        g2.check_env("NoLimit-v0")
+    assert g2.check_env("TinyBox-v0") == (12, 3, 2, False)
+    assert g2.check_env("LunarLander-v3") == (1000, 8, 4, True)
