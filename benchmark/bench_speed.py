@@ -205,7 +205,7 @@ def gpt2ppo(argv: list[str]) -> dict:
             critic, *extra = shlex.split(config)
             cmd = [sys.executable, os.path.join(ROOT, "gpt2ppo_lunar.py"), "--env-id", a.env_id, "--critic", critic,
                    "--total-timesteps", str(a.steps_per_epoch * a.epochs), "--steps-per-epoch",
-                   str(a.steps_per_epoch), "--no-progress", *extra]
+                   str(a.steps_per_epoch), *extra]
             with tempfile.TemporaryDirectory() as cwd:
                 subprocess.run(cmd, cwd=cwd, check=True, capture_output=True,
                                env=dict(os.environ, OMP_NUM_THREADS="1"))
