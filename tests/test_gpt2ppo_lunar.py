@@ -491,27 +491,36 @@ def test_save_model_eval_equals_eval_checkpoint_and_names(tmp_path):
     assert g2.make_run_dir("x", root=str(tmp_path / "r")) != g2.make_run_dir("x", root=str(tmp_path / "r"))
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_signal_mid_run_keeps_the_checkpoint_and_exits_with_one_line(tmp_path, sig):
-    """Ctrl-C and SIGTERM (timeout, kill, schedulers) alike: the update finishes, the checkpoint is saved, one line."""
+def interrupt_after_first_update(script: str, flags: tuple, cwd: str, marker: str = "update 1/", sig: str = "SIGINT",
+                                 progress: tuple = ("--progress-every", "1")):
+    """Start a long run, wait for its first progress line, send `sig` (Ctrl-C: SIGINT); return (rc, stdout, stderr).
+    Other scripts' tests use it too."""
     import signal
     import subprocess
     import sys
 
-    cwd = str(tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "gpt2ppo_lunar.py"), "--critic", "mlp",
-                             "--total-timesteps", "10000000", "--steps-per-epoch", "256", "--save-model", *TINY],
-                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *flags, *progress], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if "update 1/" in line:
+        if marker in line:
             break
     proc.send_signal(getattr(signal, sig))
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + getattr(signal, sig) and "Traceback" not in err, err
-    last = ("".join(lines) + out).strip().splitlines()[-1]
+    return proc.returncode, "".join(lines) + out, err
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_signal_mid_run_keeps_the_checkpoint_and_exits_with_one_line(tmp_path, sig, code):
+    """Ctrl-C and SIGTERM (timeout, kill, schedulers) alike: the update finishes, the checkpoint is saved, one line."""
+    cwd = str(tmp_path)
+    rc, out, err = interrupt_after_first_update("gpt2ppo_lunar.py", (
+        "--critic", "mlp", "--total-timesteps", "10000000", "--steps-per-epoch", "256", "--save-model", *TINY), cwd,
+        sig=sig, progress=())
+    assert rc == code and "Traceback" not in err, err
+    last = out.strip().splitlines()[-1]
     assert f"stopped by {sig} after" in last and "checkpoint saved to" in last
     ckpt = glob.glob(os.path.join(cwd, "runs", "*", "gpt2ppo_lunar.pt"))
     assert len(ckpt) == 1 and not glob.glob(os.path.join(cwd, "runs", "*", "*.tmp*"))
