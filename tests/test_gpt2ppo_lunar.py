@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import gpt2ppo_lunar as g2
-from conftest import ROOT, only_run_dir, read_scalars, run_script, same_numbers
+from conftest import ROOT, baseline_script, only_run_dir, read_scalars, run_script, same_numbers
 
 TINY = ("--hidden-size", "16", "--n-head", "2", "--context-len", "8", "--update-epochs", "2", "--minibatch-size", "64")
 
@@ -371,7 +371,7 @@ def spied_continuous_run(tmp_path_factory):
 
 
 def test_continuous_actions_sampled_stored_and_clipped_only_for_the_env(spied_continuous_run):
-    """Issue 30: the env receives the Gaussian sample clipped to its bounds; the rollout buffer (hence the log-probs
+    """The env receives the Gaussian sample clipped to its bounds; the rollout buffer (hence the log-probs
     PPO's ratio uses) and the critic's history hold the sample itself; every log-prob is the diagonal Gaussian's
     with the state-independent log-std."""
     rec = spied_continuous_run
@@ -510,6 +510,18 @@ def interrupt_after_first_update(script: str, flags: tuple, cwd: str, marker: st
     proc.send_signal(getattr(signal, sig))
     out, err = proc.communicate(timeout=120)
     return proc.returncode, "".join(lines) + out, err
+
+
+def test_checkpoints_written_before_the_redesign_evaluate_the_same(tmp_path):
+    """Runs of the benchmark made with the earlier script keep evaluating, to the same numbers."""
+    old = baseline_script("gpt2ppo_lunar.py", str(tmp_path / "code"))
+    flags = ("--env-id", "BipedalWalker-v3", "--critic", "mlp", "--total-timesteps", "256", "--steps-per-epoch", "256",
+             "--save-model", "--eval-episodes", "2")
+    out = run_script(old, *flags, "--no-progress", cwd=str(tmp_path)).stdout
+    ckpt = glob.glob(str(tmp_path / "runs" / "*" / "gpt2ppo_lunar.pt"))[0]
+    mean_std = out.split("eval: ")[1].split(" over")[0]
+    out = run_script("gpt2ppo_lunar.py", "--eval-checkpoint", ckpt, "--eval-episodes", "2", cwd=str(tmp_path)).stdout
+    assert f"over 2 episodes {mean_std} " in out, (mean_std, out)
 
 
 @pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
