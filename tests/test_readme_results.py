@@ -216,6 +216,13 @@ def check_results_table(table: list[str]) -> tuple[list[str], int]:
             flagspans = [x for x in SPAN.findall(cell) if x.startswith("--")]
             if not numbers_here and not flagspans and low[j] not in ("seeds", "machine"):
                 continue
+            if steps is None and not numbers_here:  # a label with flags in a wide table: every row of the setting
+                for r in [r for (s, e, st), r in by_key.items() if s == setting]:
+                    for span in flagspans:
+                        toks, fl = span.split(), r["flags"]
+                        if not any(fl[k:k + len(toks)] == toks for k in range(len(fl))):
+                            problems.append(f"{what}: flags {span!r} are not the stored flags {' '.join(fl)}")
+                continue
             if steps is None:
                 problems.append(f"{what}: no step budget named (a `steps` column or a header `env (steps)`): {line}")
                 continue
@@ -414,44 +421,50 @@ def stored(setting: str, env: str, steps: int) -> dict:
     return rows_by_key()[setting, env, steps]
 
 
-def corrupt_swap_cells(_):
-    text = read("docs/gpt2ppo_lunar.md")
-    return swap_cells(text, "mlp", "gpt2-stride64", value_column(text, "mlp", "mean ± std"))
+def corrupt_swap_cells():
+    """Two cells swapped between rows: the mean ± std of PPO and of GPT2PPO."""
+    path = "docs/gpt2ppo_lunar.md"
+    text = read(path)
+    return path, swap_cells(text, "mlp", "gpt2-stride64", value_column(text, "mlp", "mean ± std"))
 
 
-def corrupt_pretrained_random(_):
-    text = read("docs/trpo_gpt2_halfcheetah.md")
+def corrupt_pretrained_random():
+    """Pretrained and random swapped: the two SmolLM2 settings trade rows."""
+    path = "docs/trpo_gpt2_halfcheetah.md"
     a, b = "i12-smollm2-2blocks-pretrained-150k-eval", "i12-smollm2-2blocks-random-150k-eval"
-    return text.replace(f"`{a}`", "@@").replace(f"`{b}`", f"`{a}`").replace("@@", f"`{b}`")
+    return path, read(path).replace(f"`{a}`", "@@").replace(f"`{b}`", f"`{a}`").replace("@@", f"`{b}`")
 
 
-def corrupt_1m_in_307k(_):
-    text = read("docs/gpt2ppo_lunar.md")
+def corrupt_1m_in_307k():
+    """A 1M-step number put in the 307k row."""
+    path = "docs/gpt2ppo_lunar.md"
     short, long = stored("mlp", "LunarLander-v3", 307200), stored("mlp", "LunarLander-v3", 1000000)
-    return put_in_row(text, "mlp", "307,200", fmt(short["mean"]), fmt(long["mean"]))
+    return path, put_in_row(read(path), "mlp", "307,200", fmt(short["mean"]), fmt(long["mean"]))
 
 
-def corrupt_per_seed_for_mean(_):
-    text = read("README.md")
+def corrupt_per_seed_for_mean():
+    """A per-seed value in place of the mean (the README's TRPO headline)."""
     r = stored("gpt2-2x128-random-eval", "HalfCheetah-v5", 1000000)
-    return text.replace(fmt(r["mean"]), fmt(r["per_seed"]["543"]), 1)
+    return "README.md", read("README.md").replace(fmt(r["mean"]), fmt(r["per_seed"]["543"]), 1)
 
 
-def corrupt_prose_number(_):
-    text = read("docs/gpt2ppo_lunar.md")
-    r = stored("gpt2-stride64-dropout0.1", "LunarLander-v3", 1000000)
-    lines = text.splitlines()
+def corrupt_prose_number():
+    """A changed number in a prose sentence that names its setting."""
+    path = "docs/gpt2ppo_lunar.md"
+    r = stored("gpt2-stride64-dropout0.1", "LunarLander-v3", 307200)
+    lines = read(path).splitlines()
     i = next(i for i, l in enumerate(lines) if not l.startswith("|") and fmt(r["mean"]) in l)
     lines[i] = lines[i].replace(fmt(r["mean"]), fmt(r["mean"] + 10))
-    return "\n".join(lines)
+    return path, "\n".join(lines)
 
 
 @pytest.mark.parametrize("corrupt", [corrupt_swap_cells, corrupt_pretrained_random, corrupt_1m_in_307k,
                                      corrupt_per_seed_for_mean, corrupt_prose_number])
 def test_each_corruption_of_the_issue_is_caught(corrupt):
-    text = corrupt(None)
+    path, text = corrupt()
+    assert text != read(path), "the corruption changed nothing"
     problems, _ = check_text(text)
-    assert problems, f"{corrupt.__name__}: the checker accepted the corrupted text"
+    assert problems, f"{corrupt.__name__}: the checker accepted the corrupted {path}"
 
 
 def test_the_checker_reads_tables_and_prose_as_documented():
@@ -462,7 +475,7 @@ def test_the_checker_reads_tables_and_prose_as_documented():
             + ", ".join(fmt(r["per_seed"][str(s)]) for s in r["seeds"]) + " | 1, 2, 3 | Intel Xeon |\n"
             "| published: SB3-contrib | | | 1803 ± 46 | | | |\n\n"
             f"The MLP (`mlp-eval`) reaches {fmt(r['mean'])} in evaluation.\n")
-    assert check_text(good) == ([], 6)
+    assert check_text(good) == ([], 5)
     bad = {"wrong machine": good.replace("Intel Xeon", "AMD EPYC"),
            "wrong seeds": good.replace("| 1, 2, 3 |", "| 1, 2, 543 |"),
            "foreign flag": good.replace("`--policy mlp`", "`--policy gpt2`"),
