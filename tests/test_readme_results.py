@@ -13,7 +13,7 @@ stored row, rounded to the digits written:
 A code span with flags (`--llm-init random`) must be part of the row's flags. Any other decimal number in a
 results row is an error. A row without a setting is a reference row: it starts with `published` or `paper`,
 and its `x ± y` must be a stored reference. Other tables (speed, throughput): every decimal number is a value
-of the store (of the env a header or first cell names).
+of the store (of the env a header or first cell names), and a `mean ± std` there is an error.
 
 Prose: a sentence that names a stored setting in a code span may only quote decimal numbers of that setting's
 rows (of the envs the sentence names, if it names any); a prose sentence with `x ± y`, and any prose sentence
@@ -273,6 +273,8 @@ def check_other_table(table: list[str]) -> list[str]:
     header, problems, pools = cells(table[0]), [], {}
     for line in table[2:]:
         row = cells(line)
+        if PAIR.search(SPAN.sub("", line)) and not re.sub(r"[*`]", "", row[0]).lower().startswith(("published", "paper")):
+            problems.append(f"a mean ± std in a table without a `setting` column: {line}")
         for j, cell in enumerate(row):
             env = env_in(header[j] if j < len(header) else "") or env_in(row[0])
             for n in NUMBER.findall(SPAN.sub("", cell)):
@@ -483,7 +485,8 @@ def test_the_checker_reads_tables_and_prose_as_documented():
            "wrong reference": good.replace("1803 ± 46", "1803 ± 45"),
            "unnamed result": good + "\nIt reached 2533.11 ± 337.40 here.\n",
            "extra number": good.replace(" in evaluation.", " in evaluation (2600.1)."),
-           "row without setting": good.replace("| published: SB3-contrib |", "| SB3-contrib |")}
+           "row without setting": good.replace("| published: SB3-contrib |", "| SB3-contrib |"),
+           "table without setting": good.replace("| policy | setting |", "| policy | run |")}
     for what, text in bad.items():
         assert check_text(text)[0], what
     # a speed table: any number of the store (of the env named), nothing else
