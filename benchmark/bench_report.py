@@ -233,6 +233,8 @@ def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int 
     jobs = plot_jobs(rows, script_order, groups)
     for name, mine in jobs:
         panels = sorted(dict.fromkeys((r["env"], r["steps"]) for r in mine))
+        # one colour per setting across the figure's panels (the default cycle has 10)
+        colour = {s: f"C{i % 10}" for i, s in enumerate(sorted({r["setting"] for r in mine}))}
         cols = min(3, len(panels))
         nrows = -(-len(panels) // cols)
         fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
@@ -253,7 +255,8 @@ def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int 
                     mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
                 few = int(np.isfinite(mean).sum()) <= 2
                 label = f"{r['setting']} ({len(curves)} seeds{', ' + r['machine_tag'] if r.get('machine_tag') else ''})"
-                line, = ax.plot(grid, mean, label=label, marker="o" if few else None, lw=1.2)
+                line, = ax.plot(grid, mean, label=label, marker="o" if few else None, lw=1.2,
+                                color=colour[r["setting"]])
                 ax.fill_between(grid, mean - std, mean + std, color=line.get_color(), alpha=0.15)
                 for x in r["refs"]:
                     refs[(x["value"], x["source"])] = x
