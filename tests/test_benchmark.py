@@ -155,9 +155,24 @@ def test_report_rebuilds_results_md_from_the_committed_store(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rel = lambda text: text.replace(str(tmp_path) + "/", "benchmark/")  # noqa: E731
     assert rel(open(md).read()) == open(os.path.join(ROOT, "benchmark", "results.md")).read()
-    for name in sorted(os.listdir(os.path.join(ROOT, "benchmark", "plots"))):
+    # exactly the committed PNGs: none missing, none stale, none new and uncommitted
+    assert sorted(os.listdir(plots)) == sorted(os.listdir(os.path.join(ROOT, "benchmark", "plots")))
+    for name in sorted(os.listdir(plots)):
         with open(os.path.join(plots, name), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_plots_split_the_store_into_readable_panels():
+    # PLOT_GROUPS: every stored curve is drawn in some figure, and no panel carries more than 5 curves
+    rows = bench.store.load(os.path.join(ROOT, "benchmark", "results"))["rows"]
+    jobs = bench.report.plot_jobs(rows, list(bench.SCRIPTS), bench.PLOT_GROUPS)
+    drawn = {(r["script"], r["env"], r["steps"], r["setting"]) for _, part in jobs for r in part}
+    everything = bench.report.plot_jobs(rows, list(bench.SCRIPTS))  # no groups: one figure per script
+    assert drawn == {(r["script"], r["env"], r["steps"], r["setting"]) for _, part in everything for r in part}
+    for name, part in jobs:
+        panels = [(r["env"], r["steps"]) for r in part]
+        assert max(panels.count(p) for p in panels) <= 5, name
+    assert len(jobs) == len({name for name, _ in jobs})  # no two figures share a file name
 
 
 def test_gpu_raw_outputs_are_read_not_retyped():

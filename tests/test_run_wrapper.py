@@ -17,6 +17,18 @@ def repo(tmp_path):
     for name in ("run", "requirements.txt"):
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     (tmp_path / "hello.py").write_text("import sys\nprint('hello', *sys.argv[1:])\n")
+    # a stand-in for the main job's script: prints its flags; --fail exits 3; --wait waits for a SIGTERM
+    (tmp_path / "trpo_gpt2_halfcheetah.py").write_text("""import signal, sys, time
+print("job", *sys.argv[1:], flush=True)
+def stop(sig, frame):
+    open("got-sigterm", "w").close()
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+if "--wait" in sys.argv:
+    open("waiting", "w").close()
+    time.sleep(10)
+sys.exit(3 if "--fail" in sys.argv else 0)
+""")
     bin_dir = tmp_path / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
     fake = bin_dir / "python"
@@ -32,6 +44,36 @@ exec "{sys.executable}" "$@"
 def _run(repo, *args):
     env = dict(os.environ, PYTHON=sys.executable)
     return subprocess.run([str(repo / "run"), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_main_job_learns_on_inverted_pendulum_then_says_where_to_look(repo):
+    proc = _run(repo)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ("job --env-id InvertedPendulum-v5 --llm smollm2 --llm-layers 2 --fvp-subsample 5 "
+                           "--batch-size 2000 --total-timesteps 30000\n")
+    assert proc.stderr.strip().splitlines()[-2:] == [
+        "main job done. Its curves: ./run python -m tensorboard.main --logdir runs",
+        "Read next: docs/trpo_gpt2_halfcheetah.md (the script; its headline is HalfCheetah-v5: "
+        "./run trpo_gpt2_halfcheetah.py --seed 543)"]
+    # a failed job: its exit status, and no "main job done"
+    proc = _run(repo, "main", "--fail")
+    assert proc.returncode == 3 and "main job done" not in proc.stderr
+
+
+def test_sigterm_to_run_reaches_the_main_job(repo):
+    # the main job is not exec'd (the next steps are printed after it): a SIGTERM to ./run must still stop it
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.Popen([str(repo / "run"), "main", "--wait"], cwd=repo, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while not (repo / "waiting").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and (repo / "got-sigterm").exists() and "main job done" not in err
 
 
 def _pip_calls(repo):
