@@ -1,21 +1,18 @@
-"""PPO-clip on CartPole-v1 (and any env with a flat Box observation and a Discrete action space).
+"""PPO-clip on CartPole-v1 (and any env with a flat Box observation and Discrete actions), in CleanRL's layout.
 
-The baseline of "Large Language Model as Policy in Reinforcement Learning" (seed 000, sections 7, 8, 11.1): the
-actor is three fully connected ReLU layers and a softmax; the critic is a separate network. CleanRL's layout, with
-gymnasium 1.x SAME_STEP autoreset (every finished episode is logged), time-limit truncations bootstrapped with
-V(final observation), and per step only the actor, as a numpy copy of its weights (values and old log-probabilities
-come from one batched pass over the rollout).
+The baseline of "Large Language Model as Policy in Reinforcement Learning" (seed 000, sections 7, 8, 11.1): the actor
+is three fully connected ReLU layers and a softmax, the critic a separate network. Every finished episode is logged
+(gymnasium's SAME_STEP autoreset), time-limit truncations bootstrap with V(final observation), and per step only the
+actor runs, as a numpy copy (values and old log-probabilities come from one batched pass over the rollout).
 
-    python ppo_cartpole.py --seed 1
-    python ppo_cartpole.py --save-model
+    python ppo_cartpole.py --seed 1 --save-model
     python ppo_cartpole.py --eval-checkpoint runs/<run>/ppo_cartpole.pt --eval-episodes 10
 
-The budget is rounded up to whole rollouts. Evaluation is greedy, on the CPU; episode i is seeded 10000 + s + i,
-s the training seed (`--seed` given with `--eval-checkpoint` replaces it). Ctrl-C or SIGTERM stops after the
-current update or evaluation episode, saves the checkpoint with `--save-model`, and exits 130 or 143.
+The budget is rounded up to whole rollouts. Evaluation is greedy, on the CPU; episode i is seeded 10000 + s + i, s the
+training seed (or `--seed` given with `--eval-checkpoint`). Ctrl-C or SIGTERM stops after the current update or
+evaluation episode, saves the checkpoint with `--save-model`, and exits 130 or 143.
 """
 
-import math
 import os
 import re
 import signal
@@ -83,15 +80,12 @@ class Args:
     target_kl: Optional[float] = None
     """stop the epochs of an update early once the approximate KL exceeds this"""
 
-# Every numeric flag's range: (low, high, low excluded)
-RANGES = {
+RANGES = {  # every numeric flag's range: (low, high, low excluded)
     "seed": (0, 2**32 - 1, False), "total_timesteps": (1, 10**12, False), "num_envs": (1, 1024, False),
     "num_steps": (1, 10**7, False), "num_minibatches": (1, 10**7, False), "update_epochs": (1, 10**4, False),
     "eval_episodes": (1, 10**6, False), "torch_threads": (1, 1024, False), "learning_rate": (0, 1, True),
     "gamma": (0, 1, False), "gae_lambda": (0, 1, False), "clip_coef": (0, 10, True), "ent_coef": (0, 100, False),
-    "vf_coef": (0, 100, False), "max_grad_norm": (0, 1e6, True), "target_kl": (0, 1e6, True),
-}
-EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads"}  # the rest are training flags
+    "vf_coef": (0, 100, False), "max_grad_norm": (0, 1e6, True), "target_kl": (0, 1e6, True)}
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
 
 def fail(message: str, code: int = 2):
@@ -100,28 +94,23 @@ def fail(message: str, code: int = 2):
 
 def check_args(a: Args) -> None:
     """One sentence and exit 2 on the first bad value, before any folder or model exists."""
-    for name, (lo, hi, open_lo) in RANGES.items():
+    for name, (lo, hi, excl) in RANGES.items():
         v = getattr(a, name)
-        if v is not None and not ((isinstance(v, int) or math.isfinite(v)) and (lo < v if open_lo else lo <= v)
-                                  and v <= hi):
-            fail(f"--{name.replace('_', '-')} must be in {'(' if open_lo else '['}{lo}, {hi}], got {v}")
+        if v is not None and not (lo < v <= hi if excl else lo <= v <= hi):  # false for nan and inf too
+            fail(f"--{name.replace('_', '-')} must be in {'(' if excl else '['}{lo}, {hi}], got {v}")
     if (a.num_envs * a.num_steps) % a.num_minibatches:
-        fail(f"--num-minibatches {a.num_minibatches} must divide the rollout of --num-envs x --num-steps = "
-             f"{a.num_envs * a.num_steps} samples")
+        fail(f"--num-minibatches {a.num_minibatches} must divide the rollout of {a.num_envs * a.num_steps} samples")
     if not PLAIN_NAME.fullmatch(a.exp_name):
         fail(f"--exp-name must be a plain name of up to 200 letters, digits, '.', '_' or '-', got {a.exp_name!r}")
     if a.cuda and not torch.cuda.is_available():
         fail("--cuda was given but torch sees no CUDA device")
-    given = [f"--{f.name.replace('_', '-')}" for f in fields(Args)
-             if f.name not in EVAL_FLAGS and getattr(a, f.name) != f.default]
+    given = [f"--{f.name.replace('_', '-')}" for f in fields(Args) if getattr(a, f.name) != f.default
+             and f.name not in ("eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads")]
     if a.eval_checkpoint is not None and given:
         fail(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
 
 def make_env(env_id: str):
-    def thunk():
-        return gym.make(env_id)
-
-    return thunk
+    return lambda: gym.make(env_id)  # a thunk: the vector env makes each copy
 
 def env_sizes(env_id: str) -> tuple[int, int]:
     """(observation size, number of actions) of an env that fits this script; one sentence otherwise."""
@@ -141,13 +130,12 @@ def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.
     return layer
 
 class Agent(nn.Module):
+    """Critic: CleanRL's separate 2x tanh MLP; actor: seed 000 section 8, three ReLU layers and a softmax."""
     def __init__(self, obs_dim: int, n_actions: int, hidden: int = 64):
         super().__init__()
-        # critic: a separate 2x tanh MLP (CleanRL's design)
         self.critic = nn.Sequential(layer_init(nn.Linear(obs_dim, hidden)), nn.Tanh(),
                                     layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
                                     layer_init(nn.Linear(hidden, 1), std=1.0))
-        # actor: seed 000 section 8, three fully connected ReLU layers and a softmax over actions (in log_probs)
         self.actor = nn.Sequential(layer_init(nn.Linear(obs_dim, hidden)), nn.ReLU(),
                                    layer_init(nn.Linear(hidden, hidden)), nn.ReLU(),
                                    layer_init(nn.Linear(hidden, hidden)), nn.ReLU(),
@@ -170,50 +158,41 @@ def save_checkpoint(path: str, checkpoint: dict) -> None:
     try:
         torch.save(checkpoint, tmp)
         os.replace(tmp, path)
-    except BaseException as e:
+    except Exception as e:
+        fail(f"could not save the checkpoint {path} ({getattr(e, 'strerror', None) or type(e).__name__}); "
+             f"the file there, if any, is unchanged", code=1)
+    finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if not isinstance(e, Exception):
-            raise
-        fail(f"could not save the checkpoint {path} ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); "
-             f"nothing was written there", code=1)
 
 def load_checkpoint(path: str) -> tuple[Agent, dict, str]:
     """(agent, training args, run name) of a checkpoint, checked key by key and against its env (one sentence)."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        fail(f"cannot read the checkpoint '{path}' "
-             f"({e.strerror if isinstance(e, OSError) else 'not a torch checkpoint: ' + type(e).__name__})")
-    spec = {"model": dict, "args": dict, "obs_dim": int, "n_actions": int, "run_name": str}
-    bad = [k for k, t in spec.items() if type(ckpt.get(k) if isinstance(ckpt, dict) else None) is not t]
-    train = {} if bad else ckpt["args"]
-    bad += [k for k, t in (("env_id", str), ("seed", int)) if type(train.get(k)) is not t]
-    if bad or not PLAIN_NAME.fullmatch(ckpt["run_name"]):
-        fail(f"'{path}' is not a ppo_cartpole.py checkpoint (missing, mistyped or unsafe: {', '.join(bad) or 'run_name'})")
-    sizes = env_sizes(train["env_id"])
-    agent = Agent(*sizes)
+        fail(f"cannot read the checkpoint '{path}' ({'not a torch file' if os.path.isfile(path) else e.strerror})")
+    train = ckpt.get("args") if isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict) else None
+    run = ckpt.get("run_name") if isinstance(train, dict) else None
+    if not (isinstance(run, str) and PLAIN_NAME.fullmatch(run) and type(train.get("env_id")) is str
+            and type(train.get("seed")) is int):
+        fail(f"'{path}' is not a ppo_cartpole.py checkpoint (model, args.env_id, args.seed or run_name is missing, "
+             f"mistyped or not a plain name)")
+    agent = Agent(*env_sizes(train["env_id"]))
     want = {k: v.shape for k, v in agent.state_dict().items()}
     got = {k: v.shape for k, v in ckpt["model"].items()
            if torch.is_tensor(v) and v.dtype == torch.float32 and bool(v.isfinite().all())}
-    if (ckpt["obs_dim"], ckpt["n_actions"]) != sizes or got != want:
-        fail(f"'{path}' does not hold this script's network for {train['env_id']} ({sizes[0]} observations, "
-             f"{sizes[1]} actions, finite float32 weights)")
+    if got != want:
+        fail(f"'{path}' holds no network of this script's shapes for {train['env_id']} (finite float32 weights)")
     agent.load_state_dict(ckpt["model"])
-    return agent, train, ckpt["run_name"]
+    return agent, train, run
 
 STOP: list[int] = []  # the signal that asked to stop, if any
-
 def on_signal(signum, frame) -> None:
     """SIGINT (Ctrl-C) and SIGTERM alike: stop at the next safe point; a second signal quits at once."""
     if STOP:
         sys.exit(128 + signum)
     STOP.append(signum)
     print(f"\n{signal.Signals(signum).name}: stopping at the next safe point (again: quit at once)", file=sys.stderr)
-
-def mean_text(returns) -> str:
-    n = len(returns)
-    return f"{np.mean(returns):.2f} +- {np.std(returns):.2f} over {n} episodes" if n else "none (no episode ended)"
 
 def evaluate(agent: Agent, env_id: str, episodes: int, seed: int, writer) -> None:
     """Greedy episodes on the CPU, episode i reset with seed + i, logged as eval/episodic_return (fewer on a signal)."""
@@ -230,8 +209,8 @@ def evaluate(agent: Agent, env_id: str, episodes: int, seed: int, writer) -> Non
                 returns[-1], done = returns[-1] + float(reward), terminated or truncated
             writer.add_scalar("eval/episodic_return", returns[-1], ep)
     env.close()
-    print(f"eval: {mean_text(returns)} (env {env_id}, seeds from {seed})"
-          + (f"; interrupted after {len(returns)} of {episodes} episodes" if STOP else ""), flush=True)
+    print(f"eval: {np.mean(returns or [np.nan]):.2f} +- {np.std(returns or [np.nan]):.2f} over {len(returns)} of "
+          f"{episodes} episodes (env {env_id}, seeds from {seed})", flush=True)
 
 def make_run_dir(base: str, root: str = "runs") -> str:
     """Create root/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
@@ -247,7 +226,6 @@ def make_run_dir(base: str, root: str = "runs") -> str:
             fail(f"cannot create the run folder {os.path.join(root, name)} ({e.strerror or e})")
 
 # The algorithm, in the order the training loop uses it.
-
 def mlp_forward_numpy(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
     """The rollout's actor: a ReLU MLP [(W (in, out), b), ...] in numpy, free of torch's per-call overhead."""
     for W, b in layers[:-1]:
@@ -294,7 +272,6 @@ def main(args: Args) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
     from torch.utils.tensorboard import SummaryWriter
-
     if args.eval_checkpoint is not None:
         agent, train, run = load_checkpoint(args.eval_checkpoint)
         seed = 10_000 + (train["seed"] if args.seed is None else args.seed)
@@ -307,8 +284,7 @@ def main(args: Args) -> None:
     T, N = args.num_steps, args.num_envs
     need, have = 4 * T * N * (4 * obs_dim + 16), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have / 2:
-        fail(f"a rollout of --num-envs x --num-steps = {T * N} samples needs about {need / 2**30:.1f} GiB, more than "
-             f"half of this machine's {have / 2**30:.1f} GiB")
+        fail(f"a rollout of {T * N} samples needs about {need / 2**30:.1f} GiB, over half of this machine's memory")
     args.seed = 1 if args.seed is None else args.seed
     batch_size, minibatch_size = N * T, N * T // args.num_minibatches
     num_iterations = -(-args.total_timesteps // batch_size)  # whole rollouts, rounded up
@@ -316,12 +292,11 @@ def main(args: Args) -> None:
     run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}")
     print(f"device: {device}, logging to runs/{run_name}", flush=True)
     writer = SummaryWriter(f"runs/{run_name}")
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join("|%s|%s|" % kv for kv in vars(args).items()))
 
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    # SAME_STEP autoreset: on a done step the returned obs is already the next episode's first, and the real last
-    # obs is in info["final_obs"]; every row of the buffer is a genuine transition.
+    # SAME_STEP autoreset: a done step returns the next episode's first obs, the real last one is in info["final_obs"]
     envs = gym.wrappers.vector.RecordEpisodeStatistics(gym.vector.SyncVectorEnv(
         [make_env(args.env_id) for _ in range(N)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP))
     agent = Agent(obs_dim, n_actions).to(device)
@@ -331,7 +306,6 @@ def main(args: Args) -> None:
     obs_buf, next_obs_buf = np.zeros((2, T, N, obs_dim), dtype=np.float32)  # next: the state reached after a step
     rewards_buf, terminations_buf, dones_buf = np.zeros((3, T, N), dtype=np.float32)
     actions_buf = np.zeros((T, N), dtype=np.int64)
-
     global_step, start_time = 0, time.time()
     next_obs = envs.reset(seed=args.seed)[0].astype(np.float32)
     for iteration in range(1, num_iterations + 1):
@@ -359,16 +333,14 @@ def main(args: Args) -> None:
             logprobs = agent.log_probs(b_obs_t).gather(-1, actions_t.unsqueeze(-1)).squeeze(-1)
         advantages, returns = compute_gae(rewards_buf, values.cpu().numpy(), next_values.cpu().numpy(),
                                           terminations_buf, dones_buf, args.gamma, args.gae_lambda)
-        rollout_time = time.time() - rollout_start
+        rollout_time, update_start = time.time() - rollout_start, time.time()
 
         # flatten the batch (clones out of inference mode, so that autograd may use them)
         b_obs, b_actions = b_obs_t.reshape(-1, obs_dim).clone(), actions_t.reshape(-1).clone()
         b_logprobs, b_values = logprobs.reshape(-1).clone(), values.reshape(-1).clone()
         b_advantages, b_returns = (torch.from_numpy(x.reshape(-1)).to(device) for x in (advantages, returns))
 
-        update_start = time.time()
-        b_inds = np.arange(batch_size)
-        clipfracs = []
+        b_inds, clipfracs = np.arange(batch_size), []
         for epoch in range(args.update_epochs):
             np.random.shuffle(b_inds)
             for start in range(0, batch_size, minibatch_size):
@@ -386,7 +358,6 @@ def main(args: Args) -> None:
                 v_loss = value_loss(newvalue, b_values[mb_inds], b_returns[mb_inds], args.clip_coef, args.clip_vloss)
                 entropy_loss = entropy.mean()
                 loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-
                 optimizer.zero_grad()
                 loss.backward()
                 nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
@@ -395,12 +366,11 @@ def main(args: Args) -> None:
                 break
 
         y_pred, y_true = b_values.cpu().numpy(), returns.ravel()
-        var_y = np.var(y_true)
-        sps = int(global_step / (time.time() - start_time))
+        var_y, sps = np.var(y_true), int(global_step / (time.time() - start_time))
         for tag, value in (("charts/learning_rate", optimizer.param_groups[0]["lr"]),
                            ("losses/value_loss", v_loss.item()), ("losses/policy_loss", pg_loss.item()),
-                           ("losses/entropy", entropy_loss.item()), ("losses/approx_kl", approx_kl.item()),
-                           ("losses/clipfrac", np.mean(clipfracs)),
+                           ("losses/entropy", entropy_loss.item()),
+                           ("losses/approx_kl", approx_kl.item()), ("losses/clipfrac", np.mean(clipfracs)),
                            ("losses/explained_variance", np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y),
                            ("charts/SPS", sps), ("time/rollout_seconds", rollout_time),
                            ("time/update_seconds", time.time() - update_start)):
@@ -408,8 +378,7 @@ def main(args: Args) -> None:
         if STOP:
             break
         if iteration % max(1, num_iterations // 10) == 0 and iteration < num_iterations:
-            print(f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, recent return "
-                  f"{mean_text(envs.return_queue)}, {sps} steps/s", flush=True)
+            print(f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, {sps} steps/s", flush=True)
 
     envs.close()
     writer.flush()
@@ -417,10 +386,10 @@ def main(args: Args) -> None:
     if args.save_model:
         save_checkpoint(model_path, {"model": agent.state_dict(), "args": asdict(args), "obs_dim": obs_dim,
                                      "n_actions": n_actions, "run_name": run_name})
-    print(f"{run_name}: {global_step} of {num_iterations * batch_size} steps, recent return {mean_text(envs.return_queue)}"
-          f", {int(global_step / (time.time() - start_time))} steps/s; "
-          + (f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)")
-          + (f"; interrupted by {signal.Signals(STOP[0]).name}" if STOP else ""), flush=True)
+    print(f"{run_name}: {global_step} of {num_iterations * batch_size} steps, mean return of the last "
+          f"{len(envs.return_queue)} episodes {np.mean(envs.return_queue or [np.nan]):.2f}, "
+          f"{int(global_step / (time.time() - start_time))} steps/s; " + (f"checkpoint saved to {model_path}" if
+          args.save_model else "no checkpoint (no --save-model)") + ("; interrupted" if STOP else ""), flush=True)
     if args.save_model and not STOP:
         evaluate(agent.cpu().eval(), args.env_id, args.eval_episodes, 10_000 + args.seed, writer)
     writer.close()
