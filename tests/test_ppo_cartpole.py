@@ -290,6 +290,11 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
              for f in flags]
     before = sorted(os.listdir(tmp_path)), sorted(os.listdir(given))
     monkeypatch.chdir(tmp_path)
+
+    def no_training(*a, **kw):  # a row that got past the checks would train here: fail at once instead
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(ppo.gym.vector, "SyncVectorEnv", no_training)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with pytest.raises(SystemExit) as stop:  # the script ends as its __main__ does: tyro, then main
