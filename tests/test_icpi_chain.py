@@ -1,3 +1,4 @@
+import hashlib
 import itertools
 import json
 import os
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 import icpi_chain as ic
-from conftest import FixedTextModel, only_run_dir, post_handler, read_scalars, run_script
+from conftest import (FixedTextModel, completions_handler, only_run_dir, post_handler, read_scalars, run_script,
+                      same_numbers)
 
 # The six domains, their texts and prompts are checked byte for byte against outputs recorded from
 # the original code in tests/test_icpi_original.py; this file checks the rest.
@@ -679,3 +681,31 @@ def test_language_model_requests_follow_the_original():
     s = (1, ((1, 4), (2, 4)))
     assert a.predict("reward", [{"state": s, "action": 1, "done": False}]) == [1]
     assert rec.requests[-1].stop == "()\n"
+
+
+# ---------------------------------------------------------------- same numbers as the scripts before the redesign
+
+_ANSWERS = ["assert done", "assert not done", "assert reward == 0", "assert reward == 1", "state = right()",
+            "assert state == [4] and state == [4]", "state = left()", "reward = try_goal(state)"]
+# a server whose answer is a fixed function of the prompt (so concurrent requests cannot change a run)
+_Hashed = completions_handler(lambda p: _ANSWERS[int(hashlib.sha256(p.encode()).hexdigest(), 16) % len(_ANSWERS)])
+
+
+@pytest.mark.parametrize("flags", [
+    ("--model", "oracle", "--total-steps", "40"),
+    ("--algo", "tabular-q", "--total-steps", "60", "--seed", "3"),
+    ("--algo", "llm-reward", "--model", "oracle", "--total-steps", "40", "--q-init", "0"),
+    ("--algo", "llm-advisor", "--model", "oracle", "--env", "maze", "--total-steps", "40"),
+    ("--model", "openai:hashed", "--total-steps", "20", "--min-successes", "0", "--no-cache", "--max-invalid", "1",
+     "--max-retries", "0"),
+], ids=["oracle", "tabular-q", "llm-reward", "llm-advisor", "fake-server"])
+def test_same_numbers_as_before_the_redesign(tmp_path, flags):
+    httpd = _serve(_Hashed) if "openai:hashed" in flags else None
+    try:
+        url = () if httpd is None else ("--base-url", f"http://127.0.0.1:{httpd.server_port}/v1")
+        _, run = same_numbers("icpi_chain.py", *flags, *url, tmp_path=tmp_path)
+    finally:
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+    assert read_scalars(run, "charts/regret")
