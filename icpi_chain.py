@@ -90,8 +90,6 @@ class Args:
     """SQLite completion cache file; a stopped run started again with the same flags replays what it had done"""
     no_cache: bool = False
     """do not read or write the completion cache"""
-    require_cache: bool = False
-    """replay a run from the cache only: a cache miss is an error"""
     base_url: str = "http://localhost:8000/v1"
     """base URL of the OpenAI-compatible server for `openai:` models (key from OPENAI_API_KEY)"""
     request_timeout: float = 60.0
@@ -142,21 +140,17 @@ def check_args(args: Args) -> None:
     if not ok or args.model in ("hf:", "openai:"):
         fail(f"unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, openai:<model>, matching or oracle.")
     hf = args.model == "smollm2" or args.model.startswith("hf:")
-    uses_model, lm = args.algo != "tabular-q", args.model not in ("oracle", "matching")
+    uses_model = args.algo != "tabular-q"
     if args.model.startswith("hf:") and args.model.endswith(".gguf") and not os.path.isfile(args.model[3:]):
         fail(f"GGUF file '{args.model[3:]}' does not exist.")
     if args.algo in ("llm-advisor", "llm-reward") and args.model == "matching":
         fail(f"--model matching only replays transitions and cannot judge a state; --algo {args.algo} needs a "
              "language model (smollm2, hf:..., openai:...) or oracle.")
-    if args.no_cache and args.require_cache:
-        fail("--require-cache and --no-cache contradict each other.")
     if args.dtype != "auto" and not (hf and uses_model):
         fail(f"--dtype {args.dtype} applies to in-process models (smollm2, hf:...) only; '{args.model}' with "
              f"--algo {args.algo} would ignore it.")
     if args.scoring == "logprob" and args.model.startswith("openai:"):
         fail("--scoring logprob needs an hf model; openai: models use --scoring sample.")
-    if args.require_cache and not (uses_model and lm):
-        fail(f"--require-cache replays a language model's completions; '{args.model}' with --algo {args.algo} makes none.")
     if not re.fullmatch(r"auto|cpu|cuda(:\d{1,2})?", args.device):
         fail(f"--device must be auto, cpu, cuda or cuda:N, got '{args.device}'.")
     if args.device.startswith("cuda"):
@@ -175,24 +169,6 @@ def check_args(args: Args) -> None:
             port_ok = False
         if u.scheme not in ("http", "https") or not u.hostname or not port_ok:
             fail(f"--base-url must be an http(s) URL with a host and a port in 1..65535, got '{args.base_url}'.")
-
-
-    device: str = "auto"
-    """torch device for hf models: auto (cuda when available), cpu, cuda"""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights and activations of hf models: auto = bfloat16 on CUDA, float32 on CPU. bfloat16 on a CPU
-    with AMX (Intel Sapphire Rapids and later) prefills ~3x faster than float32 (benchmark/icpi_results.md)
-    and changes the answers slightly; it is part of the completion-cache key"""
-    torch_threads: int = 1
-    """torch intra-op threads on CPU"""
-    progress: bool = True
-    """show a progress bar on the console (only when it is a terminal)"""
-    track: bool = False
-    """log to Weights and Biases (imported only when asked)"""
-    wandb_project_name: str = "llm-rl-scripts"
-    """the wandb project name"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team)"""
 
 
 # ---------------------------------------------------------------------------------------------- env
@@ -242,7 +218,6 @@ class Domain:
 
     def optimal_return(self, state) -> float:
         return search_optimal_return(self, state, self.max_episode, self.log_gamma)
-
 
 
 def search_optimal_return(domain: Domain, state, steps_left: int, gamma: float) -> float:
@@ -625,20 +600,17 @@ def prompt_seed(*parts: int) -> int:
 class CompletionCache:
     """SQLite map from (model, prompt, stop, temperature, max tokens, seed, candidates) to a completion, opened
     as a plain file path. Runs may share one file (SQLite locks it; a writer waits up to a minute). A file that
-    is not such a cache is refused and never written to; with `readonly` (--require-cache) it is only read."""
+    is not such a cache is refused and never written to."""
 
     TABLE = "completions"
 
-    def __init__(self, path: str, model_id: str, readonly: bool = False):
-        self.path, self.model_id, self.readonly = os.path.expanduser(path), model_id, readonly
+    def __init__(self, path: str, model_id: str):
+        self.path, self.model_id = os.path.expanduser(path), model_id
         self.lock = threading.Lock()
         self.written: set[str] = set()  # keys this process wrote: a hit on any other is replayed from an earlier run
         if os.path.exists(self.path) and not os.path.isfile(self.path):
             self.fail("is not a file")
-        if readonly and not os.path.exists(self.path):
-            self.fail("does not exist (--require-cache replays an existing cache)")
-        if not readonly:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         try:
             self.db = sqlite3.connect(self.path, check_same_thread=False, timeout=60)
             if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
@@ -646,9 +618,7 @@ class CompletionCache:
             tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if tables and self.TABLE not in tables:
                 self.fail("is another program's SQLite database, not a completion cache; give another --cache path")
-            if not readonly:
-                self.db.execute(f"CREATE TABLE IF NOT EXISTS {self.TABLE} (key TEXT PRIMARY KEY, completion TEXT, "
-                                "tokens INT)")
+            self.db.execute(f"CREATE TABLE IF NOT EXISTS {self.TABLE} (key TEXT PRIMARY KEY, completion TEXT, tokens INT)")
         except sqlite3.DatabaseError as e:
             self.error(e)
 
@@ -709,8 +679,8 @@ class HFBackend:
         print(f"device: {self.device} ({self.dtype})", file=sys.stderr)
         self.spec, self._model = spec, None
         folder, gguf, local_only = resolve_hf_spec(spec)
-        try:  # a replay (--require-cache) needs the tokenizer only: the weights load on the first cache miss
-            if gguf and not args.require_cache:
+        try:
+            if gguf:
                 folder, gguf = convert_gguf_once(folder, gguf)
             self.load_kw = {"gguf_file": gguf} if gguf else {"local_files_only": True} if local_only else {}
             self.folder = folder
@@ -1268,39 +1238,38 @@ class StepStats:
     no_match: int = 0           # matching model: rollouts ended for want of a match
 
 
+def answer_texts(domain, kind) -> list[str]:
+    """Every valid answer of a closed-set kind (done, reward, policy), with its stop string."""
+    if kind == "done":
+        return [domain.done_text(True), domain.done_text(False)]
+    if kind == "reward":
+        return [domain.reward_text(v) for v in domain.rewards]
+    return [domain.action_text(a) for a in range(domain.n_actions)]
+
+
 def parse_completion(domain, kind, completion):
     """The value of a completion (the text before the stop string), or None when it is not exactly the
     canonical text of a value (original: looser checks, e.g. `assert done and more` passed)."""
     text = completion + domain.stops[kind]
-    if kind == "done":
-        for done in (True, False):
-            if text == domain.done_text(done):
-                return done
-        return None
+    if kind == "next":
+        return domain.parse_state(text)
     if kind == "reward":
         head, tail = domain.reward_text(0).split("0", 1)
         m = re.fullmatch(re.escape(head) + r"(\d+)" + re.escape(tail), text)
         return int(m.group(1)) if m else None
-    if kind == "next":
-        return domain.parse_state(text)
-    for a in range(domain.n_actions):
-        if text == domain.action_text(a):
-            return a
-    return None
+    texts = answer_texts(domain, kind)
+    return None if text not in texts else [True, False][texts.index(text)] if kind == "done" else texts.index(text)
 
 
 def candidates_for(domain, kind) -> Optional[list[str]]:
     """The closed-set answers (without their stop string) that --scoring logprob compares."""
     stop = domain.stops[kind]
-    if kind == "done":
-        texts = [domain.done_text(True), domain.done_text(False)]
-    elif kind == "reward":
-        texts = [domain.reward_text(v) for v in domain.rewards]
-    elif kind == "policy":
-        texts = [domain.action_text(a) for a in range(domain.n_actions)]
-    else:
-        return None
-    return [t[:-len(stop)] for t in texts]
+    return None if kind == "next" else [t[:-len(stop)] for t in answer_texts(domain, kind)]
+
+
+def argmax_random(q, rng: np.random.Generator) -> int:
+    q = np.asarray(q, dtype=float)
+    return int(rng.choice(np.flatnonzero(q == q.max())))
 
 
 class Agent:
@@ -1311,20 +1280,17 @@ class Agent:
         self.domain, self.model, self.args, self.rng, self.cache = domain, model, args, rng, cache
         self.episodes: list[Episode] = []
         self.transitions: list[Transition] = []
-        # the policy prompt's episodes (the original's success_buffer); no-argmax: only the successful ones
-        self.sil = args.algo == "no-argmax"
+        self.sil = args.algo == "no-argmax"  # the policy prompt's episodes: no-argmax keeps the successful ones only
         self.recent: deque = deque(maxlen=args.recency)
         self.n_successes = 0  # tabular-q's warm-up counter (every episode, not only the recent)
         self.structured = hasattr(model, "answer")
-        default_budget = 100_000 if self.structured else 3800 if isinstance(model, OpenAIBackend) else 600
-        self.budget = args.prompt_tokens or default_budget
-        max_context = getattr(model, "max_context", None)
-        if max_context:  # leave room for the query (~80 tokens at most) and the completion
-            self.budget = max(16, min(self.budget, max_context - args.max_tokens - 96))
+        self.budget = args.prompt_tokens or (100_000 if self.structured else 3800 if isinstance(model, OpenAIBackend)
+                                             else 600)
+        if getattr(model, "max_context", None):  # leave room for the query (~80 tokens at most) and the completion
+            self.budget = max(16, min(self.budget, model.max_context - args.max_tokens - 96))
         self.real_step, self.stats, self._examples, self.q_table = 0, StepStats(), {}, {}
         self.judgements: dict = {}  # llm-advisor / llm-reward: (kind, prompt or state) -> judgement (None: fallback)
 
-    # --- buffers ---
     def successful(self, transitions) -> bool:
         """The original's rule: the gamma-discounted return exceeds the domain's threshold."""
         return discounted([t.reward for t in transitions], self.domain.gamma) > self.domain.success_threshold
@@ -1346,17 +1312,12 @@ class Agent:
         example, and the policy prompt an example. The tabular learners need nothing."""
         if self.args.algo in TABULAR_ALGOS:
             return True
-        acts = {t.action for t in self.transitions}
-        has_next = any(not t.done for t in self.transitions)
-        return len(acts) == self.domain.n_actions and has_next and self.policy_ready()
+        if len({t.action for t in self.transitions}) < self.domain.n_actions or all(t.done for t in self.transitions):
+            return False
+        return bool(self.recent) if not self.sil else any(
+            self.successful(ep.transitions[i:j]) for ep in self.recent
+            for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2))
 
-    def policy_ready(self) -> bool:
-        if not self.sil:
-            return bool(self.recent)
-        return any(self.successful(ep.transitions[i:j]) for ep in self.recent
-                   for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2))
-
-    # --- prompts ---
     def order_key(self) -> int:
         """The step part of the prompt seeds: the real step, or (--order-seed episode) the number of stored
         episodes, so that the steps of an episode share their prompts and caches."""
@@ -1369,186 +1330,135 @@ class Agent:
             rng = np.random.default_rng(prompt_seed(self.args.seed, self.order_key(), KINDS[kind],
                                                     -1 if action is None else action,
                                                     -1 if done is None else int(done), attempt))
-            d, h, b = self.domain, self.args.hints, self.args.balance
-            succ = self.successful if self.sil else None
-            if kind == "done":
-                ex = done_examples(d, self.transitions, action, rng, b, h)
-            elif kind == "reward":
-                ex = reward_examples(d, self.transitions, action, done, rng, b, h)
-            elif kind == "next":
-                ex = next_examples(d, self.episodes, action, rng, b, h, succ)
-            else:
-                ex = policy_examples(d, list(self.recent), rng, h, succ)
+            d, h, b, succ = self.domain, self.args.hints, self.args.balance, self.successful if self.sil else None
+            ex = (done_examples(d, self.transitions, action, rng, b, h) if kind == "done" else
+                  reward_examples(d, self.transitions, action, done, rng, b, h) if kind == "reward" else
+                  next_examples(d, self.episodes, action, rng, b, h, succ) if kind == "next" else
+                  policy_examples(d, list(self.recent), rng, h, succ))
             self._examples[key] = clip_examples(ex, self.budget, self.model.count_tokens)
         return self._examples[key]
 
     def build(self, kind, item, attempt) -> tuple[str, list[str]]:
-        d, h = self.domain, self.args.hints
-        if kind == "policy":
-            q, action = policy_query(d, item["state"], h), None
-        else:
-            q, action = query_text(d, item["state"], item["action"], h), item["action"]
-        ex = self.examples(kind, action, item.get("done") if kind == "reward" else None, attempt)
+        d, h, policy = self.domain, self.args.hints, kind == "policy"
+        q = policy_query(d, item["state"], h) if policy else query_text(d, item["state"], item["action"], h)
+        ex = self.examples(kind, None if policy else item["action"], item.get("done") if kind == "reward" else None,
+                           attempt)
         return join_prompt(ex, q), ex
 
-    # --- predictions ---
     def predict(self, kind: str, items: list[dict]) -> list:
         """Validated predictions for queries of one kind; None = invalid after all attempts, NO_MATCH = the
         matching model found nothing. A prompt without examples is sent as the query alone (the original)."""
         if self.structured:
             out = []
             for it in items:
-                prompt, ex = self.build(kind, it, 0)
-                self.stats.prompt_tokens += self.model.count_tokens(prompt)
-                self.stats.calls += 1
-                ans = self.model.answer(kind, it["state"], it.get("action"), it.get("done"), self)
-                if ans is NO_MATCH:
-                    self.stats.no_match += 1
-                out.append(ans)
+                self.stats.prompt_tokens += self.model.count_tokens(self.build(kind, it, 0)[0])
+                out.append(self.model.answer(kind, it["state"], it.get("action"), it.get("done"), self))
+                self.stats.no_match += out[-1] is NO_MATCH
+            self.stats.calls += len(items)
             self.stats.batches += 1 if items else 0
             return out
         results: list = [None] * len(items)
         pending = list(range(len(items)))
         # original: the no-argmax policy (rl/model.py Pi) samples at temperature 0
         temperature = 0.0 if kind == "policy" and self.args.algo == "no-argmax" else self.args.temperature
+        cands = candidates_for(self.domain, kind) if self.args.scoring == "logprob" else None
         for attempt in range(self.args.attempts):
-            if not pending:
-                break
             reqs = []
             for i in pending:
                 prompt, ex = self.build(kind, items[i], attempt)
-                it = items[i]
-                seed = prompt_seed(self.args.seed, self.order_key(), KINDS[kind], -1 if it.get("action") is None
-                                   else it["action"], attempt, 7)
-                cands = candidates_for(self.domain, kind) if self.args.scoring == "logprob" else None
+                act = items[i].get("action")
+                seed = prompt_seed(self.args.seed, self.order_key(), KINDS[kind], -1 if act is None else act, attempt, 7)
                 reqs.append(Request(prompt, seed, cands, join_prompt(ex, ""), self.domain.stops[kind], temperature))
-            texts = self.complete(reqs)
-            still = []
-            for i, text in zip(pending, texts):
-                value = None if text is None else parse_completion(self.domain, kind, text)
-                if value is None:
+            for i, text in zip(list(pending), self.complete(reqs) if reqs else []):
+                results[i] = None if text is None else parse_completion(self.domain, kind, text)
+                if results[i] is None:
                     self.stats.invalid += 1
-                    still.append(i)
                 else:
-                    results[i] = value
-            pending = still
-        self.stats.fallbacks += sum(1 for r in results if r is None)
+                    pending.remove(i)
+        self.stats.fallbacks += len(pending)
         return results
 
     def complete(self, reqs: list[Request]) -> list[Optional[str]]:
-        """Cache look-ups, then one batched model call for the misses (deduplicated)."""
+        """Cache look-ups, then one batched model call for the misses (identical requests computed once)."""
         out: list = [None] * len(reqs)
         misses: dict[str, list[int]] = {}
         keys: list = []
-        a, batch = self.args, self.batch
         for k, r in enumerate(reqs):
             self.stats.prompt_tokens += self.model.count_tokens(r.prompt)
             seed = r.seed if r.candidates is None else 0  # scoring is deterministic: no seed
-            key = None
-            if self.cache is not None:
-                key = self.cache.key(r.prompt, r.stop, r.temperature, a.max_tokens, seed, r.candidates)
-                hit = self.cache.get(key)
-                if hit is not None:
-                    out[k] = hit[0]
-                    self.stats.cache_hits += 1
-                    self.stats.replayed += key not in self.cache.written
-                    keys.append(key)
-                    continue
-                if a.require_cache:
-                    sys.exit("error: --require-cache: a completion is missing from the cache "
-                             f"{a.cache} (different flags or seed than the recorded run?).")
+            key = None if self.cache is None else self.cache.key(r.prompt, r.stop, r.temperature, self.args.max_tokens,
+                                                                  seed, r.candidates)
             keys.append(key)
-            # identical requests in a batch are computed once (not in the unbatched mode)
-            misses.setdefault(json.dumps([r.prompt, r.stop, seed]) if batch else str(k), []).append(k)
-        if misses:
-            todo = [v[0] for v in misses.values()]
-            groups = [todo] if batch else [[k] for k in todo]
-            for g in groups:
-                res = self.model.complete([reqs[k] for k in g])
-                self.stats.batches += 1
-                self.stats.calls += len(g)
-                for k, r in zip(g, res):
-                    if r is None:
-                        continue  # malformed reply after all retries: invalid
-                    text, ntok = r
-                    self.stats.completion_tokens += ntok
-                    for j in next(v for v in misses.values() if v[0] == k):
-                        out[j] = text
-                    if self.cache is not None:
-                        self.cache.put(keys[k], text, ntok)
+            hit = None if key is None else self.cache.get(key)
+            if hit is not None:
+                out[k] = hit[0]
+                self.stats.cache_hits += 1
+                self.stats.replayed += key not in self.cache.written
+            else:
+                misses.setdefault(json.dumps([r.prompt, r.stop, seed]) if self.batch else str(k), []).append(k)
+        todo = [v[0] for v in misses.values()]
+        for g in ([todo] if self.batch else [[k] for k in todo]) if todo else []:
+            self.stats.batches += 1
+            self.stats.calls += len(g)
+            for k, r in zip(g, self.model.complete([reqs[k] for k in g])):
+                if r is None:
+                    continue  # malformed reply after all retries: invalid
+                self.stats.completion_tokens += r[1]
+                for j in next(v for v in misses.values() if v[0] == k):
+                    out[j] = r[0]
+                if self.cache is not None:
+                    self.cache.put(keys[k], r[0], r[1])
         return out
 
-    # --- acting ---
     def q_values(self, state) -> np.ndarray:
-        """One simulated rollout per action, all in lockstep: per simulated step, a batch of done
-        predictions, then reward, then next state, then the next action (policy prompt). A rollout
-        ends at a predicted done, at the horizon, or where a prediction stays invalid (partial return);
-        an action that stays invalid becomes a random action (as in the original)."""
-        d, H = self.domain, self.domain.horizon
-        n = d.n_actions
+        """One simulated rollout per action, all in lockstep: per simulated step, a batch of done predictions,
+        then reward, then next state, then the next action (policy prompt). A rollout ends at a predicted done,
+        at the horizon, or where a prediction stays invalid (partial return); an action that stays invalid
+        becomes a random action (as in the original)."""
+        d, n = self.domain, self.domain.n_actions
         q = np.zeros(n)
         cur = [{"state": state, "action": a} for a in range(n)]
         alive = list(range(n))
         valid = lambda v: v is not None and v is not NO_MATCH  # noqa: E731
-        for t in range(H):
-            if not alive:
+        for t in range(d.horizon):
+            for i, dn in zip(list(alive), self.predict("done", [cur[i] for i in alive])):
+                cur[i]["done"] = dn
+                if not valid(dn):
+                    alive.remove(i)
+            for i, r in zip(list(alive), self.predict("reward", [cur[i] for i in alive])):
+                q[i] += d.gamma ** t * r if valid(r) else 0
+                if not valid(r) or cur[i]["done"]:
+                    alive.remove(i)
+            if t == d.horizon - 1 or not alive:  # the original also predicts the next state and action; unused
                 break
-            dones = self.predict("done", [cur[i] for i in alive])
-            still = []
-            for i, dn in zip(alive, dones):
-                if valid(dn):
-                    cur[i]["done"] = dn
-                    still.append(i)
-            alive = still
-            rewards = self.predict("reward", [cur[i] for i in alive])
-            still = []
-            for i, r in zip(alive, rewards):
-                if valid(r):
-                    q[i] += d.gamma ** t * r
-                    if not cur[i]["done"]:
-                        still.append(i)
-            alive = still
-            if t == H - 1 or not alive:  # the original also predicts the next state and action here; unused
-                break
-            nexts = self.predict("next", [cur[i] for i in alive])
-            still = []
-            for i, s in zip(alive, nexts):
-                if valid(s):
-                    cur[i] = {"state": s}
-                    still.append(i)
-            alive = still
-            acts = self.predict("policy", [cur[i] for i in alive])
-            still = []
-            for i, a in zip(alive, acts):
+            for i, s in zip(list(alive), self.predict("next", [cur[i] for i in alive])):
+                cur[i] = {"state": s}
+                if not valid(s):
+                    alive.remove(i)
+            for i, a in zip(list(alive), self.predict("policy", [cur[i] for i in alive])):
                 if a is NO_MATCH:
-                    continue
-                cur[i]["action"] = int(self.rng.integers(n)) if a is None else a
-                still.append(i)
-            alive = still
+                    alive.remove(i)
+                else:
+                    cur[i]["action"] = int(self.rng.integers(n)) if a is None else a
         return q
 
-    def act(self, state) -> tuple[int, Optional[np.ndarray]]:
+    def act(self, state) -> int:
         self._examples = {}
         if self.args.algo in TABULAR_ALGOS:
-            q = np.array([self.q_table.get((state, a), self.args.q_init) for a in range(self.domain.n_actions)])
-            return argmax_random(q, self.rng), q
+            return argmax_random([self.q_table.get((state, a), self.args.q_init) for a in range(self.domain.n_actions)],
+                                 self.rng)
         if self.args.algo == "no-argmax":
             a = self.predict("policy", [{"state": state}])[0]
-            if a is None or a is NO_MATCH:
-                a = int(self.rng.integers(self.domain.n_actions))
-            return a, None
-        q = self.q_values(state)
-        return argmax_random(q, self.rng), q
+            return int(self.rng.integers(self.domain.n_actions)) if a is None or a is NO_MATCH else a
+        return argmax_random(self.q_values(state), self.rng)
 
     def tabular_update(self, t: Transition, shaping: float = 0.0) -> None:
         """Q(s, a) <- r + F + gamma max_a' Q(s', a') (learning rate 1, untried pairs at --q-init; F: llm-reward's
-        shaping bonus, else 0); no bootstrap after a terminal step (original: passed done = False always); a
-        time-out step is bootstrapped."""
+        bonus); no bootstrap after a terminal step (original: done = False always); a time-out bootstraps."""
         nxt = 0.0 if t.done else max(self.q_table.get((t.next_state, b), self.args.q_init)
                                      for b in range(self.domain.n_actions))
         self.q_table[(t.state, t.action)] = t.reward + shaping + self.domain.gamma * nxt
 
-    # --- judgements of single states (llm-advisor, llm-reward) ---
     def advice(self, state) -> Optional[int]:
         """The action the model ranks first in `state`; None when its answer stayed invalid (counted)."""
         return self.judge("advice", state)
@@ -1560,50 +1470,38 @@ class Agent:
         return 0.0 if value is None else self.args.shaping_scale * value
 
     def judge(self, kind: str, state):
-        """One judgement, asked at most once per run for each (kind, prompt) and read from the completion
-        cache when an earlier run asked it: advice -> an action index, potential -> a log-odds (oracle: the
-        optimal action and V*). None = invalid after --attempts tries, a fallback."""
+        """One judgement, asked at most once per run for each (kind, prompt) and read from the completion cache
+        when an earlier run asked it: advice -> an action index, potential -> a log-odds (oracle: the optimal
+        action and V*). None = invalid after --attempts tries, a fallback."""
         if self.structured:  # the oracle (matching is refused before any work)
-            key = (kind, state)
-            if key not in self.judgements:
+            if (kind, state) not in self.judgements:
                 self.stats.calls += 1
-                self.judgements[key] = (self.model.answer("policy", state, None, agent=self) if kind == "advice"
-                                        else optimal_value(self.domain, state))
-            return self.judgements[key]
+                self.judgements[(kind, state)] = (self.model.answer("policy", state, None, agent=self)
+                                                  if kind == "advice" else optimal_value(self.domain, state))
+            return self.judgements[(kind, state)]
         prompt = judgement_prompt(self.domain, state, kind, self.args.task_description, self.args.hints)
-        key = (kind, prompt)
-        if key not in self.judgements:
-            if hasattr(self.model, "score_candidates"):
-                value = self._scored_judgement(kind, prompt)
-            else:
-                value = self._sampled_judgement(kind, prompt)
-            self.judgements[key] = value
-            if value is None:
-                self.stats.fallbacks += 1
-        return self.judgements[key]
+        if (kind, prompt) not in self.judgements:
+            scored = hasattr(self.model, "score_candidates")
+            value = self._scored_judgement(kind, prompt) if scored else self._sampled_judgement(kind, prompt)
+            self.judgements[(kind, prompt)] = value
+            self.stats.fallbacks += value is None
+        return self.judgements[(kind, prompt)]
 
     def _scored_judgement(self, kind: str, prompt: str):
-        """hf models: the log-probability of each candidate after the prompt (as --scoring logprob scores
-        them); the scores are cached as JSON."""
+        """hf models: the log-probability of each candidate after the prompt, cached as JSON."""
         cands = advice_candidates(self.domain) if kind == "advice" else YES_NO
         self.stats.prompt_tokens += self.model.count_tokens(prompt)
-        key = None
-        scores = None
-        if self.cache is not None:
-            key = self.cache.key(prompt, "judgement-scores", 0.0, 0, 0, cands)
-            hit = self.cache.get(key)
-            if hit is not None:
-                scores = json.loads(hit[0])
-                self.stats.cache_hits += 1
-                self.stats.replayed += key not in self.cache.written
-            elif self.args.require_cache:
-                sys.exit("error: --require-cache: a judgement is missing from the cache "
-                         f"{self.args.cache} (different flags or seed than the recorded run?).")
-        if scores is None:
+        key = None if self.cache is None else self.cache.key(prompt, "judgement-scores", 0.0, 0, 0, cands)
+        hit = None if key is None else self.cache.get(key)
+        if hit is not None:
+            scores = json.loads(hit[0])
+            self.stats.cache_hits += 1
+            self.stats.replayed += key not in self.cache.written
+        else:
             scores = [lp for lp, _ in self.model.score_candidates([Request(prompt, 0, cands)], "\n")[0]]
             self.stats.calls += 1
             self.stats.batches += 1
-            if self.cache is not None:
+            if key is not None:
                 self.cache.put(key, json.dumps(scores), 0)
         if not all(math.isfinite(x) for x in scores):
             self.stats.invalid += 1
@@ -1611,26 +1509,15 @@ class Agent:
         return int(np.argmax(scores)) if kind == "advice" else float(scores[0] - scores[1])
 
     def _sampled_judgement(self, kind: str, prompt: str):
-        """openai: sample an answer and validate it (--attempts tries, through the completion cache); a valid
-        Yes / No is the log-odds +-log 2 (one sample, add-one estimate)."""
+        """openai: sample and validate (--attempts tries, through the completion cache); a valid Yes / No is the
+        log-odds +-log 2 (one sample, add-one estimate)."""
         for attempt in range(self.args.attempts):
-            req = Request(prompt, prompt_seed(attempt, 14), None, "", "\n", self.args.temperature)
-            text = self.complete([req])[0]
+            text = self.complete([Request(prompt, prompt_seed(attempt, 14), None, "", "\n", self.args.temperature)])[0]
             value = None if text is None else parse_judgement(self.domain, kind, text)
-            if value is None:
-                self.stats.invalid += 1
-                continue
-            if kind == "advice":
-                return value
-            return SAMPLED_LOG_ODDS if value else -SAMPLED_LOG_ODDS
+            if value is not None:
+                return value if kind == "advice" else SAMPLED_LOG_ODDS if value else -SAMPLED_LOG_ODDS
+            self.stats.invalid += 1
         return None
-
-
-def argmax_random(q, rng: np.random.Generator) -> int:
-    q = np.asarray(q, dtype=float)
-    return int(rng.choice(np.flatnonzero(q == q.max())))
-
-
 # ---------------------------------------------------------------------------------------------- training loop
 
 
@@ -1706,7 +1593,7 @@ def main(args: Args) -> None:
     uses_model = args.algo != "tabular-q"
     language_model = uses_model and args.model not in ("oracle", "matching")
     # the cache file is checked before any model is loaded (it gets the model's name afterwards)
-    cache = CompletionCache(args.cache, "", args.require_cache) if language_model and not args.no_cache else None
+    cache = CompletionCache(args.cache, "") if language_model and not args.no_cache else None
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
@@ -1759,7 +1646,7 @@ def main(args: Args) -> None:
                 action = advice
                 advised.append((state, action))
             else:
-                action = agent.act(state)[0] if use_model else int(rng.integers(domain.n_actions))
+                action = agent.act(state) if use_model else int(rng.integers(domain.n_actions))
             next_state, reward, terminated = domain.step(state, action, env_rng)
             truncated = domain.time_limit is not None and len(episode) + 1 >= domain.time_limit
             tr = Transition(state, action, int(reward), bool(terminated), next_state)
