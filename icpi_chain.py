@@ -602,7 +602,7 @@ class CompletionCache:
     as a plain file path. Runs may share one file (SQLite locks it; a writer waits up to a minute). A file that
     is not such a cache is refused and never written to."""
 
-    TABLE = "completions"
+    TABLE, TIMEOUT = "completions", 60.0
 
     def __init__(self, path: str, model_id: str):
         self.path, self.model_id = os.path.expanduser(path), model_id
@@ -612,7 +612,8 @@ class CompletionCache:
             self.fail("is not a file")
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         try:
-            self.db = sqlite3.connect(self.path, check_same_thread=False, timeout=60)
+            # an absolute path: SQLite may read a name starting with "file:" as a URI
+            self.db = sqlite3.connect(os.path.abspath(self.path), check_same_thread=False, timeout=self.TIMEOUT)
             if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
                 self.fail("is damaged: it is not a completion cache this script can use; give another --cache path")
             tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -627,7 +628,7 @@ class CompletionCache:
 
     def error(self, e: sqlite3.DatabaseError):
         if "locked" in str(e) or "busy" in str(e):
-            self.fail("is locked by another process for over a minute; run again when it is free")
+            self.fail(f"is locked by another process (waited {self.TIMEOUT:g} s); run again when it is free")
         if isinstance(e, sqlite3.OperationalError) and "no such table" not in str(e):
             self.fail(f"cannot be used ({e})")
         self.fail("is not a completion cache (corrupt, or not an SQLite file); give another --cache path")
@@ -1592,8 +1593,6 @@ def main(args: Args) -> None:
     domain = make_domain(args.env)
     uses_model = args.algo != "tabular-q"
     language_model = uses_model and args.model not in ("oracle", "matching")
-    # the cache file is checked before any model is loaded (it gets the model's name afterwards)
-    cache = CompletionCache(args.cache, "") if language_model and not args.no_cache else None
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
@@ -1603,8 +1602,7 @@ def main(args: Args) -> None:
     model_rng = np.random.default_rng(args.seed + 1)  # the oracle's distractor draws
     env_rng = np.random.default_rng(args.seed)      # the domain's starts and noise
     model = make_backend(args, domain, model_rng) if uses_model else None
-    if cache is not None:
-        cache.model_id = model.name
+    cache = CompletionCache(args.cache, model.name) if language_model and not args.no_cache else None
     agent = Agent(domain, model if model is not None else OracleModel(domain, model_rng), args, rng, cache)
 
     run_dir = unique_run_dir(f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}")
