@@ -225,32 +225,19 @@ def search_optimal_return(domain: Domain, state, steps_left: int, gamma: float) 
     memo: dict = {}
 
     def v(s, k):
-        if k == 0:
-            return 0.0
-        key = (s, k)
-        if key not in memo:
-            best = -math.inf
-            for a in range(domain.n_actions):
-                s2, r, term = domain.step(s, a, None)
-                best = max(best, r + (0.0 if term else gamma * v(s2, k - 1)))
-            memo[key] = best
-        return memo[key]
+        if k > 0 and (s, k) not in memo:
+            memo[(s, k)] = max(r + (0.0 if term else gamma * v(s2, k - 1))
+                               for s2, r, term in (domain.step(s, a, None) for a in range(domain.n_actions)))
+        return memo[(s, k)] if k > 0 else 0.0
 
     return v(state, steps_left)
 
 
 def optimal_action_values(domain: Domain, state, steps_left: int) -> list[float]:
     """Q*(state, a) with `steps_left` steps to go, discounted by the domain's gamma."""
-    out = []
-    for a in range(domain.n_actions):
-        s2, r, term = domain.step(state, a, None)
-        out.append(r + (0.0 if term or steps_left <= 1 else
-                        domain.gamma * search_optimal_return(domain, s2, steps_left - 1, domain.gamma)))
-    return out
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in re.findall(r"-?\d+", text)]
+    return [r + (0.0 if term or steps_left <= 1 else domain.gamma * search_optimal_return(domain, s2, steps_left - 1,
+                                                                                          domain.gamma))
+            for s2, r, term in (domain.step(state, a, None) for a in range(domain.n_actions))]
 
 
 class Chain(Domain):
@@ -281,9 +268,7 @@ class Chain(Domain):
 
     def text_states(self, text):
         m = re.match(r"assert state == \[([-\d, ]*)\]", text)
-        if not m:
-            return []
-        state = tuple(_ints(m.group(1)))
+        state = tuple(int(x) for x in re.findall(r"-?\d+", m.group(1))) if m else ()
         ok = len(state) == len(self.start_states()[0]) and all(0 <= x < self.n_states for x in state)
         return [state] if ok else []
 
@@ -335,11 +320,8 @@ class Maze(Domain):
         return (k // 3, k % 3)
 
     def move(self, state, action):
-        di, dj = self.moves[action]
-        nxt = (state[0] + di, state[1] + dj)
-        if not (0 <= nxt[0] < 3 and 0 <= nxt[1] < 3) or frozenset({state, nxt}) in self.walls:
-            return state
-        return nxt
+        nxt = (state[0] + self.moves[action][0], state[1] + self.moves[action][1])
+        return state if not (0 <= nxt[0] < 3 and 0 <= nxt[1] < 3) or frozenset({state, nxt}) in self.walls else nxt
 
     def step(self, state, action, rng=None):
         at_goal = state == self.goal
@@ -362,19 +344,11 @@ class Maze(Domain):
 
     def bfs_distance(self, state) -> int:
         """Moves from `state` to the goal (breadth-first search over the walls)."""
-        frontier, seen, dist = [state], {state}, 0
-        while frontier:
-            if self.goal in frontier:
-                return dist
-            nxt = []
-            for s in frontier:
-                for a in range(4):
-                    s2 = self.move(s, a)
-                    if s2 not in seen:
-                        seen.add(s2)
-                        nxt.append(s2)
-            frontier, dist = nxt, dist + 1
-        raise ValueError("goal unreachable")
+        frontier, seen, dist = {state}, {state}, 0
+        while self.goal not in frontier:
+            frontier = {self.move(s, a) for s in frontier for a in range(4)} - seen
+            seen, dist = seen | frontier, dist + 1
+        return dist
 
     def optimal_return(self, state):
         return self.gamma ** self.bfs_distance(state)
@@ -688,7 +662,7 @@ class HFBackend:
             self.tok = AutoTokenizer.from_pretrained(folder, **self.load_kw)
             cfg = AutoConfig.from_pretrained(folder, **self.load_kw)
         except (OSError, ValueError) as e:
-            hf_load_error(spec, e, local_only)
+            hf_load_error(spec, e)
         self.tok.padding_side = "left"
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
@@ -709,7 +683,7 @@ class HFBackend:
                 self._model = AutoModelForCausalLM.from_pretrained(
                     self.folder, dtype=getattr(self.torch, self.dtype), **self.load_kw)
             except (OSError, ValueError) as e:
-                hf_load_error(self.spec, e, self.load_kw.get("local_files_only", False))
+                hf_load_error(self.spec, e)
             self._model.to(self.device).eval()
         return self._model
 
@@ -841,8 +815,8 @@ def smollm2_gguf() -> str:
 
 def resolve_hf_spec(spec: str) -> tuple[str, Optional[str], bool]:
     """(folder or hub id, gguf file name or None, local files only) of `smollm2` or `hf:<folder | file.gguf |
-    hub id>`. A hub id is read from the local cache only when HF_HUB_OFFLINE is set or the hub (HF_ENDPOINT)
-    cannot be reached, so a run without network fails in seconds."""
+    hub id>`. A hub id is read from the local cache only when HF_HUB_OFFLINE is set or the hub (HF_ENDPOINT) cannot
+    be reached, so a run without network fails in seconds."""
     if spec == "smollm2":
         path = smollm2_gguf()
         return os.path.dirname(path), os.path.basename(path), True
@@ -853,8 +827,7 @@ def resolve_hf_spec(spec: str) -> tuple[str, Optional[str], bool]:
         return target, None, True
     if target.startswith(("/", ".")) or target.count("/") > 1:
         sys.exit(f"error: model folder '{target}' does not exist.")
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable()
-    return target, None, offline
+    return target, None, os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable()
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -870,12 +843,9 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def hf_load_error(spec: str, e: Exception, local_only: bool) -> None:
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    if local_only and not spec.startswith("hf:/"):
-        sys.exit(f"error: cannot load model '{spec}': it is not a local folder and not in the local Hugging Face "
-                 f"cache, and the hub is unreachable or HF_HUB_OFFLINE is set ({first}).")
-    sys.exit(f"error: cannot load model '{spec}': {first}")
+def hf_load_error(spec: str, e: Exception) -> None:
+    sys.exit(f"error: cannot load model '{spec}' (not a local folder, and not on the hub or in its local cache): "
+             f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}")
 
 
 def convert_gguf_once(folder: str, gguf: str) -> tuple[str, Optional[str]]:
@@ -1575,14 +1545,13 @@ def unique_run_dir(base: str) -> str:
             return path
         except FileExistsError:
             continue
-    raise AssertionError
 
 
 def check_invalid(totals: StepStats, malformed: int, args: Args, model_name: str, final: bool = False) -> None:
     """Stop with one sentence when too many answers were invalid (the agent would mostly act at random), or
-    at the end when not one answer was valid."""
+    at the end when every reply of the server was malformed."""
     answers = totals.calls + totals.cache_hits
-    if (answers >= 20 and totals.invalid > args.max_invalid * answers) or (final and answers and totals.invalid >= answers):
+    if (answers >= 20 and totals.invalid > args.max_invalid * answers) or (final and 0 < totals.calls <= malformed):
         sys.exit(f"error: {totals.invalid} of {answers} answers from {model_name} were invalid ({malformed} replies "
                  f"were not completions at all); above --max-invalid {args.max_invalid:g} the agent would mostly act "
                  "at random, so the run stops.")
@@ -1598,15 +1567,13 @@ def main(args: Args) -> None:
 
     random.seed(args.seed)
     np.random.seed(args.seed)
-    rng = np.random.default_rng(args.seed)          # warm-up coin, tie-breaks, fallbacks
+    rng, env_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed)  # the agent's draws; the env's
     model_rng = np.random.default_rng(args.seed + 1)  # the oracle's distractor draws
-    env_rng = np.random.default_rng(args.seed)      # the domain's starts and noise
     model = make_backend(args, domain, model_rng) if uses_model else None
     cache = CompletionCache(args.cache, model.name) if language_model and not args.no_cache else None
     agent = Agent(domain, model if model is not None else OracleModel(domain, model_rng), args, rng, cache)
 
-    run_dir = unique_run_dir(f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}")
-    run_name = os.path.basename(run_dir)
+    run_name = os.path.basename(run_dir := unique_run_dir(f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"))
     if args.track:
         import wandb
 
@@ -1698,31 +1665,27 @@ def main(args: Args) -> None:
     finally:
         bar.close()
         writer.close()
-    elapsed = time.time() - start_time
-    who = "the Q table" if args.algo in TABULAR_ALGOS else "the model"
+    elapsed, who = time.time() - start_time, "the Q table" if args.algo in TABULAR_ALGOS else "the model"
     print(f"{run_name}: {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last {min(8, len(regrets))} "
           f"episodes {np.mean(regrets[-8:]) if regrets else float('nan'):.3f}; "
           f"{f'advice followed at {len(advised)} steps; ' if advisor else ''}{who} chose {used} of {args.total_steps} "
           f"actions (random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready); model calls "
           f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits} ({totals.replayed} recorded by an "
-          f"earlier run), invalid {totals.invalid}, fallbacks {totals.fallbacks}; {elapsed:.1f} s "
-          f"({elapsed / args.total_steps:.2f} s per step)")
+          f"earlier run), invalid {totals.invalid}, fallbacks {totals.fallbacks}; {elapsed:.1f} s")
     if totals.replayed:
-        print(f"note: {totals.replayed} answers were replayed from the completion cache {args.cache}, recorded by an "
-              "earlier run with the same flags: they took no model time, so this run's time is not a whole run's.")
+        print(f"note: {totals.replayed} answers were replayed from the completion cache {args.cache} (recorded by an "
+              "earlier run with the same flags): they took no model time.")
     if advisor:
-        print(f"advice: p_t from {args.advice_prob:g} down to {p_advice:.3g}; followed at {len(advised)} steps "
-              f"({sum(1 for k in agent.judgements if k[0] == 'advice')} states judged); agreed with the final greedy "
-              f"policy at {agree:.1%} of them, with an optimal action at {optimal:.1%}")
+        print(f"advice: p_t from {args.advice_prob:g} down to {p_advice:.3g}; agreed with the final greedy policy at "
+              f"{agree:.1%} of the advised steps, with an optimal action at {optimal:.1%}")
     if shaped:
-        values = [v for k, v in agent.judgements.items() if k[0] == "potential" and v is not None]
+        values = [v for k, v in agent.judgements.items() if k[0] == "potential" and v is not None] or [float("nan")]
         print(f"shaping: Phi judged for {len(agent.judgements)} states (mean Phi per step {np.mean(phis):.3f}; "
-              f"judgements from {min(values, default=float('nan')):.3f} to {max(values, default=float('nan')):.3f}, "
-              f"times --shaping-scale {args.shaping_scale:g})")
+              f"judgements from {min(values):.3f} to {max(values):.3f}, times --shaping-scale {args.shaping_scale:g})")
     if used == 0 and not advised:
         print(f"note: {who} was never used: the warm-up acts at random with probability 1 - 1 / (1 + exp(2 "
-              f"({args.min_successes} - episodes))) (--min-successes), and the model needs an example of every "
-              "action, a non-terminal step and a finished episode first; run more --total-steps.")
+              f"({args.min_successes} - episodes))), and the model needs an example of every action, a non-terminal "
+              "step and a finished episode first; run more --total-steps.")
     if language_model and totals.invalid:
         print(f"warning: {totals.invalid} of {totals.calls + totals.cache_hits} answers were invalid "
               f"({getattr(model, 'malformed', 0)} malformed replies); {totals.fallbacks} predictions stayed "

@@ -541,14 +541,6 @@ def test_run_names_are_unique(tmp_path, monkeypatch):
     assert paths[1].endswith("-2") and paths[2].endswith("-3")
 
 
-def test_hub_unreachable_means_local_files_only(monkeypatch):
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(ic, "hub_reachable", lambda *a, **k: False)
-    assert ic.resolve_hf_spec("hf:org/model") == ("org/model", None, True)
-    monkeypatch.setattr(ic, "hub_reachable", lambda *a, **k: True)
-    assert ic.resolve_hf_spec("hf:org/model") == ("org/model", None, False)
-
-
 def test_language_model_requests_follow_the_original():
     eps = [[T((3,), 2, 0, False, (4,)), T((4,), 1, 1, True, (4,))]]
     for algo, temperature in (("icpi", 0.1), ("no-argmax", 0.0)):
@@ -648,7 +640,7 @@ HOSTILE = [  # flags (SERVER: a garbage completions server's URL; CACHE, DIR: pa
     (("--model", "openai:"), "unknown --model"),
     (("--model", "hf:DIR/missing.gguf"), "does not exist"),
     (("--model", "hf:/nonexistent"), "model folder '/nonexistent' does not exist"),
-    (("--model", "hf:no-such-org/no-such-model"), "not in the local Hugging Face cache"),
+    (("--model", "hf:no-such-org/no-such-model"), "not on the hub or in its local cache"),
     (("--model", "openai:x", "--dtype", "bfloat16"), "--dtype bfloat16 applies to"),
     (("--model", "openai:x", "--scoring", "logprob"), "needs an hf model"),
     (("--algo", "llm-reward", "--model", "matching"), "cannot judge a state"),
@@ -810,3 +802,15 @@ def test_a_short_run_says_why_the_model_was_not_used(tmp_path, monkeypatch, caps
     ic.main(ic.Args(model="oracle", total_steps=5))
     out = capsys.readouterr().out
     assert "the model chose 0 of 5 actions" in out and "note: the model was never used" in out
+
+
+def test_hub_ids_are_local_only_when_offline_or_unreachable(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    real = ic.hub_reachable
+    for reachable in (False, True):
+        monkeypatch.setattr(ic, "hub_reachable", lambda *a, reachable=reachable, **k: reachable)
+        assert ic.resolve_hf_spec("hf:org/model") == ("org/model", None, not reachable)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert ic.resolve_hf_spec("hf:org/model") == ("org/model", None, True)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port here
+    assert not real(timeout=1.0)
