@@ -255,37 +255,6 @@ def test_parse_completion_is_exact():
 # ---------------------------------------------------------------- hf backend and cache
 
 
-def test_hf_backend_plumbing_and_cache_replay(tmp_path, tiny_gpt2_dir):
-    cache = str(tmp_path / "cache.sqlite")
-    flags = ("--model", f"hf:{tiny_gpt2_dir}", "--env", "chain", "--total-steps", "14", "--seed", "1", "--scoring", "sample",
-             "--min-successes", "0", "--max-tokens", "12", "--cache", cache, "--max-invalid", "1")
-    logged = []
-    for k in range(2):  # the second run: the same flags and cache, every answer replayed from the cache
-        cwd = str(tmp_path / f"r{k}")
-        os.makedirs(cwd)
-        proc = run_script("icpi_chain.py", *flags, cwd=cwd, timeout=200)
-        assert ("loading the weights" in proc.stderr) == (k == 0)  # a replay needs no weights
-        assert ("answers were replayed from the completion cache" in proc.stdout) == (k == 1)
-        run = only_run_dir(cwd)
-        logged.append({tag: read_scalars(run, tag) for tag in
-                       ("charts/episodic_return", "charts/regret", "model/calls", "model/cache_hits",
-                        "model/replayed", "model/invalid", "charts/used_model")})
-    first, replay = logged
-    assert sum(v for _, v in first["charts/used_model"]) >= 3
-    assert sum(v for _, v in first["model/calls"]) > 0
-    assert first["charts/episodic_return"] == replay["charts/episodic_return"]
-    assert first["charts/regret"] == replay["charts/regret"]
-    assert first["model/invalid"] == replay["model/invalid"]
-    assert sum(v for _, v in replay["model/calls"]) == 0          # no model call in the replay
-    # the first run's hits were of answers it had computed itself; every hit of the replay was recorded before it
-    assert sum(v for _, v in first["model/replayed"]) == 0
-    assert replay["model/replayed"] == replay["model/cache_hits"]
-    assert sum(v for _, v in replay["model/cache_hits"]) == sum(v for _, v in first["model/calls"]) + \
-        sum(v for _, v in first["model/cache_hits"])
-    with sqlite3.connect(cache) as db:
-        assert db.execute("SELECT COUNT(*) FROM completions").fetchone()[0] > 0
-
-
 def test_hf_scoring_batched_equals_unbatched(tiny_gpt2_dir):
     import torch
 
@@ -814,3 +783,28 @@ def test_hub_ids_are_local_only_when_offline_or_unreachable(monkeypatch):
     assert ic.resolve_hf_spec("hf:org/model") == ("org/model", None, True)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port here
     assert not real(timeout=1.0)
+
+
+@pytest.mark.parametrize("scoring", ["sample", "logprob"])
+def test_same_numbers_with_a_tiny_hf_model_and_a_replay(tmp_path, tiny_gpt2_dir, scoring):
+    """The in-process model's paths (prefix KV cache, batched prompts without examples, candidate scoring), then
+    the same run again on its own completion cache (relative path: one per run folder): every answer replayed."""
+    flags = ("--model", f"hf:{tiny_gpt2_dir}", "--total-steps", "12", "--seed", "2", "--min-successes", "0",
+             "--max-tokens", "8", "--cache", "c.sqlite", "--max-invalid", "1", "--scoring", scoring)
+    _, run = same_numbers("icpi_chain.py", *flags, tmp_path=tmp_path)
+    if scoring == "logprob":
+        return
+    cwd = os.path.dirname(os.path.dirname(run))
+    proc = run_script("icpi_chain.py", *flags, cwd=cwd, timeout=200)
+    assert "loading the weights" not in proc.stderr                  # a replay needs no weights
+    assert "answers were replayed from the completion cache" in proc.stdout
+    replay = next(d for d in glob.glob(os.path.join(cwd, "runs", "*")) if d != run)
+    first, again = ({tag: read_scalars(d, tag) for tag in ("charts/episodic_return", "charts/regret", "model/calls",
+                                                          "model/cache_hits", "model/replayed", "model/invalid")}
+                    for d in (run, replay))
+    assert sum(v for _, v in first["model/calls"]) > 0 and sum(v for _, v in again["model/calls"]) == 0
+    for tag in ("charts/episodic_return", "charts/regret", "model/invalid"):
+        assert first[tag] == again[tag]
+    assert sum(v for _, v in first["model/replayed"]) == 0 and again["model/replayed"] == again["model/cache_hits"]
+    assert sum(v for _, v in again["model/cache_hits"]) == sum(v for _, v in first["model/calls"]) + \
+        sum(v for _, v in first["model/cache_hits"])
