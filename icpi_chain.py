@@ -584,7 +584,10 @@ class CompletionCache:
         self.written: set[str] = set()  # keys this process wrote: a hit on any other is replayed from an earlier run
         if os.path.exists(self.path) and not os.path.isfile(self.path):
             self.fail("is not a file")
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        except OSError as e:
+            self.fail(f"cannot be created ({e.strerror})")
         try:
             # an absolute path: SQLite may read a name starting with "file:" as a URI
             self.db = sqlite3.connect(os.path.abspath(self.path), check_same_thread=False, timeout=self.TIMEOUT)
@@ -1538,13 +1541,15 @@ def advice_optimality(domain: Domain, advised: list) -> float:
 
 def unique_run_dir(base: str) -> str:
     """Create runs/<base> (or runs/<base>-2, -3, ...) atomically: two runs never share a folder."""
-    os.makedirs("runs", exist_ok=True)
     for k in itertools.count(1):
         try:
             os.makedirs(path := os.path.join("runs", base if k == 1 else f"{base}-{k}"))
             return path
         except FileExistsError:
-            continue
+            if not os.path.isdir("runs"):
+                sys.exit(f"error: cannot create the run folder: {os.path.abspath('runs')} is not a folder.")
+        except OSError as e:
+            sys.exit(f"error: cannot create the run folder {path} ({e.strerror}).")
 
 
 def check_invalid(totals: StepStats, malformed: int, args: Args, model_name: str, final: bool = False) -> None:

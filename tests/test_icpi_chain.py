@@ -616,6 +616,8 @@ HOSTILE = [  # flags (SERVER: a garbage completions server's URL; CACHE, DIR: pa
     (("--model", "openai:x", "--cache", "DIR"), "is not a file"),
     (("--model", "openai:x", "--cache", "DIR/junk.sqlite"), "is not a completion cache"),
     (("--model", "openai:x", "--cache", "DIR/other.sqlite"), "another program's SQLite database"),
+    (("--model", "openai:x", "--cache", "DIR/junk.sqlite/c.sqlite"), "cannot be created"),
+    (("--model", "oracle", "--total-steps", "3", "--exp-name", "RUNS_IS_A_FILE"), "cannot create the run folder"),
     # runs that start and then fail: every answer of the server is malformed
     (("--model", "openai:junk", "--base-url", "SERVER", "--total-steps", "80", "--min-successes", "0",
       "--max-retries", "0", "--no-cache"), "answers from openai:junk were invalid"),
@@ -641,6 +643,8 @@ def test_hostile_inputs_end_in_one_sentence(tmp_path, monkeypatch, capsys, flags
     flags = [f.replace("SERVER", url).replace("DIR", str(tmp_path)) for f in flags]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if "RUNS_IS_A_FILE" in flags:  # runs/ cannot be made (root ignores permissions, so not a read-only folder)
+        (tmp_path / "runs").write_text("")
     try:
         with pytest.raises(SystemExit) as e:
             ic.main(tyro.cli(ic.Args, args=flags if "--cache" in flags else [*flags, "--cache", str(tmp_path / "c.sqlite")]))
@@ -654,7 +658,7 @@ def test_hostile_inputs_end_in_one_sentence(tmp_path, monkeypatch, capsys, flags
     assert "delete" not in message and "Traceback" not in message
     assert {p: p.read_bytes() for p in (junk, other)} == before          # a refused file is never written
     if not started:  # refused before any run folder or cache exists
-        assert not (tmp_path / "runs").exists() and not (tmp_path / "c.sqlite").exists()
+        assert not (tmp_path / "runs").is_dir() and not (tmp_path / "c.sqlite").exists()
 
 
 @pytest.mark.parametrize("status,body,headers,named", [
