@@ -5,6 +5,7 @@ cache, fallbacks, bad flags, and smoke runs with the default model."""
 import importlib.util
 import itertools
 import math
+import os
 import threading
 from http.server import HTTPServer
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import icpi_chain as ic
-from conftest import FixedTextModel, completions_handler, only_run_dir, read_scalars, run_script
+from conftest import FixedTextModel, completions_handler, only_run_dir, read_scalars
 
 
 # ---------------------------------------------------------------- the math
@@ -103,6 +104,7 @@ def test_prompts_with_and_without_the_task_description():
 
 def run_main(tmp_path, monkeypatch, **kw):
     """ic.main in `tmp_path` (its runs/ folder lands there); returns the run folder."""
+    os.makedirs(tmp_path, exist_ok=True)
     monkeypatch.chdir(tmp_path)
     ic.main(ic.Args(**kw))
     return only_run_dir(str(tmp_path))
@@ -199,7 +201,7 @@ def test_unparseable_answers_and_backend_errors_fall_back_counted():
 _Garbage = completions_handler(lambda prompt: "hmm, hard to say")  # never a valid judgement
 
 
-def test_a_weak_model_with_two_thirds_invalid_answers_is_warned_about_not_stopped(tmp_path):
+def test_a_weak_model_with_two_thirds_invalid_answers_is_warned_about_not_stopped(tmp_path, monkeypatch, capsys):
     # a small sampled model answers badly at first (SmolLM2 on chain: 20 of its first 31 answers invalid); with
     # --attempts 3 most predictions still end valid, so the default threshold (0.8) lets it run, with a warning
     answers = itertools.cycle(["hmm", "maybe", "Yes"])
@@ -212,29 +214,28 @@ def test_a_weak_model_with_two_thirds_invalid_answers_is_warned_about_not_stoppe
     httpd = HTTPServer(("127.0.0.1", 0), completions_handler(reply))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        flags = ("--algo", "llm-reward", "--model", "openai:weak", "--base-url",
-                 f"http://127.0.0.1:{httpd.server_port}/v1", "--env", "mini-catch", "--total-steps", "40",
-                 "--no-cache")
-        proc = run_script("icpi_chain.py", *flags, cwd=str(tmp_path))
-        assert "answers were invalid" in proc.stderr and "Traceback" not in proc.stderr
-        # the old threshold stops the same run: the check itself still works at a lower bar
-        proc = run_script("icpi_chain.py", *flags, "--max-invalid", "0.5", cwd=str(tmp_path), check=False)
-        assert proc.returncode != 0 and "answers from openai:weak were invalid" in proc.stderr
+        kw = dict(algo="llm-reward", model="openai:weak", base_url=f"http://127.0.0.1:{httpd.server_port}/v1",
+                  env="mini-catch", total_steps=40, no_cache=True)
+        run_main(tmp_path / "a", monkeypatch, **kw)
+        assert "answers were invalid" in capsys.readouterr().err
+        # a lower bar stops the same run: the check itself still works
+        with pytest.raises(SystemExit) as e:
+            run_main(tmp_path / "b", monkeypatch, **kw, max_invalid=0.5)
+        assert "answers from openai:weak were invalid" in str(e.value.code)
     finally:
         httpd.shutdown()
         httpd.server_close()
 
 
-def test_invalid_judgements_are_reported(tmp_path):
+def test_invalid_judgements_are_reported(tmp_path, monkeypatch, capsys):
     httpd = HTTPServer(("127.0.0.1", 0), _Garbage)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        proc = run_script("icpi_chain.py", "--algo", "llm-reward", "--model", "openai:junk", "--base-url",
-                          f"http://127.0.0.1:{httpd.server_port}/v1", "--env", "mini-catch", "--total-steps", "40",
-                          "--no-cache", "--max-invalid", "1", cwd=str(tmp_path), check=False)
-        assert "answers were invalid" in proc.stderr and "predictions stayed invalid" in proc.stderr
-        assert "invalid 0" not in proc.stdout and "fallbacks 0;" not in proc.stdout
-        assert proc.returncode == 0                                 # well-formed replies: allowed by --max-invalid 1
+        run_main(tmp_path, monkeypatch, algo="llm-reward", model="openai:junk", env="mini-catch", total_steps=40,
+                 base_url=f"http://127.0.0.1:{httpd.server_port}/v1", no_cache=True, max_invalid=1.0)
+        out, err = capsys.readouterr()
+        assert "answers were invalid" in err and "predictions stayed invalid" in err  # well-formed replies: allowed
+        assert "invalid 0" not in out and "fallbacks 0;" not in out
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -250,20 +251,19 @@ _Judge = completions_handler(_judge_reply)
 _Judge.prompts = []
 
 
-def test_both_learners_run_with_an_openai_server(tmp_path):
+def test_both_learners_run_with_an_openai_server(tmp_path, monkeypatch, capsys):
     httpd = HTTPServer(("127.0.0.1", 0), _Judge)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         for algo in ("llm-advisor", "llm-reward"):
             _Judge.prompts = []
-            (tmp_path / algo).mkdir()
-            proc = run_script("icpi_chain.py", "--algo", algo, "--model", "openai:judge", "--advice-prob", "1",
-                              "--base-url", f"http://127.0.0.1:{httpd.server_port}/v1", "--env", "chain",
-                              "--total-steps", "30", "--no-cache", cwd=str(tmp_path / algo))
-            assert "invalid 0, fallbacks 0" in proc.stdout
+            run_main(tmp_path / algo, monkeypatch, algo=algo, model="openai:judge", advice_prob=1.0, env="chain",
+                     base_url=f"http://127.0.0.1:{httpd.server_port}/v1", total_steps=30, no_cache=True)
+            out = capsys.readouterr().out
+            assert "invalid 0, fallbacks 0" in out
             assert 1 <= len(_Judge.prompts) == len(set(_Judge.prompts)) <= 8  # each state's prompt asked once
             assert all(p.startswith("Task: The state is a position on a line") for p in _Judge.prompts)
-        assert "shaping: Phi judged for" in proc.stdout and "judgements from 0.693 to 0.693" in proc.stdout
+        assert "shaping: Phi judged for" in out and "judgements from 0.693 to 0.693" in out
     finally:
         httpd.shutdown()
         httpd.server_close()
