@@ -559,6 +559,8 @@ def test_same_numbers_as_before_the_redesign(tmp_path, flags):
             httpd.shutdown()
             httpd.server_close()
     assert read_scalars(run, "charts/regret")
+    if httpd is not None:  # the server was asked, and some of its answers were valid
+        assert sum(v for _, v in read_scalars(run, "model/calls")) > sum(v for _, v in read_scalars(run, "model/invalid")) > 0
 
 
 # ---------------------------------------------------------------- hostile inputs: one sentence, non-zero, nothing written
