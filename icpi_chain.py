@@ -133,7 +133,7 @@ def check_args(args: Args) -> None:
             lo, hi = RANGES[f.name]
             if not (math.isfinite(v) and (lo < v if f.name in OPEN_LOW else lo <= v) and v <= hi):
                 fail(f"--{f.name.replace('_', '-')} must be a finite number in {'(' if f.name in OPEN_LOW else '['}"
-                     f"{lo:g}, {hi:g}], got {v}.")
+                     f"{lo}, {hi}], got {v}.")
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", args.exp_name) or args.exp_name in (".", ".."):
         fail(f"--exp-name must be a plain name of 1 to 64 letters, digits, '.', '_' or '-', got {args.exp_name!r}.")
     ok = args.model in ("smollm2", "oracle", "matching") or args.model.startswith(("hf:", "openai:"))
