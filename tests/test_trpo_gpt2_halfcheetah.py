@@ -422,7 +422,8 @@ def test_hostile_input_one_sentence_nothing_written(flags, message, tmp_path, mo
 
 def test_memory_estimate_refuses_a_batch_that_does_not_fit(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(trpo.os, "sysconf", lambda name: 1024 if name == "SC_PAGE_SIZE" else 1024)  # 1 MiB
+    monkeypatch.setattr(trpo.os, "sysconf", lambda name: 1024)  # a machine with 1 MiB of memory
+    monkeypatch.setattr(trpo, "build_policy", lambda *a: pytest.fail("the batch was not refused"))
     with pytest.raises(SystemExit):
         trpo.main(trpo.Args(policy="mlp", batch_size=15000), argv=[])
     assert "GiB of buffers, more than this machine's" in capsys.readouterr().err and not os.listdir(tmp_path)
