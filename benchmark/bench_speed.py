@@ -8,11 +8,9 @@ kind per script whose cost is not just steps per second, plus the raw GPU output
   icpi     model calls, token positions and wall time per real ICPI step: the original's pattern (one
            sampled call per prediction, no cache) against this implementation, same model/buffer/states
   trpo-profile      one 15000-step MLP update of trpo_gpt2_halfcheetah.py split in parts: the script at an older
-                    git revision against the working tree (and its float32 flag), same batch and networks,
+                    git revision against the working tree (and Args overrides), same batch and networks,
                     alternating; and its rollout against the bare vector env's stepping rate
-  trpo-fvp          one trpo_step of a language-model policy per fresh process: Gauss-Newton against
-                    double-backward Fisher-vector products (time, peak memory)
-  trpo-value-dtype  the L-BFGS value fit of a trained MLP checkpoint refitted in float64 and float32
+  (trpo-fvp and trpo-value-dtype: stored entries only; they measured options the script no longer has)
 
 Each kind takes its own flags (the SPEED registry entry's `flags`; `--help` via `--speed NAME --speed-help`)
 and returns a JSON-able dict that run.py stores as results/speed/<name>.json; `render` turns stored entries
@@ -80,7 +78,7 @@ def _trpo_rollout_vs_bare(trpo, policy, obs_dim: int, steps: int, n_envs: int = 
         if "input_ids" in enc:
             length = enc["input_ids"].shape[1] + policy.prefix_ids.numel()
         else:
-            length = (1 if policy.embed_tokens == "one" else obs_dim) + policy.prefix_ids.numel()
+            length = 1 + policy.prefix_ids.numel()
     x_bare = torch.randn(n_envs, length, policy.transformer.config.n_embd)
     mask = torch.ones(n_envs, length, dtype=torch.long)
     t_roll, t_bare = [], []
@@ -143,15 +141,13 @@ def trpo(argv: list[str]) -> dict:
     out = {"rollout": {}, "update": {}}
     steps = 3 if a.quick else 40
     if a.part == "rollout":
-        configs = [("gpt2-2x128 embed one", small_dir, "pretrained", "embed", "one", steps * 5),
-                   ("gpt2-2x128 embed per-dim", small_dir, "pretrained", "embed", "per-dim", steps * 5),
-                   ("gpt2-2x128 text", small_dir, "pretrained", "text", "one", steps)]
+        configs = [("gpt2-2x128 embed one", small_dir, "pretrained", "embed", steps * 5),
+                   ("gpt2-2x128 text", small_dir, "pretrained", "text", steps)]
         if not a.quick:
-            configs += [("gpt2-small embed one", gpt2_dir, "random", "embed", "one", steps),
-                        ("gpt2-small embed per-dim", gpt2_dir, "random", "embed", "per-dim", steps // 2),
-                        ("gpt2-small text", gpt2_dir, "random", "text", "one", max(5, steps // 4))]
-        for name, folder, init, enc, tokens, k in configs:
-            args = trpo_mod.Args(llm=folder, llm_init=init, state_encoding=enc, embed_tokens=tokens)
+            configs += [("gpt2-small embed one", gpt2_dir, "random", "embed", steps),
+                        ("gpt2-small text", gpt2_dir, "random", "text", max(5, steps // 4))]
+        for name, folder, init, enc, k in configs:
+            args = trpo_mod.Args(llm=folder, llm_init=init, state_encoding=enc)
             torch.manual_seed(0)
             policy = trpo_mod.build_policy(args, 17, 6)
             out["rollout"][name] = r = _trpo_rollout_vs_bare(trpo_mod, policy, 17, k)
@@ -332,7 +328,7 @@ def _trpo_module(rev: str | None, tmp: str, name: str):
 def _halfcheetah_envs(mod, n: int = 10):
     import gymnasium as gym
 
-    return gym.vector.SyncVectorEnv([mod.make_env("HalfCheetah-v5", i, False, "") for i in range(n)],
+    return gym.vector.SyncVectorEnv([lambda: gym.make("HalfCheetah-v5") for i in range(n)],
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
@@ -434,7 +430,7 @@ def trpo_profile_args(argv: list[str]) -> argparse.Namespace:
     """The flags of kind trpo-profile (a SPEED entry's `flags`)."""
     ap = argparse.ArgumentParser(prog="--mode speed (kind trpo-profile)")
     ap.add_argument("--before", default="759e27f", help="git revision of the 'before' script ('none': no column)")
-    ap.add_argument("--after-flags", default="mlp_dtype=float32",
+    ap.add_argument("--after-flags", default="",
                     help="comma-separated Args overrides for a third column (empty: none)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps-per-env", type=int, default=1500, help="batch of the profiled update, per env (x 10)")
@@ -508,180 +504,8 @@ def trpo_profile(argv: list[str]) -> dict:
             "rollout": {"steps": a.rollout_steps * 10, "raw_seconds": raw_t, "script_seconds": script_t}}
 
 
-# ----------------------------------------------------------------------------------------------
-# trpo-fvp: one trpo_step of a language-model policy, Gauss-Newton vs double-backward products
-# ----------------------------------------------------------------------------------------------
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _fvp_child(spec: dict) -> dict:
-    """One `trpo_step` in this (fresh) process: time, CG time, and peak RSS minus the RSS before the step."""
-    import resource
-
-    import torch
-
-    sys.path.insert(0, ROOT)
-    import trpo_gpt2_halfcheetah as trpo
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    args = trpo.Args(llm=spec["llm"], llm_layers=spec["layers"], fvp_impl=spec["impl"], llm_attn=spec["attn"],
-                     fvp_subsample=spec["fvp_subsample"], num_envs=10, progress=False,
-                     instruction=spec["instruction"] or None)
-    policy = trpo.build_policy(args, 17, 6)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    g = torch.Generator().manual_seed(0)
-    b = spec["batch"]
-    obs, actions, adv = torch.randn(b, 17, generator=g), torch.randn(b, 6, generator=g), torch.randn(b, generator=g)
-    enc = policy.encode(obs)
-    before = _rss_mib()
-    t0 = time.time()
-    stats = trpo.trpo_step(policy, params, enc, actions, adv, args)
-    seconds = time.time() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"seconds": seconds, "cg_seconds": stats["cg_seconds"], "grad_seconds": stats["grad_seconds"],
-            "peak_extra_mib": peak - before, "kl": float(stats["kl"]), "accepted": bool(stats["accepted"]),
-            "trained_params": sum(p.numel() for p in params)}
-
-
-def trpo_fvp_args(argv: list[str]) -> argparse.Namespace:
-    """The flags of kind trpo-fvp (a SPEED entry's `flags`)."""
-    ap = argparse.ArgumentParser(prog="--mode speed (kind trpo-fvp)")
-    ap.add_argument("--llm", default="smollm2", help="as the script's --llm (smollm2: pretrained, offline)")
-    ap.add_argument("--layers", type=int, default=2, help="the script's --llm-layers")
-    ap.add_argument("--batch", type=int, default=3000)
-    ap.add_argument("--fvp-subsample", type=int, default=5)
-    ap.add_argument("--instruction", default="")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--configs", default="double-backward:eager,gauss-newton:eager,gauss-newton:sdpa",
-                    help="comma-separated fvp-impl:llm-attn pairs; the first is the baseline of the ratios")
-    return ap.parse_args(argv)
-
-
-def trpo_fvp(argv: list[str]) -> dict:
-    """One trpo_step (surrogate gradient, 10 CG iterations, line search) per fresh subprocess (so that its peak RSS
-    belongs to one configuration) on a synthetic batch shaped as a real one (N(0, 1) observations, Gaussian
-    actions, standard-normal advantages, seed 0); configurations `impl:attention` alternate, `--repeats` rounds."""
-    a = trpo_fvp_args(argv)
-    if a.llm == "smollm2":  # convert the GGUF file once here, so that no timed child's peak memory includes it
-        sys.path.insert(0, ROOT)
-        import trpo_gpt2_halfcheetah as trpo
-
-        trpo.smollm2_folder()
-    runs: dict = {}
-    for r in range(a.repeats):
-        for cfg in a.configs.split(","):
-            impl, attn = cfg.split(":")
-            spec = {"llm": a.llm, "layers": a.layers, "batch": a.batch, "fvp_subsample": a.fvp_subsample,
-                    "instruction": a.instruction, "impl": impl, "attn": attn}
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--fvp-child", json.dumps(spec)],
-                                  capture_output=True, text=True,
-                                  env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
-            if proc.returncode:
-                raise RuntimeError(f"trpo-fvp {cfg}: {proc.stderr[-2000:]}")
-            runs.setdefault(cfg, []).append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            x = runs[cfg][-1]
-            print(f"round {r + 1} {cfg}: trpo_step {x['seconds']:.2f} s (CG {x['cg_seconds']:.2f} s), peak extra "
-                  f"{x['peak_extra_mib']:.0f} MiB, kl {x['kl']:.6f}", flush=True)
-    return {"llm": a.llm, "layers": a.layers, "batch": a.batch, "fvp_subsample": a.fvp_subsample,
-            "instruction": a.instruction, "runs": runs}
-
-
-# ----------------------------------------------------------------------------------------------
-# trpo-value-dtype: the L-BFGS value fit refitted in float64 and float32 on one batch of a trained policy
-# ----------------------------------------------------------------------------------------------
-
-
-def trpo_value_dtype_args(argv: list[str]) -> argparse.Namespace:
-    """The flags of kind trpo-value-dtype (a SPEED entry's `flags`)."""
-    ap = argparse.ArgumentParser(prog="--mode speed (kind trpo-value-dtype)")
-    ap.add_argument("--checkpoint", default="", help="a checkpoint (.pt) or a folder holding one")
-    ap.add_argument("--train-steps", type=int, default=150_000, help="without --checkpoint: train one this long")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--steps-per-env", type=int, default=1500, help="the refit batch, per env (x 10)")
-    return ap.parse_args(argv)
-
-
-def trpo_value_dtype(argv: list[str]) -> dict:
-    """A `--policy mlp --save-model` checkpoint (`--checkpoint`, a .pt file or a folder holding one, e.g. a harness
-    run folder; else one trained here for `--train-steps`), one batch of 1500 x 10 HalfCheetah-v5 steps collected
-    with its policy, the GAE returns from its value net, and copies of that value net refitted to them with the
-    script's `fit_value_lbfgs` in float64 and in float32: MSE before and after, L-BFGS objective evaluations,
-    explained variance, seconds (after an untimed 2-iteration fit on 100 rows: lazy initialisation)."""
-    a = trpo_value_dtype_args(argv)
-    import copy
-
-    import torch
-
-    sys.path.insert(0, ROOT)
-    import trpo_gpt2_halfcheetah as trpo
-
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.time()
-        if a.checkpoint:
-            path, made = os.path.join(ROOT, a.checkpoint), f"read from {a.checkpoint}"  # (relative: to the repository)
-        else:
-            cmd = ["--policy", "mlp", "--total-timesteps", str(a.train_steps), "--seed", str(a.seed), "--save-model",
-                   "--torch-threads", "1", "--no-progress"]
-            subprocess.run([sys.executable, os.path.join(ROOT, TRPO_SCRIPT), *cmd], cwd=tmp, check=True,
-                           capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
-            path, made = tmp, "trained here: python trpo_gpt2_halfcheetah.py " + " ".join(cmd)
-        if os.path.isdir(path):
-            found = sorted(glob.glob(os.path.join(path, "**", "trpo_gpt2_halfcheetah.pt"), recursive=True))
-            if not found:
-                raise RuntimeError(f"trpo-value-dtype: no trpo_gpt2_halfcheetah.pt under {path}")
-            path = found[-1]
-        ck = torch.load(path, weights_only=True)
-        train_seconds = time.time() - t0
-    obs_dim, act_dim, ck_args = ck["obs_dim"], ck["act_dim"], ck["args"]
-    pol, vn = trpo.MLPPolicy(obs_dim, act_dim).double(), trpo.ValueNet(obs_dim).double()
-    pol.load_state_dict(ck["policy"])
-    vn.load_state_dict(ck["value"])
-    rms = trpo.RunningMeanStd(obs_dim)
-    rms.load_state_dict({k: v.numpy() if torch.is_tensor(v) else v for k, v in ck["obs_rms"].items()})
-    envs = _halfcheetah_envs(trpo)
-    raw, _ = envs.reset(seed=5)
-    rms.update(raw)
-    torch.manual_seed(5)
-    obs_buf, next_obs_buf, _, rewards, terms, dones = _mlp_batch(pol, envs, rms, rms.normalize(raw), a.steps_per_env)
-    envs.close()
-    T, N, _ = obs_buf.shape
-    with torch.no_grad():
-        values = vn(torch.from_numpy(obs_buf.reshape(-1, obs_dim)).double()).numpy().reshape(T, N)
-        next_values = vn(torch.from_numpy(next_obs_buf.reshape(-1, obs_dim)).double()).numpy().reshape(T, N)
-    _, ret = trpo.compute_gae(rewards, values, next_values, terms, dones, ck_args["gamma"], ck_args["gae_lambda"])
-    fits = {}
-    for dt in (torch.float64, torch.float32):
-        v = copy.deepcopy(vn).to(dt)
-        obs, tg = torch.from_numpy(obs_buf.reshape(-1, obs_dim)).to(dt), torch.from_numpy(ret.reshape(-1)).to(dt)
-        with torch.no_grad():
-            mse_before = float((v(obs) - tg).pow(2).mean())
-        trpo.fit_value_lbfgs(copy.deepcopy(v), obs[:100], tg[:100], ck_args["l2_reg"], 2)  # warm-up, untimed
-        with _CountLBFGS() as lbfgs:
-            t0 = time.perf_counter()
-            mse_after = trpo.fit_value_lbfgs(v, obs, tg, ck_args["l2_reg"], ck_args["vf_iters"])
-            seconds = time.perf_counter() - t0
-        with torch.no_grad():
-            ev = 1 - float((v(obs) - tg).double().var() / tg.double().var())
-        fits[str(dt).removeprefix("torch.")] = f = {"mse_before": mse_before, "mse_after": mse_after,
-                                                    "evaluations": lbfgs.count, "explained_variance": ev,
-                                                    "seconds": seconds}
-        print(f"{dt}: MSE {mse_before:.2f} -> {mse_after:.2f}, {lbfgs.count} objective evaluations, explained "
-              f"variance {ev:.4f}, {seconds:.2f} s", flush=True)
-    return {"checkpoint": made.replace(tmp + os.sep, "<tmp>/"), "checkpoint_seconds": train_seconds,
-            "batch": T * N, "returns_mean": float(ret.mean()), "returns_std": float(ret.std()), "fits": fits}
-
-
-KINDS = {"trpo": trpo, "gpt2ppo": gpt2ppo, "icpi": icpi, "trpo-profile": trpo_profile, "trpo-fvp": trpo_fvp,
-         "trpo-value-dtype": trpo_value_dtype}
+# (kinds trpo-fvp and trpo-value-dtype measured options the script no longer has: their stored entries still render)
+KINDS = {"trpo": trpo, "gpt2ppo": gpt2ppo, "icpi": icpi, "trpo-profile": trpo_profile}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -896,10 +720,3 @@ def render(entries: list[dict], mid: dict) -> list[str]:
                              f"{len(r['charts/step_accepted'])} | {_fmt(r['max_allocated_gib'], 1)} |")
         lines.append("")
     return lines
-
-
-if __name__ == "__main__":  # the child process of kind trpo-fvp (one configuration per process)
-    if len(sys.argv) == 3 and sys.argv[1] == "--fvp-child":
-        print(json.dumps(_fvp_child(json.loads(sys.argv[2]))))
-    else:
-        sys.exit("bench_speed.py is run by benchmark/run.py (--mode speed); alone it only runs a trpo-fvp child")

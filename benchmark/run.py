@@ -200,6 +200,7 @@ SETTINGS: list[S] = [
     S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "mlp-eval", 1_000_000, (1, 2, 3),
       ("--policy", "mlp", "--save-model", "--eval-episodes", "10"), refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False,
       tag="eval/episodic_return", last_n=10),
+    # --mlp-dtype has since been removed from the script (float32 learned worse): this entry records how the row was made
     S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "mlp-float32-eval", 1_000_000, (1, 2, 3),
       ("--policy", "mlp", "--mlp-dtype", "float32", "--save-model", "--eval-episodes", "10"),
       refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False, tag="eval/episodic_return", last_n=10),
@@ -373,16 +374,13 @@ THROUGHPUT: list[Peer] = [
     # 64x64 tanh, obs normalisation, one thread); 150k steps = 10 updates per timed run
     Peer("trpo_gpt2_halfcheetah", "HalfCheetah-v5", ("--policy", "mlp"), "benchmark/sb3_trpo_halfcheetah.py",
          ("--hyperparams", "same"), "SB3-contrib 2.9.2 TRPO, same settings", name="mlp", steps=150_000),
-    Peer("trpo_gpt2_halfcheetah", "HalfCheetah-v5", ("--policy", "mlp", "--mlp-dtype", "float32"),
-         "benchmark/sb3_trpo_halfcheetah.py", ("--hyperparams", "same"), "SB3-contrib 2.9.2 TRPO, same settings",
-         name="mlp-float32-eval", steps=150_000),
 ]
 
 
 @dataclass(frozen=True)
 class Speed:
-    """Speed mode: one measurement of a kind in bench_speed.py (trpo, gpt2ppo, icpi, trpo-profile, trpo-fvp,
-    trpo-value-dtype), with that kind's flags."""
+    """Speed mode: one measurement of a kind in bench_speed.py (trpo, gpt2ppo, icpi, trpo-profile), with that kind's
+    flags."""
 
     name: str
     kind: str
@@ -402,28 +400,11 @@ SPEED: list[Speed] = [
           "SmolLM2-135M, float32 on the CPU"),
     Speed("icpi-bf16", "icpi", ("--steps", "3", "--modes", "original,ours,ours-episode-order", "--dtype", "bfloat16"),
           "SmolLM2-135M, bfloat16 weights on the CPU"),
-    # issue 17: one 15000-step MLP update, the script before issue 17 (759e27f) against now (float64, float32)
-    Speed("trpo-profile", "trpo-profile", ("--before", "759e27f", "--after-flags", "mlp_dtype=float32", "--repeats",
-                                           "3"), "one MLP update split, before/after issue 17; rollout vs raw env"),
-    # issue 12: one trpo_step of 2 pretrained SmolLM2 blocks, Gauss-Newton vs double-backward Fisher-vector products
-    Speed("trpo-fvp", "trpo-fvp", ("--llm", "smollm2", "--layers", "2", "--batch", "3000", "--fvp-subsample", "5",
-                                   "--repeats", "2", "--configs",
-                                   "double-backward:eager,gauss-newton:eager,gauss-newton:sdpa"),
-          "SmolLM2-135M first 2 blocks, one state token"),
-    Speed("trpo-fvp-instruction", "trpo-fvp",
-          ("--llm", "smollm2", "--layers", "2", "--batch", "1000", "--fvp-subsample", "1", "--instruction",
-           "run forward as fast as possible", "--repeats", "1", "--configs",
-           "double-backward:eager,gauss-newton:eager"),
-          "SmolLM2-135M first 2 blocks, 8-token instruction prefix (token embeddings trained)"),
-    # issue 17: is the L-BFGS value fit worse in float32? On a checkpoint trained by the kind itself (150k steps), and
-    # on the 1M-step mlp-eval seed-1 checkpoint (needs that harness run folder: `--scripts trpo_gpt2_halfcheetah
-    # --settings mlp-eval --seeds 1` first, once the store merges a subset of seeds into the stored row; its stored
-    # result is imported from the lab tool until then)
-    Speed("trpo-value-dtype", "trpo-value-dtype", ("--train-steps", "150000", "--seed", "1"),
-          "value fit float64 vs float32, checkpoint trained for 150k steps by the measurement"),
-    Speed("trpo-value-dtype-1m", "trpo-value-dtype",
-          ("--checkpoint", "benchmark/out/runs/trpo_gpt2_halfcheetah__HalfCheetah-v5__mlp-eval__1000000__seed1"),
-          "value fit float64 vs float32, the 1M-step mlp-eval seed-1 checkpoint"),
+    # issue 17: one 15000-step MLP update, the script before issue 17 (759e27f) against now
+    Speed("trpo-profile", "trpo-profile", ("--before", "759e27f", "--after-flags", "", "--repeats", "3"),
+          "one MLP update split, before/after issue 17; rollout vs raw env"),
+    # (trpo-fvp, trpo-fvp-instruction, trpo-value-dtype, trpo-value-dtype-1m: stored entries of options the script
+    # no longer has, --fvp-impl and --value-dtype; they still render from the store)
 ]
 
 # ----------------------------------------------------------------------------------------------

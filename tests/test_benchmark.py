@@ -448,11 +448,10 @@ def test_a_merge_averages_wall_time_over_exactly_the_merged_seeds(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# The TRPO speed kinds (trpo-profile, trpo-fvp, trpo-value-dtype), at tiny sizes
+# The TRPO speed kind trpo-profile, at tiny sizes
 # ----------------------------------------------------------------------------------------------
 
-TRPO_LAB = {"trpo-profile": "trpo_profile_args", "trpo-fvp": "trpo_fvp_args",
-            "trpo-value-dtype": "trpo_value_dtype_args"}
+TRPO_LAB = {"trpo-profile": "trpo_profile_args"}
 
 
 def test_a_run_resumed_from_the_completion_cache_is_marked(tmp_path):
@@ -500,8 +499,7 @@ def test_a_run_resumed_from_the_completion_cache_is_marked(tmp_path):
 
 def test_trpo_lab_speed_entries_parse_with_their_kinds_flags():
     entries = [e for e in bench.SPEED if e.kind in TRPO_LAB]
-    assert {e.name for e in entries} == {"trpo-profile", "trpo-fvp", "trpo-fvp-instruction", "trpo-value-dtype",
-                                         "trpo-value-dtype-1m"}
+    assert {e.name for e in entries} == {"trpo-profile"}
     for e in entries:
         assert e.kind in bench.speed.KINDS
         getattr(bench.speed, TRPO_LAB[e.kind])(list(e.flags))  # argparse exits on an unknown or malformed flag
@@ -520,12 +518,12 @@ def _measure(tmp_path, monkeypatch, entry):
 
 
 def test_speed_kind_trpo_profile_tiny(tmp_path, monkeypatch):
-    # HEAD's script against the working tree (git show), plus float32; 30 x 10 steps, one round
+    # HEAD's script against the working tree (git show); 30 x 10 steps, one round
     entry = bench.Speed("tiny-profile", "trpo-profile", ("--before", "HEAD", "--repeats", "1", "--steps-per-env", "30",
                                                         "--rollout-steps", "30"))
     stored, text = _measure(tmp_path, monkeypatch, entry)
     d = stored["data"]
-    assert list(d["updates"]) == ["before", "after", "after mlp_dtype=float32"] and d["batch"] == 300
+    assert list(d["updates"]) == ["before", "after"] and d["batch"] == 300
     for runs in d["updates"].values():
         (r,) = runs
         assert set(r) == {"value_fit", "gradient", "cg", "line_search", "update_total", "lbfgs_evaluations", "kl"}
@@ -535,37 +533,6 @@ def test_speed_kind_trpo_profile_tiny(tmp_path, monkeypatch):
     assert s["speedup"]["before"] == 1.0 and s["rollout"]["raw_steps_per_s"] > 0 and s["rollout"]["script_s"] > 0
     assert "### tiny-profile (trpo-profile; machine M" in text and "| part | before (HEAD) | after |" in text
     assert "| update_total |" in text and "Rollout of 300 steps" in text
-
-
-def test_speed_kind_trpo_fvp_tiny(tmp_path, monkeypatch, tiny_gpt2_dir):
-    # one trpo_step per fresh process on the tiny GPT-2, both products: same KL, positive time and memory
-    entry = bench.Speed("tiny-fvp", "trpo-fvp", ("--llm", tiny_gpt2_dir, "--batch", "40", "--fvp-subsample", "1",
-                                                "--repeats", "1", "--configs",
-                                                "double-backward:eager,gauss-newton:eager"))
-    stored, text = _measure(tmp_path, monkeypatch, entry)
-    runs = stored["data"]["runs"]
-    assert list(runs) == ["double-backward:eager", "gauss-newton:eager"]
-    (db,), (gn,) = runs.values()
-    for r in (db, gn):
-        assert r["seconds"] > 0 and r["cg_seconds"] > 0 and r["peak_extra_mib"] >= 0 and r["trained_params"] > 0
-    assert gn["kl"] == pytest.approx(db["kl"], rel=1e-4)
-    s = bench.speed.summary(stored)
-    assert s["double-backward:eager"]["time_saved_pct"] == 0
-    assert "### tiny-fvp (trpo-fvp; machine M" in text and "| `gauss-newton:eager` |" in text
-
-
-def test_speed_kind_trpo_value_dtype_tiny(tmp_path, monkeypatch):
-    # a checkpoint trained by the kind (1000 steps), refitted in float64 and float32
-    entry = bench.Speed("tiny-value", "trpo-value-dtype", ("--train-steps", "1000", "--steps-per-env", "30"))
-    stored, text = _measure(tmp_path, monkeypatch, entry)
-    d = stored["data"]
-    assert d["checkpoint"].startswith("trained here: python trpo_gpt2_halfcheetah.py --policy mlp "
-                                      "--total-timesteps 1000 ")
-    assert d["batch"] == 300 and list(d["fits"]) == ["float64", "float32"]
-    for f in d["fits"].values():
-        assert f["mse_after"] < f["mse_before"] and f["evaluations"] > 0 and f["seconds"] > 0
-        assert f["mse_after"] == pytest.approx(d["fits"]["float64"]["mse_after"], rel=1e-2)
-    assert "### tiny-value (trpo-value-dtype; machine M" in text and "| float32 |" in text
 
 
 def test_imported_value_dtype_row_renders():

