@@ -471,17 +471,18 @@ def test_each_corruption_of_the_issue_is_caught(corrupt):
 
 def test_the_checker_reads_tables_and_prose_as_documented():
     r = stored("mlp-eval", "HalfCheetah-v5", 1000000)
-    good = ("| policy | setting | steps | evaluation, mean ± std | evaluation per seed | seeds | machine |\n"
-            "|---|---|---|---|---|---|---|\n"
-            f"| `--policy mlp` | `mlp-eval` | 1,000,000 | {fmt(r['mean'])} ± {fmt(r['std'])} | "
+    good = ("| policy | setting | env | steps | evaluation, mean ± std | evaluation per seed | seeds | machine |\n"
+            "|---|---|---|---|---|---|---|---|\n"
+            f"| `--policy mlp` | `mlp-eval` | HalfCheetah-v5 | 1,000,000 | {fmt(r['mean'])} ± {fmt(r['std'])} | "
             + ", ".join(fmt(r["per_seed"][str(s)]) for s in r["seeds"]) + " | 1, 2, 3 | Intel Xeon |\n"
-            "| published: SB3-contrib | | | 1803 ± 46 | | | |\n\n"
+            "| published: SB3-contrib | | | | 1803 ± 46 | | | |\n\n"
             f"The MLP (`mlp-eval`) reaches {fmt(r['mean'])} in evaluation.\n")
     assert check_text(good) == ([], 5)
     bad = {"wrong machine": good.replace("Intel Xeon", "AMD EPYC"),
            "wrong seeds": good.replace("| 1, 2, 3 |", "| 1, 2, 543 |"),
            "foreign flag": good.replace("`--policy mlp`", "`--policy gpt2`"),
            "no steps": good.replace("| 1,000,000 |", "| |"),
+           "no env where two stored rows share setting and steps": good.replace("| HalfCheetah-v5 |", "| |"),
            "wrong reference": good.replace("1803 ± 46", "1803 ± 45"),
            "unnamed result": good + "\nIt reached 2533.11 ± 337.40 here.\n",
            "extra number": good.replace(" in evaluation.", " in evaluation (2600.1)."),
