@@ -96,6 +96,28 @@ def same_numbers(script: str, *flags: str, tmp_path, ignore: tuple[str, ...] = U
     return folders[0], folders[1]
 
 
+def explicit_fisher(policy, params, obs):
+    """A Gaussian policy's Fisher matrix, explicitly: (1/m) sum_i J_i^T diag(1/sigma^2) J_i for the mean
+    parameters (J_i the Jacobian of the mean at obs i), 2 I for the log-std; in the order of `params`."""
+    import torch
+
+    names = {id(p): n for n, p in policy.named_parameters()}
+    sizes = [p.numel() for p in params]
+
+    def mean_of(flat):
+        tensors = {names[id(p)]: t.view_as(p) for p, t in zip(params, torch.split(flat, sizes))}
+        return torch.func.functional_call(policy, tensors, (obs,), strict=False)
+
+    J = torch.autograd.functional.jacobian(mean_of, torch.cat([p.detach().reshape(-1) for p in params]))
+    F = torch.einsum("map,a,maq->pq", J, torch.exp(-2 * policy.action_log_std.detach())[0], J) / obs.shape[0]
+    i = 0
+    for p, n in zip(params, sizes):
+        if p is policy.action_log_std:
+            F[i:i + n, i:i + n] += 2 * torch.eye(n, dtype=F.dtype)
+        i += n
+    return F
+
+
 @pytest.fixture
 def workdir(tmp_path):
     return str(tmp_path)
@@ -156,14 +178,17 @@ class FixedTextModel:
         return [None if self.text is None else (self.text, 1) for _ in reqs]
 
 
-def post_handler(body):
-    """A handler class for http.server that answers every POST with the bytes `body(request_body)`."""
+def post_handler(body, status: int = 200, headers=()):
+    """A handler class for http.server that answers every POST with the bytes `body(request_body)`, the HTTP
+    `status` and the extra `headers` ((name, value) pairs)."""
     from http.server import BaseHTTPRequestHandler
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             data = body(self.rfile.read(int(self.headers["Content-Length"])))
-            self.send_response(200)
+            self.send_response(status)
+            for k, v in headers:
+                self.send_header(k, v)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)

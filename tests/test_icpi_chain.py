@@ -568,19 +568,7 @@ def test_same_numbers_as_before_the_redesign(tmp_path, flags):
 
 def _replying(status=200, body=b'{"choices": [{"text": "assert done"}]}', headers=()):
     """A handler class answering every POST with `status`, `body` and `headers`."""
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(status)
-            for k, v in headers:
-                self.send_header(k, v)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a):
-            pass
-    return Handler
+    return post_handler(lambda _: body, status, headers)
 
 
 _NO_CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is there")

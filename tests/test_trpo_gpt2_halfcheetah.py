@@ -10,7 +10,7 @@ import torch
 import tyro
 
 import trpo_gpt2_halfcheetah as trpo
-from conftest import ROOT, only_run_dir, read_scalars, run_script, same_numbers
+from conftest import ROOT, explicit_fisher, only_run_dir, read_scalars, run_script, same_numbers
 
 SCRIPT = "trpo_gpt2_halfcheetah.py"
 
@@ -52,25 +52,6 @@ def test_conjugate_gradient_solves_spd_system():
     assert (A @ trpo.conjugate_gradient(lambda v: A @ v, b, nsteps=2) - b).norm() > 1e-3  # the cap is respected
 
 
-def _explicit_fisher(policy, params, obs):
-    """(1/m) sum_i J_i^T diag(1/sigma^2) J_i for the mean parameters, 2 I for the log-std, in the order of params."""
-    names = {id(p): n for n, p in policy.named_parameters()}
-    sizes = [p.numel() for p in params]
-
-    def mean_of(flat):
-        tensors = {names[id(p)]: t.view_as(p) for p, t in zip(params, torch.split(flat, sizes))}
-        return torch.func.functional_call(policy, tensors, (obs,), strict=False)
-
-    J = torch.autograd.functional.jacobian(mean_of, trpo.flat_params(params))  # (m, act, n)
-    F = torch.einsum("map,a,maq->pq", J, torch.exp(-2 * policy.action_log_std.detach())[0], J) / obs.shape[0]
-    i = 0
-    for p, n in zip(params, sizes):
-        if p is policy.action_log_std:
-            F[i:i + n, i:i + n] += 2 * torch.eye(n, dtype=F.dtype)
-        i += n
-    return F
-
-
 def _mlp_policy(obs_dim=3, act_dim=2, hidden=4, seed=0):
     torch.manual_seed(seed)
     policy = trpo.MLPPolicy(obs_dim, act_dim, hidden=hidden).double()
@@ -87,7 +68,7 @@ def test_mlp_closed_form_fvp_equals_explicit_fisher_and_gauss_newton():
     obs = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     fvp = trpo.make_mlp_fvp(policy, params, [obs[:4], obs[4:]], 6, damping=0.1)  # two chunks
     gn = trpo.make_gauss_newton_fvp(policy, params, [{"obs": obs}], 6, damping=0.1)
-    F = _explicit_fisher(policy, params, obs)
+    F = explicit_fisher(policy, params, obs)
     for seed in range(3):
         v = torch.randn(F.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
         assert torch.allclose(fvp(v), F @ v + 0.1 * v, atol=1e-10)
@@ -217,26 +198,6 @@ def test_finetune_blocks_trains_only_last_blocks_and_head(tiny_gpt2_dir, blocks)
     # all blocks (-1) with the embed encoding and no instruction: everything but the unused token embeddings
     policy = trpo.build_policy(trpo.Args(llm=tiny_gpt2_dir), 3, 2)
     assert {n for n, p in policy.named_parameters() if not p.requires_grad} == {"transformer.wte.weight"}
-
-
-def test_gauss_newton_fvp_equals_explicit_fisher_on_tiny_gpt2(tiny_gpt2_dir):
-    torch.manual_seed(0)
-    args = trpo.Args(llm=tiny_gpt2_dir, llm_init="random", llm_layers=1, llm_embd=8, llm_heads=2, hidden_size=4,
-                     instruction="run forward")
-    policy = trpo.build_policy(args, 3, 2).double()
-    with torch.no_grad():
-        policy.action_log_std.copy_(torch.tensor([[0.3, -0.2]]))
-        policy.action_mean.weight.mul_(10.0)  # a mean that depends on the state
-    params = [p for p in policy.parameters() if p.requires_grad]
-    obs = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    enc = policy.encode(obs)
-    gn = trpo.make_gauss_newton_fvp(policy, params, [trpo.subset(enc, slice(0, 3)), trpo.subset(enc, slice(3, 5))],
-                                    5, 0.1)  # two chunks
-    F = _explicit_fisher(policy, params, obs)
-    for seed in range(2):
-        v = torch.randn(F.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-        b = gn(v)
-        assert torch.allclose(b, F @ v + 0.1 * v, rtol=1e-9, atol=1e-9 * float(b.abs().max()))
 
 
 # ------------------------------------------------------------------------------------------------
