@@ -257,11 +257,12 @@ SETTINGS: list[S] = [
     S("gpt2ppo_lunar", "Acrobot-v1", "gpt2-stride64", 1_000_000, GPT2PPO_SEEDS, STRIDE64, refs=(ZOO_ACRO,)),
     S("gpt2ppo_lunar", "Acrobot-v1", "gpt2-stride64-dropout0.1", 1_000_000, GPT2PPO_SEEDS,
       STRIDE64 + ("--dropout", "0.1"), refs=(ZOO_ACRO,)),
-    # BipedalWalker-v3, the seed's third environment (continuous actions): 1M steps, the deterministic evaluation of the
-    # final actor (10 episodes) as the number, and the mean of the last 100 training episodes beside it
-    *[S("gpt2ppo_lunar", "BipedalWalker-v3", name, 1_000_000, GPT2PPO_SEEDS, flags + EVAL10,
+    # BipedalWalker-v3, the seed's third environment (continuous actions): 1M steps and Table I's budget, the
+    # deterministic evaluation of the final actor (10 episodes) as the number, the last 100 training episodes beside it
+    *[S("gpt2ppo_lunar", "BipedalWalker-v3", name, steps, GPT2PPO_SEEDS, flags + EVAL10,
         refs=(SEED2_BIPEDAL_PPO if name.startswith("mlp") else SEED2_BIPEDAL_GPT, ZOO_BIPEDAL),
         quick=False, tag="eval/episodic_return", last_n=10, train_last_n=100)
+      for steps in (1_000_000, GPT2PPO_EPOCHS)
       for name, flags in (("mlp-eval", ("--critic", "mlp")), ("gpt2-stride64-eval", STRIDE64),
                           ("gpt2-stride64-dropout0.1-eval", STRIDE64 + ("--dropout", "0.1")))],
     # issue 15: Table I's "5 training steps per epoch" as 5 shuffled passes (the default) against the authors'
