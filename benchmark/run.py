@@ -227,6 +227,16 @@ SETTINGS: list[S] = [
     S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "i12-smollm2-2blocks-random-150k-eval", 150_000, (543, 1, 2),
       SMOLLM2_TRPO + ("--llm-init", "random", "--save-model", "--eval-episodes", "10"), quick=False,
       tag="eval/episodic_return", last_n=10),
+    # Does language pretraining help the policy? 1M steps, seeds 1 2 3, deterministic evaluation, every row meant for
+    # one machine type (the row records its machines): the MLP, the small random GPT-2, SmolLM2-135M cut to its first
+    # 2 blocks (pretrained), the same architecture at random initialisation (GLAM's control), and the pretrained
+    # blocks frozen (FPT's idea; here the final layer norm is frozen too: projection, head and log-std train)
+    *[S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", f"pretraining-{name}-eval", 1_000_000, (1, 2, 3), flags + EVAL10,
+        refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False, tag="eval/episodic_return", last_n=10)
+      for name, flags in (("mlp", ("--policy", "mlp")), ("gpt2-2x128-random", TRPO_2X128),
+                          ("smollm2-2blocks-pretrained", SMOLLM2_TRPO),
+                          ("smollm2-2blocks-random", SMOLLM2_TRPO + ("--llm-init", "random")),
+                          ("smollm2-2blocks-frozen", SMOLLM2_TRPO + ("--finetune-blocks", "0")))],
     S("sb3_trpo_halfcheetah", "HalfCheetah-v5", "sb3-same-settings-eval", 1_000_000, (1, 2, 3),
       ("--hyperparams", "same", "--eval-episodes", "10"), refs=(SB3_TRPO_HC, ZOO_TRPO_HC), quick=False,
       tag="eval/episodic_return", last_n=10),
