@@ -91,8 +91,62 @@ def metric_text(r: dict) -> str:
     return f"mean of the last {r['last_n']} episodes"
 
 
-def render(data: dict, order: list[tuple]) -> str:
-    """results.md: learning rows (in registry order), then throughput, speed and GPU tables."""
+def t_quantile(p: float, df: float) -> float:
+    """The p-quantile (p > 0.5) of Student's t with `df` degrees of freedom (any real df > 0): its density
+    integrated numerically (trapezoid, 200001 points on [0, 60]), then the quantile found by bisection."""
+    import math
+
+    import numpy as np
+
+    x = np.linspace(0.0, 60.0, 200_001)
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    dens = np.exp(log_c - (df + 1) / 2 * np.log1p(x * x / df))
+    cdf = 0.5 + np.concatenate([[0.0], np.cumsum((dens[1:] + dens[:-1]) / 2 * np.diff(x))])
+    return float(np.interp(p, cdf, x))
+
+
+def welch(a: list[float], b: list[float], level: float = 0.95) -> dict:
+    """mean(a) - mean(b) with Welch's t confidence interval (sample variances, ddof=1; Welch-Satterthwaite
+    degrees of freedom), and the seeds per side that a two-sided test at 5% with 80% power would need for a
+    difference of this size at the pooled spread (normal approximation, 2 (1.96 + 0.84)^2 s^2 / d^2)."""
+    import statistics
+
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff, se = statistics.fmean(a) - statistics.fmean(b), (va + vb) ** 0.5
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if se > 0 else float("inf")
+    half = (t_quantile(0.5 + level / 2, df) if df < 1e6 else 1.959964) * se
+    pooled = (statistics.variance(a) + statistics.variance(b)) / 2
+    needed = 2 * (1.959964 + 0.841621) ** 2 * pooled / diff ** 2 if diff else float("inf")
+    return {"diff": diff, "low": diff - half, "high": diff + half, "df": df, "seeds_needed": needed}
+
+
+def contrast_lines(rows: list[dict], contrasts: list[tuple]) -> list[str]:
+    """## Differences: for each (label, script, env, steps, setting a, setting b) whose two rows are stored with at
+    least 2 seeds each, a minus b on the rows' metric with Welch's 95% interval, and the machines of both."""
+    by_key = {(r["script"], r["env"], r["steps"], r["setting"]): r for r in rows}
+    lines = []
+    for label, script, env, steps, a, b in contrasts:
+        ra, rb = by_key.get((script, env, steps, a)), by_key.get((script, env, steps, b))
+        if not ra or not rb or min(len(ra["per_seed"]), len(rb["per_seed"])) < 2:
+            continue
+        w = welch(list(ra["per_seed"].values()), list(rb["per_seed"].values()))
+        same = ra["machine"] == rb["machine"] and " / " not in ra["machine"]
+        lines.append(f"| {label} | `{a}` minus `{b}` | {env}, {steps:,} | {len(ra['per_seed'])} vs {len(rb['per_seed'])}"
+                     f" | {fmt(w['diff'])} | [{fmt(w['low'])}, {fmt(w['high'])}] | {fmt(w['df'], 1)} | "
+                     f"{fmt(w['seeds_needed'], 0)} | {ra['machine'] if same else 'differ: ' + ra['machine'] + ' vs ' + rb['machine']} |")
+    if not lines:
+        return []
+    return ["", "## Differences between settings (Welch's t, 95% interval)", "",
+            "On each row's metric (per-seed numbers of the table above). Seeds needed: per side, for a two-sided "
+            "test at 5% with 80% power to detect a difference of the observed size at the pooled per-seed spread "
+            "(normal approximation).", "",
+            "| question | difference | env, steps | seeds | difference | 95% interval | df | seeds needed | machine |",
+            "|---|---|---|---|---|---|---|---|---|"] + lines
+
+
+def render(data: dict, order: list[tuple], contrasts: Optional[list[tuple]] = None) -> str:
+    """results.md: learning rows (in registry order), differences between settings, then throughput, speed and GPU
+    tables."""
     def pos(r):
         k = (r["script"], r["env"], r["setting"])
         return (order.index(k) if k in order else len(order), r["script"], r["env"], r["setting"], r["steps"])
@@ -174,6 +228,7 @@ def render(data: dict, order: list[tuple]) -> str:
                      f"each seed ran `{'`, `'.join(r['run_commands'])}` ({'; '.join(r.get('code', []))}).")
         text += f" File: `{r['_file']}`." if r.get("_file") else ""
         lines.append(text)
+    lines += contrast_lines(rows, contrasts or [])
     if data["throughput"]:
         lines += ["", "## Throughput (short runs, alternating with the peer on the same machine)", "",
                   "Ours always runs with one torch thread; the peer's threads are in the table. Rollout / update: "

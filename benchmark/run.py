@@ -334,6 +334,10 @@ def _named(*names: str):
 # the same at --q-init 0. GPT2PPO: the table's settings; the N(0, 1) timestep-embedding and context-1 variants
 # beside the MLP and the default GPT-2 critic at 307k steps; the two update schedules.
 PLOT_GROUPS = {
+    "trpo_gpt2_halfcheetah": [
+        ("", lambda row: not row["setting"].startswith("pretraining-")),
+        ("pretraining", lambda row: row["setting"].startswith("pretraining-")),
+    ],
     "icpi_chain": [
         ("", lambda row: not _llm_learner(row["setting"])),
         ("llm_oracle", _named("llm-advisor-oracle", "llm-reward-oracle", "tabular-q")),
@@ -350,6 +354,17 @@ PLOT_GROUPS = {
         ("update_schedule", lambda row: row["setting"].endswith(("-shuffled", "-authors"))),
     ],
 }
+
+
+# differences the report states with a confidence interval (bench_report.contrast_lines)
+CONTRASTS = [
+    ("does pretraining help?", "trpo_gpt2_halfcheetah", "HalfCheetah-v5", 1_000_000,
+     "pretraining-smollm2-2blocks-pretrained-eval", "pretraining-smollm2-2blocks-random-eval"),
+    ("frozen vs fine-tuned pretrained blocks", "trpo_gpt2_halfcheetah", "HalfCheetah-v5", 1_000_000,
+     "pretraining-smollm2-2blocks-frozen-eval", "pretraining-smollm2-2blocks-pretrained-eval"),
+    ("pretrained SmolLM2 vs the MLP", "trpo_gpt2_halfcheetah", "HalfCheetah-v5", 1_000_000,
+     "pretraining-smollm2-2blocks-pretrained-eval", "pretraining-mlp-eval"),
+]
 
 
 @dataclass(frozen=True)
@@ -834,7 +849,7 @@ def write_report(args: Args, registry: list[S]) -> None:
     order = [(s.script, s.env, s.name) for s in registry]
     os.makedirs(os.path.dirname(args.results_md) or ".", exist_ok=True)
     with open(args.results_md, "w") as f:
-        f.write(report.render(data, order))
+        f.write(report.render(data, order, CONTRASTS))
     print(f"wrote {args.results_md} ({len(data['rows'])} rows, {len(data['throughput'])} throughput, "
           f"{len(data['speed'])} speed entries)", flush=True)
     for path in report.plot(data["rows"], args.plots_dir, list(SCRIPTS), groups=PLOT_GROUPS):

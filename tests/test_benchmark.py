@@ -543,3 +543,48 @@ def test_imported_value_dtype_row_renders():
     text = "\n".join(bench.speed.render([e], {}))
     assert "imported: `OMP_NUM_THREADS=1 python benchmark/trpo_value_fit_dtype.py" in text
     assert "| float32 | 361.25 | 199.48 | 28 | 0.9618 | n/a |" in text
+
+
+@pytest.mark.parametrize("df", [1.0, 2.0, 3.3, 30.0])
+def test_t_quantile_against_closed_forms_and_the_cdf(df):
+    import math
+
+    p = 0.975
+    q = bench.report.t_quantile(p, df)
+    if df == 1.0:  # Cauchy: tan(pi (p - 1/2))
+        assert q == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-5)
+    elif df == 2.0:  # (2p - 1) / sqrt(2 p (1 - p))
+        assert q == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-6)
+    else:  # the CDF at q by a different route (regularised incomplete beta by series) is p
+        x = df / (df + q * q)  # P(|T| > q) = I_x(df/2, 1/2), the incomplete beta integral by the midpoint rule
+        n = 400_000
+        a, b = df / 2, 0.5
+        us = [(i + 0.5) / n * x for i in range(n)]
+        beta = math.exp(math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b))
+        tail = sum(u ** (a - 1) * (1 - u) ** (b - 1) for u in us) * x / n / beta
+        assert 1 - tail / 2 == pytest.approx(p, abs=2e-4)
+
+
+def test_welch_interval_by_hand_and_the_differences_table():
+    # a = 1 2 3 (var 1), b = 4 5 6.5 (var 19/12): se^2 = 1/3 + 19/36 = 31/36, df = (31/36)^2 / ((1/3)^2/2 + (19/36)^2/2)
+    w = bench.report.welch([1.0, 2.0, 3.0], [4.0, 5.0, 6.5])
+    df = (31 / 36) ** 2 / ((1 / 3) ** 2 / 2 + (19 / 36) ** 2 / 2)
+    assert w["diff"] == pytest.approx(-19 / 6) and w["df"] == pytest.approx(df)
+    half = bench.report.t_quantile(0.975, df) * (31 / 36) ** 0.5
+    assert (w["low"], w["high"]) == (pytest.approx(-19 / 6 - half), pytest.approx(-19 / 6 + half))
+    assert 2.7 < half / (31 / 36) ** 0.5 < 2.9  # t(0.975, 3.8) ~ 2.83
+    pooled = (1 + 19 / 12) / 2
+    w2 = bench.report.welch([1.0, 2.0, 3.0], [4.0, 6.0])  # unequal sizes: se^2 = 1/3 + 2/2
+    assert w2["df"] == pytest.approx((4 / 3) ** 2 / ((1 / 3) ** 2 / 2 + 1 ** 2 / 1))
+    assert w["seeds_needed"] == pytest.approx(2 * (1.959964 + 0.841621) ** 2 * pooled / (19 / 6) ** 2)
+
+    def row(setting, per_seed, machine="M"):
+        return {"script": "s", "env": "E", "steps": 10, "setting": setting, "machine": machine,
+                "per_seed": {str(i): v for i, v in enumerate(per_seed)}}
+
+    contrasts = [("q", "s", "E", 10, "a", "b")]
+    lines = bench.report.contrast_lines([row("a", [1, 2, 3]), row("b", [4, 5, 6.5])], contrasts)
+    assert any("| q | `a` minus `b` | E, 10 | 3 vs 3 | -3.17 |" in x and x.endswith("| M |") for x in lines)
+    lines = bench.report.contrast_lines([row("a", [1, 2, 3]), row("b", [4, 5, 6.5], "N")], contrasts)
+    assert "differ: M vs N" in lines[-1]
+    assert bench.report.contrast_lines([row("a", [1, 2, 3]), row("b", [4])], contrasts) == []  # one seed: no interval
