@@ -126,7 +126,9 @@ def _trpo_update_split(flags: list[str], cwd: str) -> dict:
 
 def trpo(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="--mode speed (kind trpo)")
-    ap.add_argument("--part", choices=["rollout", "update"], required=True)
+    ap.add_argument("--part", choices=["rollout", "update", "frozen"], required=True,
+                    help="frozen: SmolLM2 (2 blocks) fine-tuned vs its blocks frozen (--finetune-blocks 0), alternating")
+    ap.add_argument("--repeats", type=int, default=2, help="--part frozen: runs of each, in turn")
     ap.add_argument("--quick", action="store_true", help="fewer steps and smaller runs (tests the measurement)")
     ap.add_argument("--skip-gpt2-small-update", action="store_true")
     a = ap.parse_args(argv)
@@ -154,6 +156,22 @@ def trpo(argv: list[str]) -> dict:
             print(f"rollout {name:28s} {r['tokens']:3d} tokens {r['env_steps_per_s']:8.1f} env steps/s "
                   f"{r['rollout_ms_per_step']:8.1f} ms/step vs bare forward {r['bare_forward_ms']:8.1f} ms, "
                   f"overhead {100 * r['overhead']:.0f}%", flush=True)
+    elif a.part == "frozen":  # seconds per update (3 updates of 3000 steps, the first skipped), alternating
+        base = ["--llm", "smollm2", "--llm-layers", "2", "--fvp-subsample", "5", "--batch-size", "3000",
+                "--total-timesteps", "9000" if not a.quick else "600"] + (["--batch-size", "200"] if a.quick else [])
+        for r in range(a.repeats):
+            for name, extra in (("fine-tuned", []), ("frozen", ["--finetune-blocks", "0"])):
+                cwd = os.path.join(tmp, f"{name}{r}")
+                os.makedirs(cwd)
+                u = _trpo_update_split(base + extra, cwd)
+                out.setdefault("frozen", {}).setdefault(name, []).append(u)
+                print(f"{name} (repeat {r + 1}): update {u['update_seconds']:.2f}s (value {u['value_fit_seconds']:.2f}s "
+                      f"grad {u['grad_seconds']:.2f}s cg {u['cg_seconds']:.2f}s line search "
+                      f"{u['line_search_seconds']:.2f}s), rollout {u['rollout_seconds']:.2f}s", flush=True)
+        med = {k: statistics.median(u["update_seconds"] for u in v) for k, v in out["frozen"].items()}
+        out["frozen_over_finetuned"] = med["frozen"] / med["fine-tuned"]
+        print(f"median update: fine-tuned {med['fine-tuned']:.2f}s, frozen {med['frozen']:.2f}s "
+              f"(ratio {out['frozen_over_finetuned']:.2f})", flush=True)
     else:
         runs = [("mlp, batch 15000", ["--policy", "mlp", "--total-timesteps", "30000"]),
                 ("gpt2-2x128 embed one, batch 2000", ["--llm", small_dir, "--batch-size", "2000",
@@ -668,6 +686,19 @@ def render(entries: list[dict], mid: dict) -> list[str]:
                 lines += [f"| {n} | {u['value_fit_seconds']:.2f} | {u['grad_seconds']:.2f} | {u['cg_seconds']:.2f} | "
                           f"{u['line_search_seconds']:.2f} | {', '.join(map(str, u['kl']))} |"
                           for n, u in d["update"].items()]
+            if d.get("frozen"):
+                lines += ["SmolLM2-135M-Instruct's first 2 blocks as the policy, `--fvp-subsample 5`, 3 updates of 3000 "
+                          "HalfCheetah-v5 steps per run (the first skipped), value fit in line, the two runs "
+                          "alternating; seconds per update:", "",
+                          "| configuration | update (each run) | median | value fit | surrogate grad | CG | line search "
+                          "| rollout |", "|---|---|---|---|---|---|---|---|"]
+                for n, us in d["frozen"].items():
+                    m = lambda k: statistics.median(u[k] for u in us)  # noqa: E731
+                    each = ", ".join(f"{u['update_seconds']:.2f}" for u in us)
+                    lines.append(f"| {n} | {each} | "
+                                 f"{m('update_seconds'):.2f} | {m('value_fit_seconds'):.2f} | {m('grad_seconds'):.2f} | "
+                                 f"{m('cg_seconds'):.2f} | {m('line_search_seconds'):.2f} | {m('rollout_seconds'):.2f} |")
+                lines += ["", f"Frozen over fine-tuned (median update): {d['frozen_over_finetuned']:.2f}."]
         elif e["kind"] == "trpo-profile":
             names = list(s["update"])
             rev = d.get("before_rev")

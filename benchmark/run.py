@@ -417,6 +417,8 @@ class Speed:
 SPEED: list[Speed] = [
     Speed("trpo-rollout", "trpo", ("--part", "rollout"), "policy step vs bare GPT-2 forward, HalfCheetah-v5"),
     Speed("trpo-update", "trpo", ("--part", "update"), "seconds per TRPO update, split"),
+    Speed("trpo-frozen-blocks", "trpo", ("--part", "frozen", "--repeats", "2"),
+          "seconds per update: SmolLM2 (2 blocks) fine-tuned vs blocks frozen, alternating"),
     Speed("gpt2ppo-lunar-strided", "gpt2ppo", ("--epochs", "3", "--repeats", "2", "--configs", "mlp",
                                                "gpt2 --value-stride 64", "gpt2 --value-stride 64 --dropout 0.0")),
     Speed("gpt2ppo-lunar-exact", "gpt2ppo", ("--epochs", "1", "--configs", "mlp", "gpt2")),
