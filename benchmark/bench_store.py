@@ -45,6 +45,8 @@ def throughput_path(results_dir: str, t: dict) -> str:
     tag = slug(" ".join(t["flags"]) or "defaults") + f"__{t['steps']}"
     if t.get("peer_label"):
         tag += "__" + ("peer1thread" if str(t.get("peer_threads", "")).startswith("1") else "peerdefault")
+    if t.get("machine"):  # one entry per CPU model: a ratio measured on one does not replace another's
+        tag += "__" + slug(t["machine"].split("(")[0].split(",")[0].strip())
     return os.path.join(results_dir, "throughput", f"{slug(t['script'])}__{slug(t['env'])}__{tag}.json")
 
 
