@@ -140,10 +140,10 @@ def check_args(args: Args) -> None:
 
         u = urllib.parse.urlsplit(args.base_url)
         try:
-            port_ok = u.port is None or u.port > 0
-        except ValueError:
-            port_ok = False
-        if u.scheme not in ("http", "https") or not u.hostname or not port_ok:
+            ok = u.scheme in ("http", "https") and u.hostname and (u.port is None or u.port > 0)
+        except ValueError:  # a port out of range
+            ok = False
+        if not ok:
             fail(f"--base-url must be an http(s) URL with a host and a port in 1..65535, got '{args.base_url}'.")
 
 # ---------------------------------------------------------------------------------------------- env
@@ -526,8 +526,7 @@ class CompletionCache:
     TABLE, TIMEOUT = "completions", 60.0
 
     def __init__(self, path: str, model_id: str):
-        self.path, self.model_id = os.path.expanduser(path), model_id
-        self.lock = threading.Lock()
+        self.path, self.model_id, self.lock = os.path.expanduser(path), model_id, threading.Lock()
         self.written: set[str] = set()  # keys this process wrote: a hit on any other is replayed from an earlier run
         if os.path.exists(self.path) and not os.path.isfile(self.path):
             self.fail("is not a file")
@@ -535,8 +534,7 @@ class CompletionCache:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         except OSError as e:
             self.fail(f"cannot be created ({e.strerror})")
-        try:
-            # an absolute path: SQLite may read a name starting with "file:" as a URI
+        try:  # an absolute path: SQLite may read a name starting with "file:" as a URI
             self.db = sqlite3.connect(os.path.abspath(self.path), check_same_thread=False, timeout=self.TIMEOUT)
             if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
                 self.fail("is damaged: it is not a completion cache this script can use; give another --cache path")
@@ -612,7 +610,7 @@ class HFBackend:
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
         self.name = spec if self.dtype == "float32" else f"{spec}@{self.dtype}"  # the completion-cache key
-        self.max_tokens, self.prefix_cache, self._prefixes = args.max_tokens, True, {}
+        self.max_tokens, self.prefix_cache, self._prefixes = args.max_tokens, True, {}  # prefix_cache: bench_speed.py
         self.forward_tokens = 0  # token positions run through the model (benchmark/bench_speed.py)
         self.max_context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         self.count_tokens = lru_cache(maxsize=200_000)(lambda s: len(self._ids(s)))
@@ -843,10 +841,8 @@ class OpenAIBackend:
 
     def __init__(self, spec: str, args: Args):
         self.model_name, self.name, self.args = spec[len("openai:"):], spec, args
-        self.url = args.base_url.rstrip("/") + "/completions"
-        self.key = os.environ.get("OPENAI_API_KEY", "EMPTY")
-        self.malformed = 0  # replies that were not completions after all retries
-        self.lock = threading.Lock()
+        self.url, self.key = args.base_url.rstrip("/") + "/completions", os.environ.get("OPENAI_API_KEY", "EMPTY")
+        self.malformed, self.lock = 0, threading.Lock()  # replies that were not completions after all retries
 
     count_tokens = staticmethod(simple_token_count)
 
