@@ -157,7 +157,6 @@ class Domain:
     horizon = 6          # simulated steps per rollout (the original's max_q_steps)
     time_limit: Optional[int] = 8  # real episodes are truncated after this many steps (None: no limit)
     max_episode = 8      # the longest episode (for the exhaustive optimal-return search)
-    rewards: tuple[int, ...] = (0, 1)
     header = "\nstate, reward = reset()\n"  # starts every policy example and the policy query
     return_scale = 1.0   # the largest optimal return: regret / return_scale is in [0, 1]
     success_threshold = 0.0  # an episode whose gamma-discounted return exceeds this is a success
@@ -384,7 +383,6 @@ class MiniInvaders(Domain):
     max_episode = 6
     header = "\nship, aliens = reset()\n"
     width, start_y = 4, 5
-    rewards = (0, 1, 2)
     return_scale = 2.0
     success_threshold = 1.0
     stops = {"done": "\n", "reward": "()\n", "next": "\n", "policy": "\n"}
