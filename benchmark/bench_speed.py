@@ -234,12 +234,10 @@ def gpt2ppo(argv: list[str]) -> dict:
 # icpi: per real step, the original's call pattern against ours
 # ----------------------------------------------------------------------------------------------
 
-ICPI_MODES = {  # name: (batch, completion cache, prefix KV cache, scoring)
-    "original": (False, False, False, "sample"),
-    "batched-sample": (True, True, False, "sample"),
-    "ours-sample": (True, True, True, "sample"),
-    "ours": (True, True, True, "logprob"),
-    "ours-episode-order": (True, True, True, "logprob"),  # --order-seed episode: the timed steps share one buffer
+ICPI_MODES = {  # name: (batch, completion cache, prefix KV cache); all sample, as the script does
+    "original": (False, False, False),
+    "batched-sample": (True, True, False),  # whole prompts, batched and left-padded: other completions than ours
+    "ours": (True, True, True),
 }
 
 
@@ -249,7 +247,7 @@ def icpi(argv: list[str]) -> dict:
     ap.add_argument("--env", default="chain")
     ap.add_argument("--episodes", type=int, default=12, help="random episodes in the replay buffer before timing")
     ap.add_argument("--steps", type=int, default=3, help="real steps timed per mode")
-    ap.add_argument("--modes", default="original,ours,ours-episode-order", help=",".join(ICPI_MODES))
+    ap.add_argument("--modes", default="original,batched-sample,ours", help=",".join(ICPI_MODES))
     ap.add_argument("--dtype", default="auto", help="as icpi_chain.py's --dtype")
     a = ap.parse_args(argv)
     from dataclasses import replace
@@ -276,9 +274,8 @@ def icpi(argv: list[str]) -> dict:
     base = ic.Args(model=a.model, env=a.env, dtype=a.dtype)
     backend, results = None, {}
     for name in a.modes.split(","):
-        batch, use_cache, prefix, scoring = ICPI_MODES[name]
-        args = replace(base, scoring=scoring, no_cache=not use_cache,
-                       order_seed="episode" if name.endswith("episode-order") else "step")
+        batch, use_cache, prefix = ICPI_MODES[name]
+        args = replace(base, no_cache=not use_cache)
         if backend is None:
             backend = ic.make_backend(args, domain, np.random.default_rng(1))
         backend.prefix_cache, backend._prefixes = prefix, {}

@@ -243,8 +243,7 @@ def test_parse_completion_is_exact():
     assert ic.parse_completion(d, "next", "assert state == [5] and state == [4]") is None
     inv = ic.MiniInvaders()
     assert ic.parse_completion(inv, "reward", "assert reward == 2\nfor a in aliens:\n    a.descend") == 2
-    assert ic.candidates_for(inv, "reward")[1] == "assert reward == 1\nfor a in aliens:\n    a.descend"
-    assert ic.candidates_for(ic.MiniCatch(), "policy")[0] == "reward = paddle.left()"
+    assert ic.parse_completion(ic.MiniCatch(), "policy", "reward = paddle.left()") == 0  # stop: "\nball.descend()\n"
     pm = ic.PointMass()
     assert ic.parse_completion(pm, "next", "assert pos == -3.45 and vel == 1.00 and pos < -2 and vel != 0") == (-3.45, 1)
 
@@ -255,26 +254,22 @@ def test_parse_completion_is_exact():
 # ---------------------------------------------------------------- hf backend and cache
 
 
-def test_hf_scoring_batched_equals_unbatched(tiny_gpt2_dir):
+def test_hf_scores_match_a_full_forward_and_generation_stops(tiny_gpt2_dir):
     import torch
 
     args = ic.Args(model=f"hf:{tiny_gpt2_dir}", max_tokens=8)
     be = ic.HFBackend(args.model, args)
     cands = ["assert done", "assert not done"]
-    reqs = [ic.Request("assert state == 3\nstate = left()\n", 0, cands),
-            ic.Request("assert state == 4 and state == 4\nreward = try_goal(state)\n", 0, cands)]
-    batched = be.score_candidates(reqs, "\n")
-    for r, scores in zip(reqs, batched):
-        for c, (lp, n) in zip(cands, scores):
-            p = be.tok(r.prompt, add_special_tokens=False)["input_ids"]
+    prompts = ["assert state == 3\nstate = left()\n", "assert state == 4 and state == 4\nreward = try_goal(state)\n"]
+    for prompt in prompts:  # the candidates are left-padded to one width: the scores must not depend on it
+        for c, lp in zip(cands, be.score_candidates(prompt, cands)):
+            p = be.tok(prompt, add_special_tokens=False)["input_ids"]
             ci = be.tok(c + "\n", add_special_tokens=False)["input_ids"]
             with torch.no_grad():
                 logits = be.model(torch.tensor([p + ci])).logits[0]
             ref = torch.log_softmax(logits[:-1], -1)[torch.arange(len(p) - 1, len(p) + len(ci) - 1), ci].sum()
-            assert n == len(ci) and lp == pytest.approx(float(ref), abs=1e-4)
-    out = be.complete(reqs)
-    assert [o[0] for o in out] == [cands[int(np.argmax([s for s, _ in sc]))] for sc in batched]
-    gen = be.complete([ic.Request(r.prompt, 5) for r in reqs])
+            assert lp == pytest.approx(float(ref), abs=1e-4)
+    gen = be.complete([ic.Request(p, 5) for p in prompts])
     # a random tiny model may emit its end-of-text token first: then the completion is empty (0 tokens kept)
     assert len(gen) == 2 and all("\n" not in text and 0 <= n <= 8 for text, n in gen)
 
@@ -282,16 +277,15 @@ def test_hf_scoring_batched_equals_unbatched(tiny_gpt2_dir):
 def test_hf_bfloat16_scores_close_to_float32_and_keys_the_cache_apart(tiny_gpt2_dir):
     import torch
 
-    reqs = [ic.Request("assert state == 3\nstate = left()\n", 0, ["assert done", "assert not done"])]
+    prompt, cands = "assert state == 3\nstate = left()\n", ["assert done", "assert not done"]
     backends = {d: ic.HFBackend(f"hf:{tiny_gpt2_dir}", ic.Args(model=f"hf:{tiny_gpt2_dir}", dtype=d))
                 for d in ("auto", "bfloat16")}
     assert backends["auto"].dtype == "float32" and backends["auto"].model.dtype == torch.float32  # CPU default
     assert backends["bfloat16"].model.dtype == torch.bfloat16
     assert backends["auto"].name == f"hf:{tiny_gpt2_dir}"
     assert backends["bfloat16"].name == f"hf:{tiny_gpt2_dir}@bfloat16"  # never replays float32 answers
-    (s32,), (s16,) = (backends[d].score_candidates(reqs, "\n") for d in ("auto", "bfloat16"))
-    for (lp32, n32), (lp16, n16) in zip(s32, s16):
-        assert n32 == n16 and lp16 == pytest.approx(lp32, abs=0.15)  # bf16: ~3 significant digits
+    s32, s16 = (backends[d].score_candidates(prompt, cands) for d in ("auto", "bfloat16"))
+    assert s16 == pytest.approx(s32, abs=0.15)  # bf16: ~3 significant digits
 
 
 def test_missing_smollm2_wheel_is_a_clear_error(monkeypatch):
@@ -407,35 +401,15 @@ def test_hf_prefix_cache_matches_full_forward(tiny_gpt2_dir):
     be = ic.HFBackend(args.model, args)
     prefix = "assert state == 3\nstate = left()\nassert not done\n\n"
     query = "assert state == 5\nstate = right()\n"
-    cands = ["assert done", "assert not done"]
     ids = be._ids(prefix) + be._ids(query)
     with torch.no_grad():
         greedy = be.model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
                                    pad_token_id=be.tok.pad_token_id)[0, len(ids):].tolist()
     want_text = be.tok.decode(greedy, skip_special_tokens=True).split("\n")[0]
-    full = []
-    for c in cands:
-        c_ids = be._ids(c + "\n")
-        with torch.no_grad():
-            logits = be.model(torch.tensor([ids + c_ids])).logits[0]
-        full.append(float(torch.log_softmax(logits[len(ids) - 1:-1], -1)[torch.arange(len(c_ids)), c_ids].sum()))
     for _ in range(2):  # twice: the prefix KV must come back unchanged after each use
-        text, n = be.complete([ic.Request(prefix + query, 1, None, prefix, "\n", 0.0)])[0]
+        text, n = be.complete([ic.Request(prefix + query, 1, prefix, "\n", 0.0)])[0]
         assert text == want_text and n >= 1
-        choice, _ = be.complete([ic.Request(prefix + query, 1, cands, prefix)])[0]
-        assert choice == cands[int(np.argmax(full))]
     assert len(be._prefixes) == 1
-
-
-def test_order_seed_episode_keeps_prompts_within_an_episode():
-    eps = [[T((s,), a, 0, False, (s,)) for s in range(8) for a in (0, 2)] + [T((4,), 1, 1, True, (4,))]]
-    a = agent_with(ic.Chain(), eps, order_seed="episode")
-    p1 = a.build("next", {"state": (5,), "action": 2, "reward": 0}, 0)[0]
-    a.real_step, a._examples = 7, {}
-    assert a.build("next", {"state": (5,), "action": 2, "reward": 0}, 0)[0] == p1
-    a.add_episode(ic.Episode([T((2,), 2, 0, False, (3,))]))
-    a._examples = {}
-    assert a.build("next", {"state": (5,), "action": 2, "reward": 0}, 0)[0] != p1
 
 
 def test_smollm2_wheel_is_located_without_importing_it():
@@ -601,7 +575,6 @@ HOSTILE = [  # flags (SERVER: a garbage completions server's URL; CACHE, DIR: pa
     (("--model", "hf:/nonexistent"), "model folder '/nonexistent' does not exist"),
     (("--model", "hf:no-such-org/no-such-model"), "not on the hub or in its local cache"),
     (("--model", "openai:x", "--dtype", "bfloat16"), "--dtype bfloat16 applies to"),
-    (("--model", "openai:x", "--scoring", "logprob"), "needs an hf model"),
     (("--algo", "llm-reward", "--model", "matching"), "cannot judge a state"),
     (("--model", "openai:x", "--cache", "DIR"), "is not a file"),
     (("--model", "openai:x", "--cache", "DIR/junk.sqlite"), "is not a completion cache"),

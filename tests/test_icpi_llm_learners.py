@@ -146,12 +146,9 @@ class _Scorer:
     def count_tokens(self, s):
         return ic.simple_token_count(s)
 
-    def score_candidates(self, reqs, stop):
+    def score_candidates(self, prompt, cands):
         self.calls += 1
-        assert len(reqs) == 1 and stop == "\n"
-        n = len(reqs[0].candidates)
-        scores = self.scores or [-1.0 - k for k in range(n)]
-        return [[(x, 1) for x in scores[:n]]]
+        return (self.scores or [-1.0 - k for k in range(len(cands))])[:len(cands)]
 
 
 def llm_agent(model, cache=None, **kw):
