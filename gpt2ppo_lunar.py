@@ -1,13 +1,12 @@
 """GPT2PPO (seed 002, Cozma and Price): PPO-clip whose critic reads the episode's recent steps through a small GPT-2.
 
-The actor sees only the current state; the critic is a Decision-Transformer-style GPT-2 over the last
-`--context-len` steps of the CURRENT episode (tokens s, a, s, a, ..., s), its value read at the current state's
-token; `--critic mlp` is plain PPO. Defaults: Table I (dropout 0.5, 150 epochs of 2048 steps, seed 123), 4 envs,
-GAE(lambda) targets, gradient-norm clipping 0.5, Adam eps 1e-5. Unlike the authors' code, the whole critic trains,
-dropout is off while collecting data and computing value targets, and a time-limit truncation bootstraps from
-V(final observation) over THAT episode's history. Continuous actions: a diagonal Gaussian with a state-independent
-log-std; buffer, log-probabilities and the critic's history hold the sample, the env gets it clipped to its bounds.
-`--value-stride S` lets windows start only every S steps, so S states share one critic pass (for CPUs).
+The actor sees only the current state; the critic is a Decision-Transformer-style GPT-2 over the last `--context-len`
+steps of the CURRENT episode (tokens s, a, s, a, ..., s), its value read at the current state's token; `--critic mlp`
+is plain PPO. Defaults: Table I (dropout 0.5, 150 epochs of 2048 steps, seed 123), 4 envs, GAE(lambda) targets,
+gradient-norm clipping 0.5, Adam eps 1e-5. Unlike the authors' code, the whole critic trains, dropout is off in
+rollouts and value targets, and a time-limit truncation bootstraps from V(final observation) over THAT episode's
+history. Continuous actions: a diagonal Gaussian with a state-independent log-std; buffer, log-probs and the critic's
+history hold the sample, the env gets it clipped. `--value-stride S`: windows start only every S steps (CPU).
 
     python gpt2ppo_lunar.py                                  # GPT2PPO, Table I (exact windows: a GPU's job)
     python gpt2ppo_lunar.py --value-stride 64 --dropout 0.1  # CPU-friendly windows, the Decision Transformer's dropout
@@ -30,13 +29,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
+
 import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn as nn
 import tyro
 from torch.utils.tensorboard import SummaryWriter
-
 
 @dataclass
 class Args:

@@ -34,6 +34,8 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any, Callable, Literal, Optional
 
+signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
+
 import numpy as np
 import tyro
 

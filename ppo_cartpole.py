@@ -1,16 +1,14 @@
 """PPO-clip on CartPole-v1 (and any env with a flat Box observation and Discrete actions), in CleanRL's layout.
 
-The baseline of "Large Language Model as Policy in Reinforcement Learning" (seed 000, sections 7, 8, 11.1): the actor
-is three fully connected ReLU layers and a softmax, the critic a separate network. Every finished episode is logged
-(gymnasium's SAME_STEP autoreset), time-limit truncations bootstrap with V(final observation), and per step only the
-actor runs, as a numpy copy (values and old log-probabilities come from one batched pass over the rollout).
+The baseline of seed 000 ("Large Language Model as Policy in RL", sections 7, 8, 11.1): a 3-layer ReLU actor with a
+softmax, a separate critic. Every finished episode is logged (SAME_STEP autoreset), truncations bootstrap with V(final
+observation), and per step only the actor runs, as a numpy copy (values and old log-probs: one pass over the rollout).
 
     python ppo_cartpole.py --seed 1 --save-model
     python ppo_cartpole.py --eval-checkpoint runs/<run>/ppo_cartpole.pt --eval-episodes 10
 
-The budget is rounded up to whole rollouts. Evaluation is greedy, on the CPU; episode i is seeded 10000 + s + i, s the
-training seed (or `--seed` given with `--eval-checkpoint`). Ctrl-C or SIGTERM stops after the current update or
-evaluation episode, saves the checkpoint with `--save-model`, and exits 130 or 143.
+The budget is rounded up to whole rollouts. Evaluation is greedy, on the CPU, episode i seeded 10000 + seed + i. Ctrl-C
+or SIGTERM stops after the current update or evaluation episode, saves with `--save-model`, and exits 130 or 143.
 """
 
 import os
@@ -20,6 +18,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
+
+signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
 
 import gymnasium as gym
 import numpy as np
