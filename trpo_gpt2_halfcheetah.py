@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, Optional
 
+signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
+
 import gymnasium as gym
 import numpy as np
 import torch
@@ -87,8 +89,7 @@ CHOICES = {"policy": ("gpt2", "mlp"), "llm_init": ("pretrained", "random"), "sta
 EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads", "exp_name"}
 PLAIN_NAME = r"[A-Za-z0-9._-]{1,100}"
 
-def fail(message: str, code: int = 2):
-    """A user's mistake or an environment problem: one sentence on stderr, a non-zero exit."""
+def fail(message: str, code: int = 2):  # a user's mistake or an environment problem: one sentence, non-zero exit
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -199,11 +200,9 @@ def mlp_policy_layers(policy: MLPPolicy) -> list[nn.Linear]:
 def mlp_forward_numpy(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
     """The MLP policy's mean in numpy: the rollout's forward, where torch's per-call overhead would dominate."""
     h = x.astype(layers[0][0].dtype, copy=False)
-    for i, (w, b) in enumerate(layers):
-        h = h @ w.T + b
-        if i < len(layers) - 1:
-            h = np.tanh(h)
-    return h.astype(np.float32)
+    for w, b in layers[:-1]:
+        h = np.tanh(h @ w.T + b)
+    return (h @ layers[-1][0].T + layers[-1][1]).astype(np.float32)
 
 class GPT2Policy(nn.Module):
     """A language model as the policy (seed 000, section 9): the state as one learned input embedding (`embed`) or
@@ -617,8 +616,7 @@ def load_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, foreign or not a torch file at all
         fail(f"{bad} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'}).")
-    types = {"policy": dict, "value": dict, "args": dict, "obs_rms": dict, "obs_dim": int, "act_dim": int,
-             "run_name": str}
+    types = dict(policy=dict, value=dict, args=dict, obs_rms=dict, obs_dim=int, act_dim=int, run_name=str)
     wrong = [k for k, t in types.items() if not isinstance(ckpt, dict) or not isinstance(ckpt.get(k), t)]
     if wrong:
         fail(f"{bad} (missing or wrong: {', '.join(wrong)}).")
@@ -717,13 +715,19 @@ def main(args: Args, argv: Optional[list[str]] = None) -> None:
     from torch.utils.tensorboard import SummaryWriter
     run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__policy-{args.policy}__{args.seed}")
     writer = SummaryWriter(f"runs/{run_name}")
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in
-                                                                           vars(args).items()))
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     rounded = "" if num_iterations * args.batch_size == args.total_timesteps else \
         f" (--total-timesteps {args.total_timesteps} rounded up to whole batches)"
     print(f"{run_name}: policy {args.policy}, {sum(p.numel() for p in params):,} of "
           f"{sum(p.numel() for p in policy.parameters()):,} parameters trained by TRPO, {num_iterations} updates of "
           f"{args.batch_size} steps = {num_iterations * args.batch_size} steps{rounded} on {device}", flush=True)
+    if device.type == "cpu" and args.policy == "gpt2":  # forward-equivalents x 2 FLOPs per block weight and token
+        enc, blocks = policy.encode(torch.zeros(1, obs_dim)), decoder_layers(policy.transformer)
+        tokens = policy.prefix_ids.numel() + (enc["input_ids"].shape[1] if "input_ids" in enc else 1)
+        forwards = args.batch_size * (8 + 4 * (args.cg_iters + 1) / args.fvp_subsample)
+        minutes = 2 * sum(p.numel() for p in blocks.parameters()) * tokens * forwards / 6e12 / args.torch_threads
+        print(f"on a CPU this language model takes roughly {minutes:.1f} minutes per update (at ~1e11 FLOP/s a "
+              "thread); on a machine with a CUDA GPU the script uses it by default", flush=True)
 
     # SAME_STEP autoreset: the obs returned on a done step is the next episode's first, the last is in final_obs
     envs = gym.vector.SyncVectorEnv([lambda: gym.make(args.env_id)] * N,
@@ -843,8 +847,4 @@ def main(args: Args, argv: Optional[list[str]] = None) -> None:
     writer.close()
 
 if __name__ == "__main__":
-    try:
-        main(tyro.cli(Args))
-    except KeyboardInterrupt:  # Ctrl-C before the training loop (loading, converting)
-        print("\ninterrupted before training started; nothing was saved", file=sys.stderr)
-        sys.exit(130)
+    main(tyro.cli(Args))

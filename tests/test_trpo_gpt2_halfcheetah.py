@@ -281,7 +281,7 @@ def test_save_model_eval_equals_eval_checkpoint(mlp_checkpoint, tmp_path):
     assert a["seed"] == 9 and obs_rms.count == 400 + 2  # every observation seen, the resets included
 
 
-def test_cpu_language_model_run_prints_device_and_a_line_per_update(tmp_path, tiny_gpt2_dir, monkeypatch, capsys):
+def test_cpu_language_model_run_prints_device_time_per_update_and_a_line_per_update(tmp_path, tiny_gpt2_dir, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     flags = ["--llm", tiny_gpt2_dir, *TINY_LM[:-4], "--total-timesteps", "100", "--seed", "1", "--no-cuda"]
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -292,6 +292,7 @@ def test_cpu_language_model_run_prints_device_and_a_line_per_update(tmp_path, ti
             signal.signal(s, h)
     out = capsys.readouterr().out
     assert " on cpu" in out and "update 1/1, 100 steps" in out and "100 of 100 steps" in out
+    assert "minutes per update" in out and "CUDA GPU" in out
     assert len(read_scalars(only_run_dir(str(tmp_path)), "losses/kl")) == 1
 
 
