@@ -726,7 +726,7 @@ def main(args: Args, argv: Optional[list[str]] = None) -> None:
         tokens = policy.prefix_ids.numel() + (enc["input_ids"].shape[1] if "input_ids" in enc else 1)
         forwards = args.batch_size * (8 + 4 * (args.cg_iters + 1) / args.fvp_subsample)
         minutes = 2 * sum(p.numel() for p in blocks.parameters()) * tokens * forwards / 6e12 / args.torch_threads
-        print(f"on a CPU this language model takes roughly {minutes:.1f} minutes per update (at ~1e11 FLOP/s a "
+        print(f"on a CPU this language model takes roughly {minutes:.2g} minutes per update (at ~1e11 FLOP/s a "
               "thread); on a machine with a CUDA GPU the script uses it by default", flush=True)
 
     # SAME_STEP autoreset: the obs returned on a done step is the next episode's first, the last is in final_obs
