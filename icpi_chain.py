@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Callable, Literal, Optional
 
 signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
@@ -172,7 +172,7 @@ class Domain:
 
     def parse_state(self, text: str, hints: bool = True):
         """The state of exactly a valid state's text, else None (original: any line starting `assert state == `)."""
-        text = text[:-1] if text.endswith("\n") else text
+        text = text.removesuffix("\n")
         state = self.text_state(text)
         return state if state is not None and self.state_text(state, hints) == text + "\n" else None
 
@@ -190,14 +190,10 @@ class Domain:
         return search_optimal_return(self, state, self.max_episode, self.log_gamma)
 
 def search_optimal_return(domain: Domain, state, steps_left: int, gamma: float) -> float:
-    """The best discounted return within `steps_left` steps (memoised search)."""
-    memo: dict = {}
-
+    @lru_cache(maxsize=None)
     def v(s, k):
-        if k > 0 and (s, k) not in memo:
-            memo[(s, k)] = max(r + (0.0 if term else gamma * v(s2, k - 1))
-                               for s2, r, term in (domain.step(s, a, None) for a in range(domain.n_actions)))
-        return memo[(s, k)] if k > 0 else 0.0
+        return 0.0 if k <= 0 else max(r + (0.0 if term else gamma * v(s2, k - 1))
+                                      for s2, r, term in (domain.step(s, a, None) for a in range(domain.n_actions)))
 
     return v(state, steps_left)
 
@@ -281,8 +277,7 @@ class Maze(Domain):
             "the episode. Goal: reach C(i=1, j=0) in as few steps as possible.")
 
     def reset(self, rng):
-        k = int(rng.integers(9))
-        return (k // 3, k % 3)
+        return divmod(int(rng.integers(9)), 3)
 
     def move(self, state, action):
         nxt = (state[0] + self.moves[action][0], state[1] + self.moves[action][1])
@@ -326,9 +321,8 @@ class MiniCatch(Domain):
     name = "mini-catch"
     action_names = ("left", "stay", "right")
     gamma = log_gamma = 1.0
-    horizon = 5
+    horizon = max_episode = 5
     time_limit = None
-    max_episode = 5
     header = "\npaddle, ball = reset()\n"
     width, height = 4, 5
     stops = {"done": "\n", "reward": "\n", "next": "\n", "policy": "\nball.descend()\n"}
@@ -532,9 +526,7 @@ class CompletionCache:
             self.fail("is not a file")
         try:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        except OSError as e:
-            self.fail(f"cannot be created ({e.strerror})")
-        try:  # an absolute path: SQLite may read a name starting with "file:" as a URI
+            # an absolute path: SQLite may read a name starting with "file:" as a URI
             self.db = sqlite3.connect(os.path.abspath(self.path), check_same_thread=False, timeout=self.TIMEOUT)
             if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
                 self.fail("is damaged: it is not a completion cache this script can use; give another --cache path")
@@ -544,6 +536,8 @@ class CompletionCache:
             self.db.execute(f"CREATE TABLE IF NOT EXISTS {self.TABLE} (key TEXT PRIMARY KEY, completion TEXT, tokens INT)")
         except sqlite3.DatabaseError as e:
             self.error(e)
+        except OSError as e:
+            self.fail(f"cannot be created ({e.strerror})")
 
     def fail(self, why: str):
         sys.exit(f"error: --cache {self.path} {why}.")
@@ -597,7 +591,7 @@ class HFBackend:
         self.device = torch.device(args.device if args.device.startswith("cuda") else "cuda" if want_cuda else "cpu")
         self.dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if want_cuda else "float32")
         print(f"device: {self.device} ({self.dtype})", file=sys.stderr)
-        self.spec, self._model = spec, None
+        self.spec = spec
         folder, gguf, local_only = resolve_hf_spec(spec)
         try:
             self.folder = convert_gguf_once(folder, gguf) if gguf else folder
@@ -615,20 +609,18 @@ class HFBackend:
         self.max_context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         self.count_tokens = lru_cache(maxsize=200_000)(lambda s: len(self._ids(s)))
 
-    @property
+    @cached_property
     def model(self):
         """The weights, loaded on first use (a run served entirely from the cache never loads them)."""
-        if self._model is None:
-            from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-            print(f"loading the weights of {self.spec}...", file=sys.stderr)
-            try:
-                self._model = AutoModelForCausalLM.from_pretrained(
-                    self.folder, dtype=getattr(self.torch, self.dtype), **self.load_kw)
-            except (OSError, ValueError) as e:
-                hf_load_error(self.spec, e)
-            self._model.to(self.device).eval()
-        return self._model
+        print(f"loading the weights of {self.spec}...", file=sys.stderr)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=getattr(self.torch, self.dtype),
+                                                         **self.load_kw)
+        except (OSError, ValueError) as e:
+            hf_load_error(self.spec, e)
+        return model.to(self.device).eval()
 
     def _ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"] if text else []
@@ -646,20 +638,17 @@ class HFBackend:
         entry = self._prefixes.pop(r.prefix, None)
         if entry is None:
             p = self._ids(r.prefix)
-            out = self._forward(p)
-            entry = (out.past_key_values, len(p), out.logits[0, -1].float())
+            entry = (self._forward(p).past_key_values, len(p))
             if len(self._prefixes) >= 32:
                 self._prefixes.pop(next(iter(self._prefixes)))
         self._prefixes[r.prefix] = entry
-        cache, n, _ = entry
+        cache, n = entry
         nxt = self._forward(self._ids(r.prompt[len(r.prefix):]), cache).logits[0, -1].float()
         gen = torch.Generator().manual_seed(r.seed % (2 ** 63))
         out_ids, text = [], ""
         for _ in range(self.max_tokens):
-            if r.temperature > 0:
-                t_id = int(torch.multinomial(torch.softmax(nxt / r.temperature, -1).cpu(), 1, generator=gen))
-            else:
-                t_id = int(nxt.argmax())
+            t_id = (int(torch.multinomial(torch.softmax(nxt / r.temperature, -1).cpu(), 1, generator=gen))
+                    if r.temperature > 0 else int(nxt.argmax()))
             if t_id == self.tok.eos_token_id:
                 break
             out_ids.append(t_id)
@@ -687,11 +676,8 @@ class HFBackend:
                 stop_strings=[stop], tokenizer=self.tok, pad_token_id=self.tok.pad_token_id)
         n_in = enc["input_ids"].shape[1]
         self.forward_tokens += int(enc["input_ids"].numel()) + out.shape[0] * (out.shape[1] - n_in)
-        results = []
-        for row in out[:, n_in:]:
-            ids = [i for i in row.tolist() if i != self.tok.pad_token_id]
-            results.append((self.tok.decode(ids, skip_special_tokens=True).split(stop)[0], len(ids)))
-        return results
+        rows = [[i for i in row.tolist() if i != self.tok.pad_token_id] for row in out[:, n_in:]]
+        return [(self.tok.decode(ids, skip_special_tokens=True).split(stop)[0], len(ids)) for ids in rows]
 
     def score_candidates(self, prompt: str, candidates: list[str], stop: str = "\n") -> list[float]:
         """The log-probability of each candidate plus `stop` after `prompt`, all in one left-padded forward."""
@@ -723,10 +709,7 @@ def resolve_hf_spec(spec: str) -> tuple[str, Optional[str], bool]:
     """(folder or hub id, gguf file name or None, local files only) of `smollm2` or `hf:<folder | file.gguf |
     hub id>`. A hub id is read from the local cache only when HF_HUB_OFFLINE is set or the hub (HF_ENDPOINT) cannot
     be reached, so a run without network fails in seconds."""
-    if spec == "smollm2":
-        path = smollm2_gguf()
-        return os.path.dirname(path), os.path.basename(path), True
-    target = os.path.expanduser(spec[len("hf:"):])
+    target = smollm2_gguf() if spec == "smollm2" else os.path.expanduser(spec[len("hf:"):])
     if target.endswith(".gguf"):
         return os.path.dirname(os.path.abspath(target)), os.path.basename(target), True
     if os.path.isdir(target):
@@ -736,7 +719,6 @@ def resolve_hf_spec(spec: str) -> tuple[str, Optional[str], bool]:
     return target, None, os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable()
 
 def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the hub (HF_ENDPOINT, default huggingface.co) accepts a TCP connection within `timeout` s."""
     import socket
     import urllib.parse
 
@@ -856,13 +838,12 @@ class OpenAIBackend:
         for attempt in range(self.args.max_retries + 1):
             if attempt:
                 time.sleep(self.args.retry_backoff * 2 ** (attempt - 1))
-            try:
+            try:  # a timeout, a connection error, 5xx or 429: retried
                 status, reason, head, data = post_json(self.url, body, headers, self.args.request_timeout)
-            except (TimeoutError, OSError) as e:
+                if status >= 500 or status == 429:
+                    raise OSError(f"HTTP {status} {reason}")
+            except OSError as e:
                 last, malformed = str(e), False
-                continue
-            if status >= 500 or status == 429:
-                last, malformed = f"HTTP {status} {reason}", False
                 continue
             if status >= 400:
                 sys.exit(f"error: the completions server at {self.url} refused the request (HTTP {status} {reason}).")
@@ -976,14 +957,12 @@ def shuffled(items: list, rng: np.random.Generator) -> list:
     return items
 
 def done_examples(domain, transitions, action, rng, balance=True, hints=True) -> list[str]:
-    """Transitions with the queried action; balanced between terminal and not."""
     same = [t for t in transitions if t.action == action]
     chosen = (balanced([[t for t in same if t.done], [t for t in same if not t.done]], rng) if balance
               else shuffled(same, rng))
     return [query_text(domain, t.state, t.action, hints) + domain.done_text(t.done) + "\n" for t in chosen]
 
 def reward_examples(domain, transitions, action, done, rng, balance=True, hints=True) -> list[str]:
-    """Transitions with the queried action and predicted done, balanced across rewards (none: no examples)."""
     same = [t for t in transitions if t.action == action and t.done == done]
     chosen = (balanced([[t for t in same if t.reward == v] for v in sorted({t.reward for t in same})], rng)
               if balance else shuffled(same, rng))
@@ -1022,9 +1001,6 @@ def clip_examples(examples: list[str], budget: int, count_tokens: Callable[[str]
             break
         kept.append(ex)
     return kept[::-1]
-
-def join_prompt(examples: list[str], query: str) -> str:
-    return "".join(examples) + query
 
 KINDS = {"done": 0, "reward": 1, "next": 2, "policy": 3}
 
@@ -1136,9 +1112,7 @@ class Agent:
             return True
         if len({t.action for t in self.transitions}) < self.domain.n_actions or all(t.done for t in self.transitions):
             return False
-        return bool(self.recent) if not self.sil else any(
-            self.successful(ep.transitions[i:j]) for ep in self.recent
-            for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2))
+        return bool(self.recent)  # no-argmax keeps successful episodes only: each is a policy example of its own
 
     def examples(self, kind: str, action: Optional[int], done: Optional[bool], attempt: int) -> list[str]:
         """The clipped, ordered examples of one prompt, seeded by (seed, step, kind, action, done, attempt)."""
@@ -1160,7 +1134,7 @@ class Agent:
         q = policy_query(d, item["state"], h) if policy else query_text(d, item["state"], item["action"], h)
         ex = self.examples(kind, None if policy else item["action"], item.get("done") if kind == "reward" else None,
                            attempt)
-        return join_prompt(ex, q), ex
+        return "".join(ex) + q, ex
 
     def predict(self, kind: str, items: list[dict]) -> list:
         """Validated predictions for queries of one kind; None = invalid after all attempts, NO_MATCH = the
@@ -1184,7 +1158,7 @@ class Agent:
                 prompt, ex = self.build(kind, items[i], attempt)
                 act = items[i].get("action")
                 seed = prompt_seed(self.args.seed, self.real_step, KINDS[kind], -1 if act is None else act, attempt, 7)
-                reqs.append(Request(prompt, seed, join_prompt(ex, ""), self.domain.stops[kind], temperature))
+                reqs.append(Request(prompt, seed, "".join(ex), self.domain.stops[kind], temperature))
             for i, text in zip(list(pending), self.complete(reqs) if reqs else []):
                 results[i] = None if text is None else parse_completion(self.domain, kind, text)
                 if results[i] is None:
@@ -1216,18 +1190,18 @@ class Agent:
                 out[k] = hit[0]
             else:
                 misses.setdefault(json.dumps([r.prompt, r.stop, r.seed]) if self.batch else str(k), []).append(k)
-        todo = [v[0] for v in misses.values()]
-        for g in ([todo] if self.batch else [[k] for k in todo]) if todo else []:
+        todo = list(misses.values())  # the indices of identical requests: the first is computed
+        for g in ([todo] if self.batch else [[same] for same in todo]) if todo else []:
             self.stats.batches += 1
             self.stats.calls += len(g)
-            for k, r in zip(g, self.model.complete([reqs[k] for k in g])):
+            for same, r in zip(g, self.model.complete([reqs[same[0]] for same in g])):
                 if r is None:
                     continue  # malformed reply after all retries: invalid
                 self.stats.completion_tokens += r[1]
-                for j in next(v for v in misses.values() if v[0] == k):
+                for j in same:
                     out[j] = r[0]
                 if self.cache is not None:
-                    self.cache.put(keys[k], r[0], r[1])
+                    self.cache.put(keys[same[0]], r[0], r[1])
         return out
 
     def q_values(self, state) -> np.ndarray:
@@ -1279,12 +1253,10 @@ class Agent:
         self.q_table[(t.state, t.action)] = t.reward + shaping + self.domain.gamma * nxt
 
     def advice(self, state) -> Optional[int]:
-        """The action the model ranks first in `state`; None when its answer stayed invalid (counted)."""
         return self.judge("advice", state)
 
     def potential(self, state) -> float:
-        """Phi(state) = shaping_scale * (the model's log-odds that the state is good | oracle: V*(state)); 0 when
-        the answer stayed invalid."""
+        """Phi(state): --shaping-scale times the model's log-odds that the state is good (oracle: V*); 0 if invalid."""
         value = self.judge("potential", state)
         return 0.0 if value is None else self.args.shaping_scale * value
 
@@ -1342,7 +1314,6 @@ def warmup_probability(n_recent: int, min_successes: int) -> float:
     return 1.0 / (1.0 + math.exp(2.0 * (min_successes - n_recent)))
 
 def advice_probability(advice_prob: float, advice_decay: float, episodes: int) -> float:
-    """p_t of llm-advisor: advice_prob * advice_decay^(episodes finished so far)."""
     return advice_prob * advice_decay ** episodes
 
 def shaping_bonus(phi_s: float, phi_next: float, gamma: float, terminal: bool) -> float:
@@ -1351,21 +1322,19 @@ def shaping_bonus(phi_s: float, phi_next: float, gamma: float, terminal: bool) -
     With learning rate 1 shaping equals starting Q at q_init + Phi(s) (Wiewiora 2003)."""
     return gamma * (0.0 if terminal else phi_next) - phi_s
 
-def greedy_actions(q_of_state, n_actions: int) -> set:
+def greedy_actions(q: list[float]) -> set:
     """The argmax set of a state's Q values (ties kept; floats compared with isclose)."""
-    q = np.array([q_of_state(a) for a in range(n_actions)], dtype=float)
-    return set(np.flatnonzero(np.isclose(q, q.max())).tolist())
+    return set(np.flatnonzero(np.isclose(q, max(q))).tolist())
 
 def advice_agreement(advised: list, q_table: dict, n_actions: int, q_init: float = 1.0) -> float:
     """Fraction of the advised (state, action) steps greedy under `q_table`; nan when none were advised."""
-    hits = [a in greedy_actions(lambda b: q_table.get((s, b), q_init), n_actions) for s, a in advised]
+    hits = [a in greedy_actions([q_table.get((s, b), q_init) for b in range(n_actions)]) for s, a in advised]
     return float(np.mean(hits)) if hits else float("nan")
 
 def advice_optimality(domain: Domain, advised: list) -> float:
     """Fraction of the advised (state, action) steps whose action is optimal; nan when none were advised."""
-    best = lambda s: greedy_actions(optimal_action_values(domain, s, domain.max_episode).__getitem__,  # noqa: E731
-                                    domain.n_actions)
-    return float(np.mean([a in best(s) for s, a in advised])) if advised else float("nan")
+    hits = [a in greedy_actions(optimal_action_values(domain, s, domain.max_episode)) for s, a in advised]
+    return float(np.mean(hits)) if hits else float("nan")
 
 def unique_run_dir(base: str) -> str:
     """Create runs/<base> (or runs/<base>-2, -3, ...) atomically: two runs never share a folder."""

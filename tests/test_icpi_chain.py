@@ -1,3 +1,4 @@
+import ast
 import glob
 import hashlib
 import itertools
@@ -21,6 +22,17 @@ from conftest import (ROOT, FixedTextModel, completions_handler, only_run_dir, p
 
 # The six domains, their texts and prompts are checked byte for byte against outputs recorded from
 # the original code in tests/test_icpi_original.py; this file checks the rest.
+
+
+def test_targets_lines_and_flags():
+    with open(os.path.join(ROOT, "icpi_chain.py")) as f:
+        text = f.read()
+    args = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    lines, flags = len(text.splitlines()), sum(isinstance(n, ast.AnnAssign) for n in args.body)
+    print(f"icpi_chain.py: {lines} lines (target <= 1300), {flags} Args fields (target <= 34)")
+    # The target is 1300 lines; benchmark/icpi_results.md ("The minimal redesign") says what stands in the way.
+    # Until then this ratchet holds the count the redesign reached: it may only go down.
+    assert lines <= 1506 and flags <= 34
 
 
 # ---------------------------------------------------------------- domains

@@ -51,7 +51,7 @@ def shaped_value_iteration(domain, states, gamma, potential=None, iters=500) -> 
 
 
 def greedy_policy(q, states, n_actions):
-    return {s: ic.greedy_actions(lambda a, s=s: q[(s, a)], n_actions) for s in states}
+    return {s: ic.greedy_actions([q[(s, a)] for a in range(n_actions)]) for s in states}
 
 
 @pytest.mark.parametrize("name", ["chain", "maze", "mini-catch"])
