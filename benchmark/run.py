@@ -364,6 +364,8 @@ CONTRASTS = [
      "pretraining-smollm2-2blocks-frozen-eval", "pretraining-smollm2-2blocks-pretrained-eval"),
     ("pretrained SmolLM2 vs the MLP", "trpo_gpt2_halfcheetah", "HalfCheetah-v5", 1_000_000,
      "pretraining-smollm2-2blocks-pretrained-eval", "pretraining-mlp-eval"),
+    ("small random GPT-2 vs the MLP", "trpo_gpt2_halfcheetah", "HalfCheetah-v5", 1_000_000,
+     "pretraining-gpt2-2x128-random-eval", "pretraining-mlp-eval"),
 ]
 
 
