@@ -5,7 +5,7 @@ reads the normalised state and its last hidden state feeds a small MLP head that
 Gaussian, all fine-tuned by TRPO. `--policy mlp` is the reference 2x64 tanh policy. The TRPO core and its
 hyperparameters follow ikostrikov/pytorch-trpo; the line search also checks the KL, truncations are bootstrapped.
 
-    python trpo_gpt2_halfcheetah.py --seed 543                          # GPT-2 small, pretrained (GPU)
+    python trpo_gpt2_halfcheetah.py --seed 543 --compile                # GPT-2 small, pretrained (GPU)
     python trpo_gpt2_halfcheetah.py --policy mlp --seed 543             # the MLP baseline (CPU is fine)
     python trpo_gpt2_halfcheetah.py --llm-init random --llm-layers 2 --llm-embd 128 --llm-heads 2 --fvp-subsample 5
     python trpo_gpt2_halfcheetah.py --llm smollm2 --llm-layers 2 --fvp-subsample 5   # pretrained SmolLM2, offline
@@ -45,6 +45,7 @@ class Args:
     seed: Optional[int] = None  # seed of the experiment (default 543); with --eval-checkpoint: the evaluation's
     cuda: bool = True  # use CUDA when torch sees it (`--cuda`: require it; `--no-cuda`: the CPU)
     torch_threads: int = 1  # torch intra-op threads on CPU
+    compile: bool = False  # torch.compile the rollout's forward (on a GPU: CUDA graphs; compiling takes a minute)
     save_model: bool = False  # save a checkpoint into the run folder at the end, then evaluate it
     eval_checkpoint: Optional[str] = None  # evaluate this checkpoint (mean action) instead of training
     eval_episodes: int = 10  # episodes of the evaluation (after --save-model, or of --eval-checkpoint)
@@ -423,8 +424,7 @@ def set_flat_params(params: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 def fvp_rows(n: int, num_envs: int, k: int) -> torch.Tensor:
     """The rows of `--fvp-subsample k`: every k-th time step of every env (row t * num_envs + e)."""
-    rows = torch.arange(n)
-    return rows if k == 1 else rows[(rows // num_envs) % k == 0]
+    return torch.arange(n)[(torch.arange(n) // num_envs) % k == 0]
 
 def conjugate_gradient(Avp: Callable, b: torch.Tensor, nsteps: int = 10, residual_tol: float = 1e-10) -> torch.Tensor:
     """Solve A x = b for symmetric positive definite A given only v -> A v (from x = 0)."""
@@ -706,11 +706,11 @@ def main(args: Args, argv: Optional[list[str]] = None) -> None:
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = True
     dtype = torch.float64 if args.policy == "mlp" else torch.float32  # the reference's float64; GPT-2's float32
     policy = build_policy(args, obs_dim, act_dim).to(device=device, dtype=dtype)
     value_net = ValueNet(obs_dim, args.hidden_size).to(device=device, dtype=dtype)
     params = [p for p in policy.parameters() if p.requires_grad]
+    act = torch.compile(policy, mode="reduce-overhead") if args.compile else policy  # the update uses `policy`
 
     from torch.utils.tensorboard import SummaryWriter
     run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__policy-{args.policy}__{args.seed}")
@@ -776,7 +776,7 @@ def main(args: Args, argv: Optional[list[str]] = None) -> None:
                 global_step += N
                 obs_buf[step] = next_obs
                 mean = mlp_forward_numpy(np_layers, next_obs) if np_layers is not None else \
-                    policy(torch.from_numpy(next_obs).to(device=device, dtype=dtype)).float().cpu().numpy()
+                    act(torch.from_numpy(next_obs).to(device=device, dtype=dtype)).float().cpu().numpy()
                 noise = torch.randn(mean.shape, dtype=torch.float64).numpy()
                 action = (mean + np.exp(log_std) * noise).astype(np.float32)
                 actions_buf[step] = action  # the unclipped sample (its log-density is what TRPO uses)

@@ -579,6 +579,16 @@ def gpu_entries(gpu_dir: str = GPU_DIR) -> list[dict]:
                     "imported": {"from": ", ".join(r["file"] for r in trpo_runs.values()),
                                  "command": "python benchmark/gpu/trpo_gpu.py B A"},
                     "machine": machine, "versions": vers, "data": trpo_runs})
+    path = os.path.join(gpu_dir, "trpo_compile_h200.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            data = json.load(f)
+        out.append({"name": "trpo-compile-h200", "kind": "trpo-compile-gpu", "source": "imported-gpu",
+                    "imported": {"from": rel(path), "command": "python benchmark/gpu/trpo_compile.py --out OUT "
+                                 "--limit 300 --budget 505 (2026-11-26)"},
+                    "machine": f"one {data['device']} (16 Xeon cores)", "versions": f"python "
+                    f"{data['versions']['python']}, torch {data['versions']['torch']}, transformers 5.23.0, "
+                    "gymnasium 1.4.0, mujoco 3.3.7", "data": data})
     path = os.path.join(gpu_dir, "icpi_speed_h100.json")
     if os.path.isfile(path):
         with open(path) as f:
@@ -627,6 +637,14 @@ def summary(entry: dict) -> dict:
             m["time_saved_pct"] = 100 * (1 - m["seconds"] / base["seconds"])
             m["memory_saved_pct"] = 100 * (1 - m["peak_extra_mib"] / base["peak_extra_mib"])
         return med
+    if kind == "trpo-compile-gpu":
+        med = lambda r, k: statistics.median(r[k]) if r.get(k) else None  # noqa: E731
+        return {name: {"flags": " ".join(r["flags"]), "updates": len(r.get("time/rollout_seconds", [])),
+                       "rollout_s": med(r, "time/rollout_seconds"), "update_s": med(r, "time/update_seconds"),
+                       "value_fit_s": med(r, "time/value_fit_seconds"), "steps": r.get("steps_done", 0),
+                       "wall_s": r["wall_seconds"], "sps": (r.get("charts/SPS") or [None])[-1],
+                       "last20": r.get("charts/episodic_return", {}).get("last20_mean")}
+                for name, r in d.items() if isinstance(r, dict) and "wall_seconds" in r}
     if kind == "trpo-gpu":
         out = {}
         for flags, r in d.items():
@@ -736,6 +754,21 @@ def render(entries: list[dict], mid: dict) -> list[str]:
             lines += [f"| {dt} | {_fmt(f.get('mse_before'))} | {_fmt(f.get('mse_after'))} | {f['evaluations']} | "
                       f"{_fmt(f.get('explained_variance'), 4)} | {_fmt(f.get('seconds'))} |"
                       for dt, f in d["fits"].items()]
+        elif e["kind"] == "trpo-compile-gpu":
+            f = d["env_floor"]
+            lines += ["GPT-2 small's architecture at random initialisation (`--llm-init random --fvp-subsample 5 --seed "
+                      "543`, 10 envs, 15000 steps per update) on HalfCheetah-v5; seconds are medians over the updates "
+                      "(the first rollout holds the compilation). Stepping the 10 envs alone with random actions: "
+                      f"{f['steps_per_s']:.0f} steps/s, {f['seconds_per_1M']:.0f} s per 1M steps.", "",
+                      "| run | extra flags | updates | rollout s | update s | value fit s | steps | wall s | steps/s "
+                      "| last 20 episodes |", "|---|---|---|---|---|---|---|---|---|---|"]
+            for n, r in s.items():
+                extra = r["flags"].split("--seed 543", 1)[1].strip()
+                lines.append(f"| {n} | `{extra or '-'}` | {r['updates']} | {_fmt(r['rollout_s'])} | "
+                             f"{_fmt(r['update_s'])} | {_fmt(r['value_fit_s'])} | {r['steps']} | {r['wall_s']:.0f} | "
+                             f"{_fmt(r['sps'], 0)} | {_fmt(r['last20'])} |")
+            lines += ["", "compiled_1M was stopped by SIGINT after 300 s (the budget of the device call); "
+                      "compiled_tf32_2_updates allowed TF32 matmuls from outside the script."]
         elif e["kind"] == "trpo-gpu":
             lines += ["| flags | rollout s per update | update s | CG s | value fit s | gradient s | line search s "
                       "| KL | accepted | peak CUDA memory GiB |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -296,6 +296,51 @@ def test_cpu_language_model_run_prints_device_time_per_update_and_a_line_per_upd
     assert len(read_scalars(only_run_dir(str(tmp_path)), "losses/kl")) == 1
 
 
+def _run_in_process(flags, cwd, monkeypatch):
+    monkeypatch.chdir(cwd)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        trpo.main(tyro.cli(trpo.Args, args=flags), argv=flags)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    run = only_run_dir(str(cwd))
+    return {t: read_scalars(run, t) for t in ("losses/kl", "losses/surrogate", "charts/episodic_return")}
+
+
+def test_compile_wraps_exactly_the_rollout_forward(tmp_path, tiny_gpt2_dir, monkeypatch):
+    calls, modes = [], []
+
+    class Spy(torch.nn.Module):  # stands in for torch.compile's result: the same module, counted
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, obs):
+            calls.append(obs.shape)
+            return self.module(obs)
+
+    flags = ["--llm", tiny_gpt2_dir, *TINY_LM, "--fvp-subsample", "2", "--no-cuda"]
+    (tmp_path / "eager").mkdir(), (tmp_path / "compiled").mkdir()
+    eager = _run_in_process(flags, tmp_path / "eager", monkeypatch)
+    monkeypatch.setattr(trpo.torch, "compile", lambda m, mode: modes.append(mode) or Spy(m))
+    compiled = _run_in_process(flags + ["--compile"], tmp_path / "compiled", monkeypatch)
+    assert modes == ["reduce-overhead"]
+    assert len(calls) == 2 * 50 and set(calls) == {(2, 4)}  # 2 updates x 50 steps of 2 envs, nothing else
+    assert compiled == eager and len(eager["losses/kl"]) == 2
+
+
+def test_compile_really_compiles_and_gives_the_eager_numbers(tmp_path, tiny_gpt2_dir):
+    flags = ("--llm", tiny_gpt2_dir, *TINY_LM, "--fvp-subsample", "2", "--no-cuda")
+    out = {}
+    for name, extra in (("eager", ()), ("compiled", ("--compile",))):
+        cwd = str(tmp_path / name)
+        os.makedirs(cwd)
+        run_script(SCRIPT, *flags, *extra, cwd=cwd)
+        out[name] = [v for _, v in read_scalars(only_run_dir(cwd), "losses/surrogate")]
+    assert len(out["eager"]) == 2 and np.allclose(out["compiled"], out["eager"], rtol=1e-3, atol=1e-6), out
+
+
 # ------------------------------------------------------------------------------------------------
 # Hostile input: one sentence, a non-zero exit, nothing written
 # ------------------------------------------------------------------------------------------------
