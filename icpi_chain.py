@@ -162,7 +162,6 @@ class Domain:
     header = "\nstate, reward = reset()\n"  # starts every policy example and the policy query
     return_scale = 1.0   # the largest optimal return: regret / return_scale is in [0, 1]
     success_threshold = 0.0  # an episode whose gamma-discounted return exceeds this is a success
-    deterministic = True
     stops = {"done": "\n", "reward": "\n", "next": "\n", "policy": "\n"}
     task = ""            # the task in words, written from the domain's rules (llm-advisor, llm-reward)
 
@@ -187,7 +186,15 @@ class Domain:
         return self.state_text(t.state, hints) + self.action_text(t.action) + self.reward_text(t.reward)
 
     def optimal_return(self, state) -> float:
-        return search_optimal_return(self, state, self.max_episode, self.log_gamma)
+        """The best return of an episode from `state` by exhaustive search, the reward of step t weighted by
+        log_gamma ** t. original: the chain's optimum came from the start state mutated by the first action."""
+        @lru_cache(maxsize=None)
+        def best(s, t):
+            return 0.0 if t == self.max_episode else max(
+                r * self.log_gamma ** t + (0.0 if term else best(s2, t + 1))
+                for s2, r, term in (self.step(s, a) for a in range(self.n_actions)))
+
+        return best(state, 0)
 
 def search_optimal_return(domain: Domain, state, steps_left: int, gamma: float) -> float:
     @lru_cache(maxsize=None)
@@ -207,7 +214,7 @@ class Chain(Domain):
     """States 0..7, goal 4. left/right move by one (clipped); try_goal ends the episode, reward 1 at 4."""
     name = "chain"
     action_names = ("left", "try_goal", "right")
-    n_states, goal = 8, 4
+    n_states, goal, width = 8, 4, 1  # positions, the goal, numbers in a state
     task = ("The state is a position on a line from 0 to 7. left() and right() move it by one position. "
             "try_goal(state) ends the episode and gives reward 1 only at position 4, otherwise 0. "
             "Goal: reach position 4 and call try_goal there, in as few steps as possible.")
@@ -232,23 +239,16 @@ class Chain(Domain):
     def text_state(self, text):
         m = re.match(r"assert state == \[([-\d, ]*)\]", text)
         state = tuple(int(x) for x in re.findall(r"-?\d+", m.group(1))) if m else ()
-        ok = len(state) == len(self.start_states()[0]) and all(0 <= x < self.n_states for x in state)
+        ok = len(state) == self.width and all(0 <= x < self.n_states for x in state)
         return state if ok else None
 
     def action_text(self, action):
         return ("state = left()\n", "reward = try_goal(state)\n", "state = right()\n")[action]
 
-    def optimal_return(self, state):
-        # original: computed from the start state mutated by the first action; here the true start state
-        return self.gamma ** abs(state[0] - self.goal)
-
-    def start_states(self):
-        return [(s,) for s in range(self.n_states)]
-
 class DistractorChain(Chain):
     """The chain with a second number that is redrawn uniformly at every step and means nothing."""
     name = "distractor-chain"
-    deterministic = False
+    width = 2
     task = Chain.task + " The second number of the state is random noise that changes at every step and does not matter."
 
     def reset(self, rng):
@@ -258,9 +258,6 @@ class DistractorChain(Chain):
         (s,), r, term = Chain.step(self, state[:1], action)
         d = int(rng.integers(self.n_states)) if rng is not None else state[1]
         return (s, d), r, term
-
-    def start_states(self):
-        return [(s, d) for s in range(self.n_states) for d in range(self.n_states)]
 
 class Maze(Domain):
     """3x3 cells C(i, j), i the row from the top (`down` is i + 1); any action on the goal C(i=1, j=0)
@@ -279,13 +276,10 @@ class Maze(Domain):
     def reset(self, rng):
         return divmod(int(rng.integers(9)), 3)
 
-    def move(self, state, action):
-        nxt = (state[0] + self.moves[action][0], state[1] + self.moves[action][1])
-        return state if not (0 <= nxt[0] < 3 and 0 <= nxt[1] < 3) or frozenset({state, nxt}) in self.walls else nxt
-
     def step(self, state, action, rng=None):
-        at_goal = state == self.goal
-        return self.move(state, action), int(at_goal), at_goal
+        nxt = (state[0] + self.moves[action][0], state[1] + self.moves[action][1])
+        blocked = not (0 <= nxt[0] < 3 and 0 <= nxt[1] < 3) or frozenset({state, nxt}) in self.walls
+        return state if blocked else nxt, int(state == self.goal), state == self.goal
 
     def state_text(self, state, hints=True):
         c = lambda s: f"C(i={s[0]}, j={s[1]})"  # noqa: E731
@@ -301,19 +295,6 @@ class Maze(Domain):
 
     def action_text(self, action):
         return f"state, reward = {self.action_names[action]}()\n"
-
-    def bfs_distance(self, state) -> int:  # moves to the goal, breadth first
-        frontier, seen, dist = {state}, {state}, 0
-        while self.goal not in frontier:
-            frontier = {self.move(s, a) for s in frontier for a in range(4)} - seen
-            seen, dist = seen | frontier, dist + 1
-        return dist
-
-    def optimal_return(self, state):
-        return self.gamma ** self.bfs_distance(state)
-
-    def start_states(self):
-        return [(i, j) for i in range(3) for j in range(3)]
 
 class MiniCatch(Domain):
     """bsuite catch, 5 rows x 4 columns; the fifth step ends the episode with reward 1 iff the paddle is
@@ -360,13 +341,6 @@ class MiniCatch(Domain):
     def step_text(self, t, hints=True):
         text = super().step_text(t, hints) + self.done_text(t.done)
         return text + (self.state_text(t.next_state, hints) if t.done else "")
-
-    def optimal_return(self, state):
-        # the paddle has `by` moves before the ball reaches row 0 (the last step's move is void)
-        return 1.0 if abs(state[0] - state[1]) <= state[2] else 0.0
-
-    def start_states(self):
-        return [(2, bx, self.height - 1) for bx in range(self.width)]
 
 class MiniInvaders(Domain):
     """A ship at y = 0, two aliens from y = 5. Each step: shoot or move; then the episode ends if a live
@@ -438,9 +412,6 @@ class MiniInvaders(Domain):
         text = super().step_text(t, hints) + self.done_text(t.done)
         return text + (self.state_text(t.next_state, hints) + "\n" if t.done else "")
 
-    def start_states(self):
-        return [(s, ((a, self.start_y), (b, self.start_y))) for s, a, b in itertools.permutations(range(4), 3)]
-
 class PointMass(Domain):
     """pos (float), vel (int); decel/accel change vel by -1/+1 and pos moves by the old vel. At rest with
     abs(pos) <= 2, the next action gives 1 and ends the episode. Starts: abs(pos) uniform in [2, 6]."""
@@ -478,16 +449,6 @@ class PointMass(Domain):
     def step_text(self, t, hints=True):
         # the original prints the state after a terminal step (no done lines in this domain)
         return super().step_text(t, hints) + (self.state_text(t.next_state, hints) if t.done else "")
-
-    def optimal_return(self, state):
-        # 2k steps (k accelerations towards 0, k decelerations) move k^2 and end at rest, then 1 action.
-        k = 0
-        while k * k < abs(state[0]) - 2:
-            k += 1
-        return self.gamma ** (2 * k)
-
-    def start_states(self):
-        return [(p / 100 * sgn, 0) for p in range(200, 601) for sgn in (1, -1)]
 
 DOMAINS: dict[str, type] = {d.name: d for d in (Chain, DistractorChain, Maze, MiniCatch, MiniInvaders, PointMass)}
 

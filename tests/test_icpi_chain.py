@@ -37,6 +37,13 @@ def test_targets_lines_and_flags():
 
 # ---------------------------------------------------------------- domains
 
+START_STATES = {  # every state each domain's reset can return (point-mass: continuous)
+    "chain": [(s,) for s in range(8)],
+    "maze": [(i, j) for i in range(3) for j in range(3)],
+    "mini-catch": [(2, bx, 4) for bx in range(4)],
+    "mini-invaders": [(s, ((a, 5), (b, 5))) for s, a, b in itertools.permutations(range(4), 3)],
+}
+
 
 def brute_force_return(domain, state, steps, gamma):
     """Best discounted return over every action sequence of length `steps` (a terminal step ends it)."""
@@ -71,7 +78,7 @@ def test_mini_invaders_landing_rule():
     assert (r, term, s3) == (1, True, (3, (None, None)))
     assert d.state_text(s3) == "assert ship == C(3, 0) and aliens == [None, None] and (ship.x) == (3)\n"
     lengths = set()
-    for start in d.start_states():                             # episodes last 6 steps without shooting
+    for start in START_STATES["mini-invaders"]:                # episodes last 6 steps without shooting
         s, n, term = start, 0, False
         while not term:
             s, _, term = d.step(s, 0)
@@ -95,7 +102,7 @@ def test_maze_rows_from_the_top():
     assert d.step((1, 1), D) == ((1, 1), 0, False)             # wall below (1, 1)
     assert d.step((1, 1), L) == ((1, 1), 0, False)             # wall left of (1, 1)
     assert d.step((1, 0), U) == ((0, 0), 1, True)              # on the goal: 1, and the move happens
-    assert [d.bfs_distance(s) for s in d.start_states()] == [1, 2, 3, 0, 3, 4, 1, 2, 3]
+    assert [d.optimal_return(s) for s in START_STATES["maze"]] == [0.8 ** k for k in (1, 2, 3, 0, 3, 4, 1, 2, 3)]
 
 
 def test_point_mass_continuous_starts_and_terminal_move():
@@ -113,7 +120,7 @@ def test_point_mass_continuous_starts_and_terminal_move():
 @pytest.mark.parametrize("name", ["chain", "maze", "mini-catch", "mini-invaders"])
 def test_optimal_return_matches_exhaustive_search(name):
     d = ic.make_domain(name)
-    for s in d.start_states()[:: 3 if name in ("mini-invaders", "maze") else 1]:
+    for s in START_STATES[name][:: 3 if name in ("mini-invaders", "maze") else 1]:
         expected = brute_force_return(d, s, d.max_episode, d.log_gamma)
         assert d.optimal_return(s) == pytest.approx(expected), s
 

@@ -134,7 +134,7 @@ def test_every_optimal_return(name):
     for e in table["states"]:
         s = to_state(name, e["start_state"])
         assert d.optimal_return(s) == e["original"], e
-        if d.deterministic:
+        if name != "distractor-chain":  # its distractor is random
             assert ic.search_optimal_return(d, s, table["search_limit_steps"], table["discount"]) == \
                 pytest.approx(e["search"], abs=1e-12)
         if name == "mini-invaders":
