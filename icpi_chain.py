@@ -1040,12 +1040,13 @@ class Agent:
         return discounted([t.reward for t in transitions], self.domain.gamma) > self.domain.success_threshold
 
     def add_episode(self, ep: Episode) -> None:
+        ret = discounted([t.reward for t in ep.transitions], self.domain.gamma)
         self.episodes.append(ep)
         self.transitions.extend(ep.transitions)
-        if not self.sil or self.successful(ep.transitions):
+        if not self.sil or ret > self.domain.success_threshold:
             self.recent.append(ep)
         # original (tabular_q.py): `>=` the threshold, so in chain, maze and point-mass every episode counts
-        self.n_successes += discounted([t.reward for t in ep.transitions], self.domain.gamma) >= self.domain.success_threshold
+        self.n_successes += ret >= self.domain.success_threshold
 
     def warmup_count(self) -> int:
         """The warm-up's count: the policy prompt's episodes; tabular-q: the successful episodes so far."""
@@ -1053,12 +1054,10 @@ class Agent:
 
     def ready(self) -> bool:
         """The original's Q.ready(): every action has a done and a reward example, some action a next-state
-        example, and the policy prompt an example. The tabular learners need nothing."""
-        if self.args.algo in TABULAR_ALGOS:
-            return True
-        if len({t.action for t in self.transitions}) < self.domain.n_actions or all(t.done for t in self.transitions):
-            return False
-        return bool(self.recent)  # no-argmax keeps successful episodes only: each is a policy example of its own
+        example, and the policy prompt an example (no-argmax keeps successful episodes only: each is one of its
+        own). The tabular learners need nothing."""
+        return self.args.algo in TABULAR_ALGOS or (len({t.action for t in self.transitions}) == self.domain.n_actions
+                                                    and not all(t.done for t in self.transitions) and bool(self.recent))
 
     def examples(self, kind: str, action: Optional[int], done: Optional[bool], attempt: int) -> list[str]:
         """The clipped, ordered examples of one prompt, seeded by (seed, step, kind, action, done, attempt)."""
@@ -1075,20 +1074,24 @@ class Agent:
             self._examples[key] = clip_examples(ex, self.budget, self.model.count_tokens)
         return self._examples[key]
 
-    def build(self, kind, item, attempt) -> tuple[str, list[str]]:
+    def request(self, kind: str, item: dict, attempt: int) -> Request:
+        """The examples, then the query; a prompt without examples is the query alone (the original)."""
         d, h, policy = self.domain, self.args.hints, kind == "policy"
         q = policy_query(d, item["state"], h) if policy else query_text(d, item["state"], item["action"], h)
-        ex = self.examples(kind, None if policy else item["action"], item.get("done") if kind == "reward" else None,
-                           attempt)
-        return "".join(ex) + q, ex
+        action = None if policy else item["action"]
+        ex = "".join(self.examples(kind, action, item.get("done") if kind == "reward" else None, attempt))
+        seed = prompt_seed(self.args.seed, self.real_step, KINDS[kind], -1 if action is None else action, attempt, 7)
+        # original: the no-argmax policy (rl/model.py Pi) samples at temperature 0
+        temperature = 0.0 if policy and self.args.algo == "no-argmax" else self.args.temperature
+        return Request(ex + q, seed, ex, d.stops[kind], temperature)
 
     def predict(self, kind: str, items: list[dict]) -> list:
         """Validated predictions for queries of one kind; None = invalid after all attempts, NO_MATCH = the
-        matching model found nothing. A prompt without examples is sent as the query alone (the original)."""
+        matching model found nothing."""
         if self.structured:
             out = []
             for it in items:
-                self.stats.prompt_tokens += self.model.count_tokens(self.build(kind, it, 0)[0])
+                self.stats.prompt_tokens += self.model.count_tokens(self.request(kind, it, 0).prompt)
                 out.append(self.model.answer(kind, it["state"], it.get("action"), it.get("done"), self))
                 self.stats.no_match += out[-1] is NO_MATCH
             self.stats.calls += len(items)
@@ -1096,21 +1099,12 @@ class Agent:
             return out
         results: list = [None] * len(items)
         pending = list(range(len(items)))
-        # original: the no-argmax policy (rl/model.py Pi) samples at temperature 0
-        temperature = 0.0 if kind == "policy" and self.args.algo == "no-argmax" else self.args.temperature
         for attempt in range(self.args.attempts):
-            reqs = []
-            for i in pending:
-                prompt, ex = self.build(kind, items[i], attempt)
-                act = items[i].get("action")
-                seed = prompt_seed(self.args.seed, self.real_step, KINDS[kind], -1 if act is None else act, attempt, 7)
-                reqs.append(Request(prompt, seed, "".join(ex), self.domain.stops[kind], temperature))
-            for i, text in zip(list(pending), self.complete(reqs) if reqs else []):
+            texts = self.complete([self.request(kind, items[i], attempt) for i in pending])
+            for i, text in zip(pending, texts):
                 results[i] = None if text is None else parse_completion(self.domain, kind, text)
-                if results[i] is None:
-                    self.stats.invalid += 1
-                else:
-                    pending.remove(i)
+                self.stats.invalid += results[i] is None
+            pending = [i for i in pending if results[i] is None]
         self.stats.fallbacks += len(pending)
         return results
 

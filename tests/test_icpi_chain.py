@@ -203,8 +203,8 @@ def test_tabular_q_warmup_counts_every_episode():
 
 def test_reward_prompt_without_examples_sends_the_query_alone():
     a = agent_with(ic.Chain(), [[T((3,), 2, 0, False, (4,)), T((4,), 1, 1, True, (4,))]])
-    prompt, ex = a.build("reward", {"state": (5,), "action": 2, "done": True}, 0)
-    assert ex == [] and prompt == "assert state == [5] and state != [4]\nstate = right()\n"
+    r = a.request("reward", {"state": (5,), "action": 2, "done": True}, 0)
+    assert r.prefix == "" and r.prompt == "assert state == [5] and state != [4]\nstate = right()\n"
 
 
 def test_clipping_keeps_the_latest_examples():
@@ -220,13 +220,13 @@ def test_clipping_keeps_the_latest_examples():
 def test_prompt_order_depends_on_step_kind_action_only():
     eps = [[T((s,), a, 0, False, (s,)) for s in range(8) for a in (0, 2)] + [T((4,), 1, 1, True, (4,))]]
     a = agent_with(ic.Chain(), eps)
-    p1, ex1 = a.build("done", {"state": (5,), "action": 2}, 0)
-    p2, ex2 = a.build("done", {"state": (1,), "action": 2}, 0)
-    assert ex1 == ex2 and p1 != p2                              # same examples, same order in a step
+    r1, r2 = (a.request("done", {"state": (s,), "action": 2}, 0) for s in (5, 1))
+    assert r1.prefix == r2.prefix and r1.prompt != r2.prompt    # same examples, same order in a step
+    ex1 = a.examples("done", 2, None, 0)
     a.real_step, a._examples = 1, {}
-    _, ex3 = a.build("done", {"state": (5,), "action": 2}, 0)
+    ex3 = a.examples("done", 2, None, 0)
     assert sorted(ex3) == sorted(ex1) and ex3 != ex1
-    assert a.build("done", {"state": (5,), "action": 2}, 1)[1] != ex3  # a retry reshuffles
+    assert a.examples("done", 2, None, 1) != ex3                # a retry reshuffles
 
 
 def test_tabular_q_update_terminal_and_timeout():
