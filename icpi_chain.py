@@ -25,7 +25,6 @@ import itertools
 import json
 import math
 import os
-import random
 import re
 import shutil
 import signal
@@ -1299,42 +1298,36 @@ def check_invalid(totals: StepStats, malformed: int, args: Args, model_name: str
 
 def main(args: Args) -> None:
     check_args(args)
-    domain = make_domain(args.env)
-    uses_model = args.algo != "tabular-q"
-    language_model = uses_model and args.model not in ("oracle", "matching")
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
-    random.seed(args.seed)
-    np.random.seed(args.seed)
+    domain = make_domain(args.env)
+    uses_model = args.algo != "tabular-q"
+    language_model = uses_model and args.model not in ("oracle", "matching")
     rng, env_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed)  # the agent's draws; the env's
     model_rng = np.random.default_rng(args.seed + 1)  # the oracle's distractor draws
-    model = make_backend(args, domain, model_rng) if uses_model else None
+    advice_rng = np.random.default_rng(args.seed + 2)  # llm-advisor's coin: tabular-q's draws stay as they are
+    model = make_backend(args, domain, model_rng) if uses_model else OracleModel(domain, model_rng)  # unused
     cache = CompletionCache(args.cache, model.name) if language_model and not args.no_cache else None
-    agent = Agent(domain, model if model is not None else OracleModel(domain, model_rng), args, rng, cache)
+    agent = Agent(domain, model, args, rng, cache)
     malformed = lambda: getattr(model, "malformed", 0)  # noqa: E731
 
-    run_name = os.path.basename(run_dir := unique_run_dir(f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"))
+    run_dir = unique_run_dir(f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}")
     writer = SummaryWriter(run_dir)
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(
         f"|{k}|{v}|" for k, v in {**vars(args), "prompt_budget": agent.budget,
                                   "model_used": args.model if uses_model else "none"}.items()))
-    state = start_state = domain.reset(env_rng)
-    episode: list[Transition] = []
-    regrets: list[float] = []
-    start_time = time.time()
-    bar = tqdm(total=args.total_steps, unit="step", disable=None, dynamic_ncols=True)
-    totals = StepStats()
-    used = by_coin = not_ready = 0  # why the model was not used: the warm-up coin, or prompts not ready yet
-    # original: the warm-up probability is computed once per episode
-    p_model = warmup_probability(agent.warmup_count(), args.min_successes)
     advisor, shaped = args.algo == "llm-advisor", args.algo == "llm-reward"
-    advice_rng = np.random.default_rng(args.seed + 2)  # llm-advisor's coin: tabular-q's draws stay as they are
-    p_advice = advice_probability(args.advice_prob, args.advice_decay, 0) if advisor else 0.0
-    advised: list = []  # (state, advised action) of every step that followed the advice
-    phis: list = []     # llm-reward: Phi(s) of every step
+    state = start_state = domain.reset(env_rng)
+    episode, regrets, advised, phis = [], [], [], []  # advised: (state, action) of each step that took the advice
+    used = by_coin = not_ready = 0  # why the model was not used: the warm-up coin, or prompts not ready yet
+    totals, start_time = StepStats(), time.time()
+    bar = tqdm(total=args.total_steps, unit="step", disable=None, dynamic_ncols=True)
     try:
         for step in range(args.total_steps):
+            if not episode:  # original: the warm-up probability is computed once per episode
+                p_model = warmup_probability(agent.warmup_count(), args.min_successes)
+                p_advice = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
             t0 = time.time()
             agent.real_step, agent.stats = step, StepStats()
             coin, ready = rng.random(), agent.ready()
@@ -1380,17 +1373,15 @@ def main(args: Args) -> None:
                 regret, opt = normalised_regret(domain, start_state, rewards)
                 ret = discounted(rewards, domain.log_gamma)
                 regrets.append(regret)
-                agent.add_episode(Episode(list(episode)))
+                agent.add_episode(Episode(episode))
                 for tag, v in (("episodic_return", sum(rewards)), ("discounted_return", ret), ("optimal_return", opt),
                                ("regret", regret), ("episodic_length", len(episode))):
                     writer.add_scalar(f"charts/{tag}", v, step)
-                bar.write(f"step {step + 1}: episode {len(agent.episodes)} return {sum(rewards)} (discounted {ret:.3f}, "
-                          f"optimal {opt:.3f}) regret {regret:.3f} length {len(episode)}{' (time-out)' if truncated else ''}")
+                bar.write(f"step {step + 1}: episode {len(agent.episodes)} return {sum(rewards)} (discounted "
+                          f"{ret:.3f}, optimal {opt:.3f}) regret {regret:.3f} length {len(episode)}"
+                          f"{' (time-out)' if truncated else ''}")
                 episode = []
                 state = start_state = domain.reset(env_rng)
-                p_model = warmup_probability(agent.warmup_count(), args.min_successes)
-                if advisor:
-                    p_advice = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
             bar.update(1)
             bar.set_postfix(calls=s.calls, hits=s.cache_hits, inv=s.invalid,
                             regret=f"{np.mean(regrets[-8:]):.2f}" if regrets else "-")
@@ -1403,17 +1394,18 @@ def main(args: Args) -> None:
         bar.close()
         writer.close()
     elapsed, who = time.time() - start_time, "the Q table" if args.algo in TABULAR_ALGOS else "the model"
-    print(f"{run_name}: {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last {min(8, len(regrets))} "
-          f"episodes {np.mean(regrets[-8:]) if regrets else float('nan'):.3f}; "
+    print(f"{os.path.basename(run_dir)}: {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last "
+          f"{min(8, len(regrets))} episodes {np.mean(regrets[-8:]) if regrets else float('nan'):.3f}; "
           f"{f'advice followed at {len(advised)} steps; ' if advisor else ''}{who} chose {used} of {args.total_steps} "
           f"actions (random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready); model calls "
-          f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits} ({totals.replayed} recorded by an "
-          f"earlier run), invalid {totals.invalid}, fallbacks {totals.fallbacks}; {elapsed:.1f} s")
+          f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits} ({totals.replayed} recorded by "
+          f"an earlier run), invalid {totals.invalid}, fallbacks {totals.fallbacks}; {elapsed:.1f} s")
     if totals.replayed:
         print(f"note: {totals.replayed} answers were replayed from the completion cache {args.cache} (recorded by an "
               "earlier run with the same flags): they took no model time.")
     if advisor:
-        print(f"advice: p_t from {args.advice_prob:g} down to {p_advice:.3g}; agreed with the final greedy policy at "
+        p_last = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
+        print(f"advice: p_t from {args.advice_prob:g} down to {p_last:.3g}; agreed with the final greedy policy at "
               f"{agree:.1%} of the advised steps, with an optimal action at {optimal:.1%}")
     if shaped:
         values = [v for k, v in agent.judgements.items() if k[0] == "potential" and v is not None] or [float("nan")]
