@@ -597,14 +597,13 @@ class HFBackend:
     def _complete_prefixed(self, r: Request) -> tuple[str, int]:
         """Sample on top of the cached KV of the examples (built once, LRU of 32), then crop the cache back."""
         torch, stop = self.torch, r.stop
-        entry = self._prefixes.pop(r.prefix, None)
-        if entry is None:
-            p = self._ids(r.prefix)
-            entry = (self._forward(p).past_key_values, len(p))
-            if len(self._prefixes) >= 32:
-                self._prefixes.pop(next(iter(self._prefixes)))
-        self._prefixes[r.prefix] = entry
-        cache, n = entry
+        cache = self._prefixes.pop(r.prefix, None)
+        if cache is None:
+            cache = self._forward(self._ids(r.prefix)).past_key_values
+        if len(self._prefixes) >= 32:  # the least recently used goes
+            self._prefixes.pop(next(iter(self._prefixes)))
+        self._prefixes[r.prefix] = cache
+        n = cache.get_seq_length()
         nxt = self._forward(self._ids(r.prompt[len(r.prefix):]), cache).logits[0, -1].float()
         gen = torch.Generator().manual_seed(r.seed % (2 ** 63))
         out_ids, text = [], ""
@@ -878,12 +877,6 @@ def query_text(domain, state, action, hints=True) -> str:
     """The query of the done, reward and next-state prompts: the state and the action."""
     return domain.state_text(state, hints) + domain.action_text(action)
 
-def policy_example(domain, transitions, hints=True) -> str:
-    return domain.header + "".join(domain.step_text(t, hints) for t in transitions)
-
-def policy_query(domain, state, hints=True) -> str:
-    return domain.header + domain.state_text(state, hints)
-
 def balanced(groups: list[list], rng: np.random.Generator) -> list:
     """Bring every non-empty group to the size of the largest by repeating randomly chosen members
     (shuffle, cycle), interleave them, shuffle the result (the original's Q.balance)."""
@@ -892,8 +885,7 @@ def balanced(groups: list[list], rng: np.random.Generator) -> list:
         rng.shuffle(g)
     n = max((len(g) for g in groups), default=0)
     out = [g[k % len(g)] for k in range(n) for g in groups]
-    if out:
-        rng.shuffle(out)
+    rng.shuffle(out)
     return out
 
 def shuffled(items: list, rng: np.random.Generator) -> list:
@@ -917,14 +909,12 @@ def next_examples(domain, episodes, action, rng, balance=True, hints=True,
                   successful: Optional[Callable] = None) -> list[str]:
     """Non-terminal transitions with the queried action; with `successful` (no-argmax) and balancing,
     balanced between the steps of successful and unsuccessful episodes."""
-    def steps(eps):
-        return [t for e in eps for t in e.transitions if t.action == action and not t.done]
+    def steps(win: Optional[bool]):  # of the successful (True) or unsuccessful (False) episodes, or of all (None)
+        return [t for e in episodes if win is None or successful(e.transitions) == win
+                for t in e.transitions if t.action == action and not t.done]
 
-    if balance and successful is not None:
-        chosen = balanced([steps([e for e in episodes if successful(e.transitions)]),
-                           steps([e for e in episodes if not successful(e.transitions)])], rng)
-    else:
-        chosen = shuffled(steps(episodes), rng)
+    chosen = (balanced([steps(True), steps(False)], rng) if balance and successful is not None
+              else shuffled(steps(None), rng))
     return [query_text(domain, t.state, t.action, hints) + domain.state_text(t.next_state, hints) + "\n"
             for t in chosen]
 
@@ -935,7 +925,7 @@ def policy_examples(domain, episodes, rng, hints=True, successful: Optional[Call
             for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2)]
     if successful is not None:
         subs = [s for s in subs if successful(s)]
-    return [policy_example(domain, s, hints) for s in shuffled(subs, rng)]
+    return [domain.header + "".join(domain.step_text(t, hints) for t in s) for s in shuffled(subs, rng)]
 
 def clip_examples(examples: list[str], budget: int, count_tokens: Callable[[str], int]) -> list[str]:
     """Keep the latest examples whose tokens fit in `budget` (original: cut at a token, mid-example)."""
@@ -1076,7 +1066,7 @@ class Agent:
     def request(self, kind: str, item: dict, attempt: int) -> Request:
         """The examples, then the query; a prompt without examples is the query alone (the original)."""
         d, h, policy = self.domain, self.args.hints, kind == "policy"
-        q = policy_query(d, item["state"], h) if policy else query_text(d, item["state"], item["action"], h)
+        q = d.header + d.state_text(item["state"], h) if policy else query_text(d, item["state"], item["action"], h)
         action = None if policy else item["action"]
         ex = "".join(self.examples(kind, action, item.get("done") if kind == "reward" else None, attempt))
         seed = prompt_seed(self.args.seed, self.real_step, KINDS[kind], -1 if action is None else action, attempt, 7)
@@ -1153,20 +1143,18 @@ class Agent:
         alive = list(range(n))
         valid = lambda v: v is not None and v is not NO_MATCH  # noqa: E731
         for t in range(d.horizon):
-            for i, dn in zip(list(alive), self.predict("done", [cur[i] for i in alive])):
+            for i, dn in zip(alive, self.predict("done", [cur[i] for i in alive])):
                 cur[i]["done"] = dn
-                if not valid(dn):
-                    alive.remove(i)
+            alive = [i for i in alive if valid(cur[i]["done"])]
             for i, r in zip(list(alive), self.predict("reward", [cur[i] for i in alive])):
                 q[i] += d.gamma ** t * r if valid(r) else 0
                 if not valid(r) or cur[i]["done"]:
                     alive.remove(i)
             if t == d.horizon - 1 or not alive:  # the original also predicts the next state and action; unused
                 break
-            for i, s in zip(list(alive), self.predict("next", [cur[i] for i in alive])):
+            for i, s in zip(alive, self.predict("next", [cur[i] for i in alive])):
                 cur[i] = {"state": s}
-                if not valid(s):
-                    alive.remove(i)
+            alive = [i for i in alive if valid(cur[i]["state"])]
             for i, a in zip(list(alive), self.predict("policy", [cur[i] for i in alive])):
                 if a is NO_MATCH:
                     alive.remove(i)

@@ -187,7 +187,7 @@ def test_no_argmax_uses_successful_episodes_only():
     assert a.ready() and a.warmup_count() == 1
     ex = a.examples("policy", None, None, 0)
     # only the successful sub-trajectories of the successful episode (those ending on the reward)
-    assert sorted(ex) == sorted([ic.policy_example(chain, win), ic.policy_example(chain, win[1:])])
+    assert sorted(ex) == sorted(chain.header + "".join(map(chain.step_text, sub)) for sub in (win, win[1:]))
     b = agent_with(chain, [fail, win])                          # icpi: every recent episode
     assert b.warmup_count() == 2 and len(b.examples("policy", None, None, 0)) == 6 + 3
 

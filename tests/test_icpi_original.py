@@ -227,7 +227,7 @@ def test_prompts_match_the_original(name, k):
 
     p = fx["policy"]
     state = to_state(name, p["query_transition"]["state"])
-    assert ic.policy_query(d, state) == p["query"]
+    assert d.header + d.state_text(state) == p["query"]
     assert p["stop"] == [d.stops["policy"]]
     ours = ic.policy_examples(d, episodes, rng)
     theirs = [expected_policy_text(name, ex) for ex in p["examples"]]
