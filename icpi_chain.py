@@ -1,13 +1,12 @@
 """In-Context Policy Iteration (ICPI): a frozen language model learns an RL task through its prompt.
 
-Brooks, Walls, Lewis, Singh, "Large Language Models Can Implement Policy Iteration" (arXiv 2210.03821).
-At every real step, for each action a, the model simulates one rollout that starts with a (predicting done,
-reward, next state and next action from prompts of the agent's own experience); Q(s, a) is the discounted sum
-of the simulated rewards and the agent acts greedily. Six domains with exact optimal returns (every episode
-reports its regret); texts, prompts and rules are the original's (ethanabrooks/icpi d5c8ef7), checked byte for
-byte by tests/test_icpi_original.py; departures are marked "original:". Baselines: `--algo tabular-q`,
-`no-argmax`; `llm-advisor` / `llm-reward` are tabular-q with the model's advice or potential-based shaping.
-`--model oracle` is NOT a language model (the true environment: an upper bound); `matching` is the paper's.
+Brooks, Walls, Lewis, Singh, "Large Language Models Can Implement Policy Iteration" (arXiv 2210.03821). At
+every real step the model simulates one rollout per action a (done, reward, next state, next action, from prompts
+of the agent's own experience); Q(s, a) is its discounted return and the agent acts greedily. The six domains,
+texts, prompts and rules are the original's (ethanabrooks/icpi d5c8ef7, checked byte for byte by
+tests/test_icpi_original.py; departures marked "original:"). Baselines: `--algo tabular-q`, `no-argmax`,
+`--model matching`; `--model oracle` is NOT a language model (the true environment: an upper bound).
+`llm-advisor` / `llm-reward` are tabular-q with the model's advice or potential-based shaping.
 
     python icpi_chain.py --env chain --model oracle --total-steps 60
     python icpi_chain.py --env chain --total-steps 40                 # SmolLM2 on CPU, slow
@@ -127,7 +126,8 @@ def check_args(args: Args) -> None:
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", args.exp_name) or args.exp_name in (".", ".."):
         fail(f"--exp-name must be a plain name of 1 to 64 letters, digits, '.', '_' or '-', got {args.exp_name!r}.")
     if args.model not in ("smollm2", "oracle", "matching") and not re.fullmatch(r"(?s)(hf|openai):.+", args.model):
-        fail(f"unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, openai:<model>, matching or oracle.")
+        fail(f"unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, openai:<model>, matching or "
+             "oracle.")
     if args.model.startswith("hf:") and args.model.endswith(".gguf") and not os.path.isfile(args.model[3:]):
         fail(f"GGUF file '{args.model[3:]}' does not exist.")
     if args.algo in ("llm-advisor", "llm-reward") and args.model == "matching":
@@ -208,10 +208,10 @@ def search_optimal_return(domain: Domain, state, steps_left: int, gamma: float) 
 
     return v(state, steps_left)
 
-def optimal_action_values(domain: Domain, state, steps_left: int) -> list[float]:
-    """Q*(state, a) with `steps_left` steps to go, discounted by the domain's gamma."""
-    return [r + (0.0 if term or steps_left <= 1 else domain.gamma * search_optimal_return(domain, s2, steps_left - 1,
-                                                                                          domain.gamma))
+def optimal_action_values(domain: Domain, state) -> list[float]:
+    """Q*(state, a) within the longest episode, discounted by the domain's gamma."""
+    k = domain.max_episode - 1
+    return [r + (0.0 if term else domain.gamma * search_optimal_return(domain, s2, k, domain.gamma))
             for s2, r, term in (domain.step(state, a, None) for a in range(domain.n_actions))]
 
 class Chain(Domain):
@@ -253,7 +253,8 @@ class DistractorChain(Chain):
     """The chain with a second number that is redrawn uniformly at every step and means nothing."""
     name = "distractor-chain"
     width = 2
-    task = Chain.task + " The second number of the state is random noise that changes at every step and does not matter."
+    task = (Chain.task + " The second number of the state is random noise that changes at every step and does not "
+            "matter.")
 
     def reset(self, rng):
         return (int(rng.integers(self.n_states)), int(rng.integers(self.n_states)))
@@ -479,8 +480,7 @@ def prompt_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([p + 1 for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 class CompletionCache:
-    """SQLite map from (model, prompt, stop, temperature, max tokens, seed, candidates) to a completion at a plain
-    file path. Runs may share it (a writer waits up to a minute); a file that is not such a cache is refused."""
+    """SQLite map from (model, request) to a completion, at a plain file path; runs may share it."""
 
     TABLE, TIMEOUT = "completions", 60.0
 
@@ -498,7 +498,8 @@ class CompletionCache:
             tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if tables and self.TABLE not in tables:
                 self.fail("is another program's SQLite database, not a completion cache; give another --cache path")
-            self.db.execute(f"CREATE TABLE IF NOT EXISTS {self.TABLE} (key TEXT PRIMARY KEY, completion TEXT, tokens INT)")
+            self.db.execute(f"CREATE TABLE IF NOT EXISTS {self.TABLE} (key TEXT PRIMARY KEY, completion TEXT, "
+                            "tokens INT)")
         except sqlite3.DatabaseError as e:
             self.error(e)
         except OSError as e:
@@ -541,8 +542,7 @@ class Request:
     temperature: float = 0.1
 
 class HFBackend:
-    """A transformers causal LM in this process. The key/value cache of a prompt's examples is reused by every
-    query on top of them; prompts without examples run as one batched, left-padded call."""
+    """A transformers causal LM: queries reuse their examples' key/value cache; prompts without examples batch."""
 
     def __init__(self, spec: str, args: Args):
         import torch
@@ -646,7 +646,8 @@ class HFBackend:
         ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=self.device)
         mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device)
         with torch.inference_mode():
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+            logits = self.model(input_ids=ids, attention_mask=mask,
+                                position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
         self.forward_tokens += int(ids.numel())
         logp = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
         return [float(logp[k, width - 1 - len(c_ids):].sum()) for k, c_ids in enumerate(spans)]
@@ -675,8 +676,7 @@ def hf_load_error(spec: str, e: Exception) -> None:
              f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}")
 
 def convert_gguf_once(folder: str, gguf: str) -> str:
-    """Dequantising a GGUF is slow on a CPU: do it once into ~/.cache/icpi_chain/<stem>-<size>/ (safetensors and
-    tokenizer, written to a temporary folder and renamed), loaded directly afterwards."""
+    """Dequantise a GGUF (slow on a CPU) once, atomically, into ~/.cache/icpi_chain/<stem>-<size>/."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = os.path.join(folder, gguf)
@@ -699,8 +699,7 @@ def convert_gguf_once(folder: str, gguf: str) -> str:
     return cached
 
 def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[int, str, dict, bytes]:
-    """POST `body`; (status, reason, headers, reply bytes), all within `deadline` seconds: a watchdog shuts the
-    socket down at the deadline, so a server that trickles its reply cannot hold the request open."""
+    """(status, reason, headers, body) of a POST, all within `deadline` seconds (a watchdog shuts the socket)."""
     u = urllib.parse.urlsplit(url)
     conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(
         u.hostname, u.port, timeout=deadline)
@@ -750,8 +749,7 @@ def parse_reply(status: int, reason: str, headers: dict, data: bytes, stop: str)
         raise ValueError(f"{where}, {type(e).__name__}: {str(e)[:80]}") from None
 
 class OpenAIBackend:
-    """The /completions endpoint of an OpenAI-compatible server: concurrent requests, a deadline per request,
-    retries with exponential backoff. A reply that is not a well-formed completion counts as invalid."""
+    """An OpenAI-compatible server's /completions: concurrent requests, each with a deadline and retries."""
 
     def __init__(self, spec: str, args: Args):
         self.model_name, self.name, self.args = spec[len("openai:"):], spec, args
@@ -803,8 +801,7 @@ class OpenAIBackend:
 NO_MATCH = object()  # a structured model's "no answer": the rollout ends there
 
 class OracleModel:
-    """NOT a language model: answers every prediction from the true environment, and the policy
-    prediction with the optimal action (Q* by search). ICPI with it is an upper bound."""
+    """NOT a language model: the true environment, and an optimal action as the policy (an upper bound)."""
     name = "oracle"
     count_tokens = staticmethod(simple_token_count)
 
@@ -814,20 +811,16 @@ class OracleModel:
     def answer(self, kind, state, action, done=None, agent=None):
         d = self.domain
         if kind == "policy":
-            q = optimal_action_values(d, state, d.max_episode)
+            q = optimal_action_values(d, state)
             return int(self.rng.choice(np.flatnonzero(np.isclose(q, max(q)))))
         s2, r, term = d.step(state, action, self.rng)
         return {"done": term, "reward": r, "next": s2}[kind]
 
 class MatchingModel:
-    """The paper's Matching Model: each prediction is the most recent exact match in the buffer, of (state,
-    action) for done, reward and next state (none: the rollout ends), of the state for the action (none: a
-    random action). original: the action look-up compared a text to a state and never matched."""
+    """The paper's Matching Model: the most recent exact match in the buffer of (state, action), or of the state
+    for the action. original: the action look-up compared a text to a state and never matched."""
     name = "matching"
     count_tokens = staticmethod(simple_token_count)
-
-    def __init__(self, domain, rng):
-        self.domain = domain
 
     def answer(self, kind, state, action, done=None, agent=None):
         for t in reversed(agent.transitions):
@@ -840,7 +833,7 @@ class MatchingModel:
 
 def make_backend(args: Args, domain: Domain, rng: np.random.Generator):
     if args.model in ("oracle", "matching"):
-        return (OracleModel if args.model == "oracle" else MatchingModel)(domain, rng)
+        return OracleModel(domain, rng) if args.model == "oracle" else MatchingModel()
     return OpenAIBackend(args.model, args) if args.model.startswith("openai:") else HFBackend(args.model, args)
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -864,8 +857,7 @@ def query_text(domain, state, action, hints=True) -> str:
     return domain.state_text(state, hints) + domain.action_text(action)
 
 def balanced(groups: list[list], rng: np.random.Generator) -> list:
-    """Bring every non-empty group to the size of the largest by repeating randomly chosen members
-    (shuffle, cycle), interleave them, shuffle the result (the original's Q.balance)."""
+    """The original's Q.balance: each non-empty group shuffled and cycled to the largest's size, interleaved."""
     groups = [list(g) for g in groups if g]
     for g in groups:
         rng.shuffle(g)
@@ -893,8 +885,7 @@ def reward_examples(domain, transitions, action, done, rng, balance=True, hints=
 
 def next_examples(domain, episodes, action, rng, balance=True, hints=True,
                   successful: Optional[Callable] = None) -> list[str]:
-    """Non-terminal transitions with the queried action; with `successful` (no-argmax) and balancing,
-    balanced between the steps of successful and unsuccessful episodes."""
+    """Non-terminal steps with the action (no-argmax: balanced between successful and unsuccessful episodes)."""
     def steps(win: Optional[bool]):  # of the successful (True) or unsuccessful (False) episodes, or of all (None)
         return [t for e in episodes if win is None or successful(e.transitions) == win
                 for t in e.transitions if t.action == action and not t.done]
@@ -905,8 +896,7 @@ def next_examples(domain, episodes, action, rng, balance=True, hints=True,
             for t in chosen]
 
 def policy_examples(domain, episodes, rng, hints=True, successful: Optional[Callable] = None) -> list[str]:
-    """Every contiguous sub-trajectory [start:stop] of the episodes (with `successful`: only the
-    successful ones), shuffled."""
+    """Every contiguous sub-trajectory of the episodes (no-argmax: the successful ones), shuffled."""
     subs = [ep.transitions[i:j] for ep in episodes
             for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2)]
     if successful is not None:
@@ -973,8 +963,7 @@ class StepStats:
     no_match: int = 0           # matching model: rollouts ended for want of a match
 
 def parse_completion(domain, kind, completion):
-    """The value of a completion (the text before the stop string), or None unless it is exactly the canonical
-    text of a value (original: looser checks, e.g. `assert done and more` passed)."""
+    """The value whose text the completion is exactly, else None (original: looser, `assert done and more` too)."""
     text = completion + domain.stops[kind]
     if kind == "next":
         return domain.parse_state(text)
@@ -1028,9 +1017,8 @@ class Agent:
         return self.n_successes if self.args.algo in TABULAR_ALGOS else len(self.recent)
 
     def ready(self) -> bool:
-        """The original's Q.ready(): every action has a done and a reward example, some action a next-state
-        example, and the policy prompt an example (no-argmax keeps successful episodes only: each is one of its
-        own). The tabular learners need nothing."""
+        """The original's Q.ready(): every action has a done and reward example, some action a next-state example,
+        the policy prompt an episode (no-argmax: a successful one). The tabular learners need nothing."""
         return self.args.algo in TABULAR_ALGOS or (len({t.action for t in self.transitions}) == self.domain.n_actions
                                                     and not all(t.done for t in self.transitions) and bool(self.recent))
 
@@ -1061,8 +1049,7 @@ class Agent:
         return Request(ex + q, seed, ex, d.stops[kind], temperature)
 
     def predict(self, kind: str, items: list[dict]) -> list:
-        """Validated predictions for queries of one kind; None = invalid after all attempts, NO_MATCH = the
-        matching model found nothing."""
+        """Validated predictions; None: invalid after all attempts, NO_MATCH: the matching model found nothing."""
         if self.structured:
             out = []
             for it in items:
@@ -1120,9 +1107,8 @@ class Agent:
         return out
 
     def q_values(self, state) -> np.ndarray:
-        """One simulated rollout per action, in lockstep: per simulated step a batch of done predictions, then
-        reward, next state and next action. A rollout ends at a predicted done, at the horizon, or where a
-        prediction stays invalid (partial return); an action that stays invalid is random (the original)."""
+        """One simulated rollout per action, in lockstep batches (done, reward, next state, action); it ends at a
+        done, the horizon or an invalid prediction (partial return); an invalid action is random (the original)."""
         d, n = self.domain, self.domain.n_actions
         q = np.zeros(n)
         cur = [{"state": state, "action": a} for a in range(n)]
@@ -1148,21 +1134,21 @@ class Agent:
                     cur[i]["action"] = int(self.rng.integers(n)) if a is None else a
         return q
 
+    def q_row(self, state) -> list[float]:
+        return [self.q_table.get((state, a), self.args.q_init) for a in range(self.domain.n_actions)]
+
     def act(self, state) -> int:
         self._examples = {}
         if self.args.algo in TABULAR_ALGOS:
-            return argmax_random([self.q_table.get((state, a), self.args.q_init) for a in range(self.domain.n_actions)],
-                                 self.rng)
+            return argmax_random(self.q_row(state), self.rng)
         if self.args.algo == "no-argmax":
             a = self.predict("policy", [{"state": state}])[0]
             return int(self.rng.integers(self.domain.n_actions)) if a is None or a is NO_MATCH else a
         return argmax_random(self.q_values(state), self.rng)
 
     def tabular_update(self, t: Transition, shaping: float = 0.0) -> None:
-        """Q(s, a) <- r + F + gamma max_a' Q(s', a') (learning rate 1, untried pairs at --q-init; F: llm-reward's
-        bonus); no bootstrap after a terminal step (original: done = False always); a time-out bootstraps."""
-        nxt = 0.0 if t.done else max(self.q_table.get((t.next_state, b), self.args.q_init)
-                                     for b in range(self.domain.n_actions))
+        """Q(s, a) <- r + F + gamma max Q(s', .), rate 1, F: llm-reward's bonus (original: bootstraps if terminal)."""
+        nxt = 0.0 if t.done else max(self.q_row(t.next_state))
         self.q_table[(t.state, t.action)] = t.reward + shaping + self.domain.gamma * nxt
 
     def advice(self, state) -> Optional[int]:
@@ -1174,8 +1160,7 @@ class Agent:
         return 0.0 if value is None else self.args.shaping_scale * value
 
     def judge(self, kind: str, state):
-        """One judgement, asked at most once per run for each (kind, prompt): advice -> an action index, potential
-        -> a log-odds (oracle: the optimal action and V*). None = invalid after --attempts tries, a fallback."""
+        """Once per (kind, prompt) and run: an action index or a log-odds (oracle: V*); None: invalid, a fallback."""
         if self.structured:  # the oracle (matching is refused before any work)
             if (kind, state) not in self.judgements:
                 self.stats.calls += 1
@@ -1210,8 +1195,7 @@ class Agent:
         return int(np.argmax(scores)) if kind == "advice" else float(scores[0] - scores[1])
 
     def _sampled_judgement(self, kind: str, prompt: str):
-        """openai: sample and validate (--attempts tries, through the completion cache); a valid Yes / No is the
-        log-odds +-log 2 (one sample, add-one estimate)."""
+        """openai: sample and validate (--attempts tries); Yes / No is the log-odds +-log 2 (add-one estimate)."""
         for attempt in range(self.args.attempts):
             text = self.complete([Request(prompt, prompt_seed(attempt, 14), "", "\n", self.args.temperature)])[0]
             value = None if text is None else parse_judgement(self.domain, kind, text)
@@ -1230,23 +1214,17 @@ def advice_probability(advice_prob: float, advice_decay: float, episodes: int) -
     return advice_prob * advice_decay ** episodes
 
 def shaping_bonus(phi_s: float, phi_next: float, gamma: float, terminal: bool) -> float:
-    """Potential-based shaping F = gamma Phi(s') - Phi(s) (Ng, Harada and Russell 1999), with Phi = 0 at a
-    terminal next state, so the optimal policy is unchanged; a time-out is not terminal and keeps Phi(s').
-    With learning rate 1 shaping equals starting Q at q_init + Phi(s) (Wiewiora 2003)."""
+    """F = gamma Phi(s') - Phi(s), Phi = 0 when terminal (a time-out is not): the optimal policy stays (Ng, Harada
+    and Russell 1999); with learning rate 1 it equals starting Q at q_init + Phi(s) (Wiewiora 2003)."""
     return gamma * (0.0 if terminal else phi_next) - phi_s
 
 def greedy_actions(q: list[float]) -> set:
     """The argmax set of a state's Q values (ties kept; floats compared with isclose)."""
     return set(np.flatnonzero(np.isclose(q, max(q))).tolist())
 
-def advice_agreement(advised: list, q_table: dict, n_actions: int, q_init: float = 1.0) -> float:
-    """Fraction of the advised (state, action) steps greedy under `q_table`; nan when none were advised."""
-    hits = [a in greedy_actions([q_table.get((s, b), q_init) for b in range(n_actions)]) for s, a in advised]
-    return float(np.mean(hits)) if hits else float("nan")
-
-def advice_optimality(domain: Domain, advised: list) -> float:
-    """Fraction of the advised (state, action) steps whose action is optimal; nan when none were advised."""
-    hits = [a in greedy_actions(optimal_action_values(domain, s, domain.max_episode)) for s, a in advised]
+def advice_agreement(advised: list, values: Callable) -> float:
+    """Fraction of the advised (state, action) steps greedy under values(state); nan when none were advised."""
+    hits = [a in greedy_actions(values(s)) for s, a in advised]
     return float(np.mean(hits)) if hits else float("nan")
 
 def unique_run_dir(base: str) -> str:
@@ -1262,8 +1240,7 @@ def unique_run_dir(base: str) -> str:
             sys.exit(f"error: cannot create the run folder {path} ({e.strerror}).")
 
 def check_invalid(totals: StepStats, malformed: int, args: Args, model_name: str, final: bool = False) -> None:
-    """Stop with one sentence when too many answers were invalid (the agent would mostly act at random), or
-    at the end when every reply of the server was malformed."""
+    """Stop when too many answers were invalid, or at the end when every reply of the server was malformed."""
     answers = totals.calls + totals.cache_hits
     if (answers >= 20 and totals.invalid > args.max_invalid * answers) or (final and 0 < totals.calls <= malformed):
         sys.exit(f"error: {totals.invalid} of {answers} answers from {model_name} were invalid ({malformed} replies "
@@ -1360,8 +1337,8 @@ def main(args: Args) -> None:
             bar.set_postfix(calls=s.calls, hits=s.cache_hits, inv=s.invalid,
                             regret=f"{np.mean(regrets[-8:]):.2f}" if regrets else "-")
         if advisor:
-            agree = advice_agreement(advised, agent.q_table, domain.n_actions, args.q_init)
-            optimal = advice_optimality(domain, advised)
+            agree = advice_agreement(advised, agent.q_row)
+            optimal = advice_agreement(advised, lambda s: optimal_action_values(domain, s))
             writer.add_scalar("advice/final_greedy_agreement", agree, args.total_steps - 1)
             writer.add_scalar("advice/optimal_agreement", optimal, args.total_steps - 1)
     finally:

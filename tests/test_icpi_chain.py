@@ -242,7 +242,7 @@ def test_tabular_q_update_terminal_and_timeout():
 def test_matching_model_exact_lookup():
     eps = [[T((3,), 2, 0, False, (4,)), T((4,), 1, 1, True, (4,))], [T((1,), 0, 0, False, (0,))]]
     a = agent_with(ic.Chain(), eps, recency=1)
-    m = ic.MatchingModel(a.domain, None)
+    m = ic.MatchingModel()
     assert m.answer("next", (3,), 2, agent=a) == (4,)
     assert m.answer("done", (4,), 1, agent=a) is True
     assert m.answer("reward", (4,), 1, done=False, agent=a) == 1  # the original ignores done here
