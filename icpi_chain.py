@@ -561,9 +561,7 @@ class HFBackend:
             cfg = AutoConfig.from_pretrained(self.folder)
         except (OSError, ValueError) as e:
             hf_load_error(spec, e)
-        self.tok.padding_side = "left"
-        if self.tok.pad_token is None:
-            self.tok.pad_token = self.tok.eos_token
+        self.tok.padding_side, self.tok.pad_token = "left", self.tok.pad_token or self.tok.eos_token
         self.name = spec if self.dtype == "float32" else f"{spec}@{self.dtype}"  # the completion-cache key
         self.max_tokens, self.prefix_cache, self._prefixes = args.max_tokens, True, {}  # prefix_cache: bench_speed.py
         self.forward_tokens = 0  # token positions run through the model (benchmark/bench_speed.py)
@@ -986,8 +984,7 @@ class Agent:
     def __init__(self, domain: Domain, model, args: Args, rng: np.random.Generator,
                  cache: Optional[CompletionCache] = None):
         self.domain, self.model, self.args, self.rng, self.cache = domain, model, args, rng, cache
-        self.episodes: list[Episode] = []
-        self.transitions: list[Transition] = []
+        self.episodes, self.transitions = [], []  # finished episodes, and their transitions in one list
         self.sil = args.algo == "no-argmax"  # the policy prompt's episodes: no-argmax keeps the successful ones only
         self.recent: deque = deque(maxlen=args.recency)
         self.n_successes = 0  # tabular-q's warm-up counter (every episode, not only the recent)
@@ -1051,11 +1048,9 @@ class Agent:
     def predict(self, kind: str, items: list[dict]) -> list:
         """Validated predictions; None: invalid after all attempts, NO_MATCH: the matching model found nothing."""
         if self.structured:
-            out = []
-            for it in items:
-                self.stats.prompt_tokens += self.model.count_tokens(self.request(kind, it, 0).prompt)
-                out.append(self.model.answer(kind, it["state"], it.get("action"), it.get("done"), self))
-                self.stats.no_match += out[-1] is NO_MATCH
+            self.stats.prompt_tokens += sum(self.model.count_tokens(self.request(kind, it, 0).prompt) for it in items)
+            out = [self.model.answer(kind, it["state"], it.get("action"), it.get("done"), self) for it in items]
+            self.stats.no_match += sum(o is NO_MATCH for o in out)
             self.stats.calls += len(items)
             self.stats.batches += 1 if items else 0
             return out
