@@ -1253,7 +1253,7 @@ def main(args: Args) -> None:
     rng, env_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed)  # the agent's draws; the env's
     model_rng = np.random.default_rng(args.seed + 1)  # the oracle's distractor draws
     advice_rng = np.random.default_rng(args.seed + 2)  # llm-advisor's coin: tabular-q's draws stay as they are
-    model = make_backend(args, domain, model_rng) if uses_model else OracleModel(domain, model_rng)  # unused
+    model = make_backend(args, domain, model_rng) if uses_model else OracleModel(domain, model_rng)  # never asked
     cache = CompletionCache(args.cache, model.name) if language_model and not args.no_cache else None
     agent = Agent(domain, model, args, rng, cache)
     malformed = lambda: getattr(model, "malformed", 0)  # noqa: E731

@@ -32,7 +32,7 @@ def test_targets_lines_and_flags():
     print(f"icpi_chain.py: {lines} lines (target <= 1300), {flags} Args fields (target <= 34)")
     # The target is 1300 lines; benchmark/icpi_results.md ("The minimal redesign") says what stands in the way.
     # Until then this ratchet holds the count the redesign reached: it may only go down.
-    assert lines <= 1506 and flags <= 34
+    assert lines <= 1384 and flags <= 34
 
 
 # ---------------------------------------------------------------- domains
