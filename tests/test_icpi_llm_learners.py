@@ -19,6 +19,10 @@ from conftest import FixedTextModel, completions_handler, only_run_dir, read_sca
 # ---------------------------------------------------------------- the math
 
 
+START_STATES = {"chain": [(s,) for s in range(8)], "maze": [(i, j) for i in range(3) for j in range(3)],
+                "mini-catch": [(2, bx, 4) for bx in range(4)]}  # every state each domain's reset can return
+
+
 def reachable_states(domain, starts) -> list:
     """Every state reachable from `starts` under the deterministic dynamics (step with rng None)."""
     seen, frontier = set(starts), list(starts)
@@ -59,7 +63,7 @@ def test_shaping_is_potential_based(name):
     """Exact value iteration with the oracle potential V* (and with an arbitrary one) gives the same greedy
     policy as without shaping, and Q_shaped = Q - Phi (Ng, Harada and Russell 1999)."""
     d = ic.make_domain(name)
-    states = reachable_states(d, d.start_states())
+    states = reachable_states(d, START_STATES[name])
     plain = shaped_value_iteration(d, states, d.gamma)
     rng = np.random.default_rng(0)
     noise = {s: float(rng.normal(0, 5)) for s in states}
@@ -78,10 +82,12 @@ def test_oracle_values_and_probability_schedule():
     assert [ic.optimal_value(chain, (s,)) for s in range(8)] == pytest.approx([0.8 ** abs(s - 4) for s in range(8)])
     assert ic.advice_probability(0.5, 0.9, 0) == 0.5 and ic.advice_probability(0.5, 0.9, 2) == pytest.approx(0.405)
     q = {((3,), 2): 0.8, ((3,), 0): 0.1, ((3,), 1): 0.0}
-    assert ic.advice_agreement([((3,), 2), ((3,), 0)], q, 3) == 0.5
-    assert ic.advice_agreement([((5,), 1)], q, 3) == 1.0            # unvisited: every action ties at q_init
-    assert ic.advice_optimality(chain, [((3,), 2), ((3,), 1), ((4,), 1)]) == pytest.approx(2 / 3)
-    assert math.isnan(ic.advice_agreement([], q, 3))
+    row = lambda s: [q.get((s, a), 1.0) for a in range(3)]  # noqa: E731
+    assert ic.advice_agreement([((3,), 2), ((3,), 0)], row) == 0.5
+    assert ic.advice_agreement([((5,), 1)], row) == 1.0             # unvisited: every action ties at q_init
+    optimal = lambda s: ic.optimal_action_values(chain, s)  # noqa: E731
+    assert ic.advice_agreement([((3,), 2), ((3,), 1), ((4,), 1)], optimal) == pytest.approx(2 / 3)
+    assert math.isnan(ic.advice_agreement([], row))
 
 
 def test_prompts_with_and_without_the_task_description():

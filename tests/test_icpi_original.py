@@ -134,7 +134,7 @@ def test_every_optimal_return(name):
     for e in table["states"]:
         s = to_state(name, e["start_state"])
         assert d.optimal_return(s) == e["original"], e
-        if d.deterministic:
+        if name != "distractor-chain":  # its distractor is random
             assert ic.search_optimal_return(d, s, table["search_limit_steps"], table["discount"]) == \
                 pytest.approx(e["search"], abs=1e-12)
         if name == "mini-invaders":
@@ -227,7 +227,7 @@ def test_prompts_match_the_original(name, k):
 
     p = fx["policy"]
     state = to_state(name, p["query_transition"]["state"])
-    assert ic.policy_query(d, state) == p["query"]
+    assert d.header + d.state_text(state) == p["query"]
     assert p["stop"] == [d.stops["policy"]]
     ours = ic.policy_examples(d, episodes, rng)
     theirs = [expected_policy_text(name, ex) for ex in p["examples"]]
