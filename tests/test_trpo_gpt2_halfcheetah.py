@@ -281,22 +281,8 @@ def test_save_model_eval_equals_eval_checkpoint(mlp_checkpoint, tmp_path):
     assert a["seed"] == 9 and obs_rms.count == 400 + 2  # every observation seen, the resets included
 
 
-def test_cpu_language_model_run_prints_device_time_per_update_and_a_line_per_update(tmp_path, tiny_gpt2_dir, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    flags = ["--llm", tiny_gpt2_dir, *TINY_LM[:-4], "--total-timesteps", "100", "--seed", "1", "--no-cuda"]
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        trpo.main(tyro.cli(trpo.Args, args=flags), argv=flags)
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    out = capsys.readouterr().out
-    assert " on cpu" in out and "update 1/1, 100 steps" in out and "100 of 100 steps" in out
-    assert "minutes per update" in out and "CUDA GPU" in out
-    assert len(read_scalars(only_run_dir(str(tmp_path)), "losses/kl")) == 1
-
-
-def _run_in_process(flags, cwd, monkeypatch):
+def _run_in_process(flags, cwd, monkeypatch) -> str:
+    """main() in this process (its signal handlers restored afterwards); the run folder."""
     monkeypatch.chdir(cwd)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -304,8 +290,16 @@ def _run_in_process(flags, cwd, monkeypatch):
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
-    run = only_run_dir(str(cwd))
-    return {t: read_scalars(run, t) for t in ("losses/kl", "losses/surrogate", "charts/episodic_return")}
+    return only_run_dir(str(cwd))
+
+
+def test_cpu_language_model_run_prints_device_time_per_update_and_a_line_per_update(tmp_path, tiny_gpt2_dir, monkeypatch, capsys):
+    flags = ["--llm", tiny_gpt2_dir, *TINY_LM[:-4], "--total-timesteps", "100", "--seed", "1", "--no-cuda"]
+    run = _run_in_process(flags, tmp_path, monkeypatch)
+    out = capsys.readouterr().out
+    assert " on cpu" in out and "update 1/1, 100 steps" in out and "100 of 100 steps" in out
+    assert "minutes per update" in out and "CUDA GPU" in out
+    assert len(read_scalars(run, "losses/kl")) == 1
 
 
 def test_compile_wraps_exactly_the_rollout_forward(tmp_path, tiny_gpt2_dir, monkeypatch):
@@ -321,10 +315,12 @@ def test_compile_wraps_exactly_the_rollout_forward(tmp_path, tiny_gpt2_dir, monk
             return self.module(obs)
 
     flags = ["--llm", tiny_gpt2_dir, *TINY_LM, "--fvp-subsample", "2", "--no-cuda"]
+    scalars = lambda run: {t: read_scalars(run, t) for t in ("losses/kl", "losses/surrogate",  # noqa: E731
+                                                             "charts/episodic_return")}
     (tmp_path / "eager").mkdir(), (tmp_path / "compiled").mkdir()
-    eager = _run_in_process(flags, tmp_path / "eager", monkeypatch)
+    eager = scalars(_run_in_process(flags, tmp_path / "eager", monkeypatch))
     monkeypatch.setattr(trpo.torch, "compile", lambda m, mode: modes.append(mode) or Spy(m))
-    compiled = _run_in_process(flags + ["--compile"], tmp_path / "compiled", monkeypatch)
+    compiled = scalars(_run_in_process(flags + ["--compile"], tmp_path / "compiled", monkeypatch))
     assert modes == ["reduce-overhead"]
     assert len(calls) == 2 * 50 and set(calls) == {(2, 4)}  # 2 updates x 50 steps of 2 envs, nothing else
     assert compiled == eager and len(eager["losses/kl"]) == 2
