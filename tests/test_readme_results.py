@@ -7,6 +7,7 @@ stored row, rounded to the digits written:
   `mean ± std`, a return or regret column, an env column   the row's mean ± population std
   a header with `evaluation` / `training return`           that metric (the main one or the matching extra)
   a header with `first quarter`                            first-quarter mean ± std
+  a header with `seconds per update`                        that stored extra (mean ± std over seeds)
   a header with `per seed`                                  the per-seed values, in the order of the row's seeds
   `seeds`                                                   the row's seeds; `machine`: its CPU/GPU kinds
   `published`                                               `x ± y` must be one of the row's references
@@ -120,6 +121,8 @@ def metric(row: dict, header: str) -> "tuple[dict, float, float] | None":
                                  if k.startswith(prefix)), None)
     if "first quarter" in h:
         return (None, row.get("first_mean"), row.get("first_std")) if "first_mean" in row else None
+    if "seconds per update" in h:
+        return extra("seconds per update")
     if "training return" in h:
         return main if row["tag"] == "charts/episodic_return" else extra("training return")
     if "evaluation" in h:
