@@ -309,7 +309,8 @@ def plot(rows: list[dict], plots_dir: str, script_order: list[str], points: int 
                     warnings.simplefilter("ignore", RuntimeWarning)
                     mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
                 few = int(np.isfinite(mean).sum()) <= 2
-                label = f"{r['setting']} ({len(curves)} seeds{', ' + r['machine_tag'] if r.get('machine_tag') else ''})"
+                tag = ", " + r["machine_tag"] if r.get("machine_tag") else ""
+                label = f"{r['setting']} ({len(curves)} seed{'s' * (len(curves) != 1)}{tag})"
                 line, = ax.plot(grid, mean, label=label, marker="o" if few else None, lw=1.2,
                                 color=colour[r["setting"]])
                 ax.fill_between(grid, mean - std, mean + std, color=line.get_color(), alpha=0.15)
