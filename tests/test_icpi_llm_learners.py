@@ -15,12 +15,14 @@ import pytest
 import icpi_chain as ic
 from conftest import FixedTextModel, completions_handler, only_run_dir, read_scalars
 
-
 # ---------------------------------------------------------------- the math
 
 
-START_STATES = {"chain": [(s,) for s in range(8)], "maze": [(i, j) for i in range(3) for j in range(3)],
-                "mini-catch": [(2, bx, 4) for bx in range(4)]}  # every state each domain's reset can return
+START_STATES = {
+    "chain": [(s,) for s in range(8)],
+    "maze": [(i, j) for i in range(3) for j in range(3)],
+    "mini-catch": [(2, bx, 4) for bx in range(4)],
+}  # every state each domain's reset can return
 
 
 def reachable_states(domain, starts) -> list:
@@ -84,7 +86,7 @@ def test_oracle_values_and_probability_schedule():
     q = {((3,), 2): 0.8, ((3,), 0): 0.1, ((3,), 1): 0.0}
     row = lambda s: [q.get((s, a), 1.0) for a in range(3)]  # noqa: E731
     assert ic.advice_agreement([((3,), 2), ((3,), 0)], row) == 0.5
-    assert ic.advice_agreement([((5,), 1)], row) == 1.0             # unvisited: every action ties at q_init
+    assert ic.advice_agreement([((5,), 1)], row) == 1.0  # unvisited: every action ties at q_init
     optimal = lambda s: ic.optimal_action_values(chain, s)  # noqa: E731
     assert ic.advice_agreement([((3,), 2), ((3,), 1), ((4,), 1)], optimal) == pytest.approx(2 / 3)
     assert math.isnan(ic.advice_agreement([], row))
@@ -118,8 +120,9 @@ def run_main(tmp_path, monkeypatch, **kw):
 
 @pytest.mark.parametrize("env,seed", [("chain", 1), ("maze", 2), ("mini-catch", 3)])
 def test_oracle_advisor_with_advice_prob_1_plays_the_first_episode_optimally(tmp_path, monkeypatch, env, seed):
-    run = run_main(tmp_path, monkeypatch, algo="llm-advisor", model="oracle", advice_prob=1.0, env=env,
-                   total_steps=12, seed=seed)
+    run = run_main(
+        tmp_path, monkeypatch, algo="llm-advisor", model="oracle", advice_prob=1.0, env=env, total_steps=12, seed=seed
+    )
     regret = read_scalars(run, "charts/regret")
     assert regret and regret[0][1] == pytest.approx(0.0, abs=1e-9)
     first_end = regret[0][0]
@@ -130,10 +133,11 @@ def test_oracle_advisor_with_advice_prob_1_plays_the_first_episode_optimally(tmp
 
 
 def test_oracle_shaping_without_optimism_learns_chain(tmp_path, monkeypatch, capsys):
-    run = run_main(tmp_path, monkeypatch, algo="llm-reward", model="oracle", q_init=0.0, env="chain",
-                   total_steps=85, seed=1)
+    run = run_main(
+        tmp_path, monkeypatch, algo="llm-reward", model="oracle", q_init=0.0, env="chain", total_steps=85, seed=1
+    )
     regret = [v for _, v in read_scalars(run, "charts/regret")]
-    assert np.mean(regret[-8:]) < 0.05                           # tabular-q: ~0.1 (benchmark/results)
+    assert np.mean(regret[-8:]) < 0.05  # tabular-q: ~0.1 (benchmark/results)
     bonus = read_scalars(run, "shaping/bonus")
     assert len(bonus) == 85 and len({round(v, 6) for _, v in bonus}) > 1
     assert "shaping: Phi judged for" in capsys.readouterr().out
@@ -144,6 +148,7 @@ def test_oracle_shaping_without_optimism_learns_chain(tmp_path, monkeypatch, cap
 
 class _Scorer:
     """A stand-in hf model: scores candidates (the first one best), counting its calls."""
+
     name = "scorer"
 
     def __init__(self, scores=None):
@@ -154,7 +159,7 @@ class _Scorer:
 
     def score_candidates(self, prompt, cands):
         self.calls += 1
-        return (self.scores or [-1.0 - k for k in range(len(cands))])[:len(cands)]
+        return (self.scores or [-1.0 - k for k in range(len(cands))])[: len(cands)]
 
 
 def llm_agent(model, cache=None, **kw):
@@ -168,32 +173,32 @@ def test_a_cached_judgement_is_never_asked_again(tmp_path):
     a = llm_agent(scorer, ic.CompletionCache(path, scorer.name))
     assert a.advice((3,)) == 0 and a.advice((3,)) == 0
     assert a.potential((3,)) == pytest.approx(1.0) and a.potential((3,)) == pytest.approx(1.0)  # log-odds (-1) - (-2)
-    assert scorer.calls == 2 and a.stats.calls == 2               # one per (kind, prompt) in the run
+    assert scorer.calls == 2 and a.stats.calls == 2  # one per (kind, prompt) in the run
     for s in range(8):
         a.advice((s,))
         a.potential((s,))
-    assert scorer.calls == 16 <= 8 * 3                             # at most |S| x |A|
+    assert scorer.calls == 16 <= 8 * 3  # at most |S| x |A|
     fresh = _Scorer()
-    b = llm_agent(fresh, ic.CompletionCache(path, fresh.name))     # another run, same model and cache
+    b = llm_agent(fresh, ic.CompletionCache(path, fresh.name))  # another run, same model and cache
     assert [b.advice((s,)) for s in range(8)] == [0] * 8 and b.potential((5,)) == pytest.approx(1.0)
     assert fresh.calls == 0 and b.stats.cache_hits == 9
-    assert a.stats.replayed == 0 and b.stats.replayed == 9        # b's answers were recorded by run a
+    assert a.stats.replayed == 0 and b.stats.replayed == 9  # b's answers were recorded by run a
     other = llm_agent(_Scorer(), ic.CompletionCache(path, "another model"))
     other.advice((3,))
-    assert other.model.calls == 1                                  # the cache key holds the model
-    sampler = FixedTextModel("state = right()")                          # openai: sampled, cached the same way
+    assert other.model.calls == 1  # the cache key holds the model
+    sampler = FixedTextModel("state = right()")  # openai: sampled, cached the same way
     c = llm_agent(sampler, ic.CompletionCache(str(tmp_path / "s.sqlite"), sampler.name))
     assert [c.advice((2,)) for _ in range(3)] == [2, 2, 2] and len(sampler.requests) == 1
     assert sampler.requests[0].prompt.endswith("State: assert state == [2] and state != [4]\nBest action:\n")
 
 
 def test_unparseable_answers_and_backend_errors_fall_back_counted():
-    for model in (FixedTextModel("I think left"), FixedTextModel(None)):       # unparseable text; malformed replies (None)
+    for model in (FixedTextModel("I think left"), FixedTextModel(None)):  # unparseable text; malformed replies (None)
         a = llm_agent(model, attempts=3)
         assert a.advice((3,)) is None and a.potential((3,)) == 0.0  # fallbacks: tabular-q's action, Phi = 0
         assert a.stats.invalid == 6 and a.stats.fallbacks == 2
         a.advice((3,))
-        assert len(model.requests) == 6                             # a failed judgement is not asked again
+        assert len(model.requests) == 6  # a failed judgement is not asked again
     nan = _Scorer(scores=[float("nan"), -1.0, -2.0])
     a = llm_agent(nan)
     assert a.advice((3,)) is None and a.stats.invalid == 1 and a.stats.fallbacks == 1
@@ -217,8 +222,14 @@ def test_a_weak_model_with_two_thirds_invalid_answers_is_warned_about_not_stoppe
     httpd = HTTPServer(("127.0.0.1", 0), completions_handler(reply))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        kw = dict(algo="llm-reward", model="openai:weak", base_url=f"http://127.0.0.1:{httpd.server_port}/v1",
-                  env="mini-catch", total_steps=40, no_cache=True)
+        kw = dict(
+            algo="llm-reward",
+            model="openai:weak",
+            base_url=f"http://127.0.0.1:{httpd.server_port}/v1",
+            env="mini-catch",
+            total_steps=40,
+            no_cache=True,
+        )
         run_main(tmp_path / "a", monkeypatch, **kw)
         assert "answers were invalid" in capsys.readouterr().err
         # a lower bar stops the same run: the check itself still works
@@ -234,8 +245,17 @@ def test_invalid_judgements_are_reported(tmp_path, monkeypatch, capsys):
     httpd = HTTPServer(("127.0.0.1", 0), _Garbage)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        run_main(tmp_path, monkeypatch, algo="llm-reward", model="openai:junk", env="mini-catch", total_steps=40,
-                 base_url=f"http://127.0.0.1:{httpd.server_port}/v1", no_cache=True, max_invalid=1.0)
+        run_main(
+            tmp_path,
+            monkeypatch,
+            algo="llm-reward",
+            model="openai:junk",
+            env="mini-catch",
+            total_steps=40,
+            base_url=f"http://127.0.0.1:{httpd.server_port}/v1",
+            no_cache=True,
+            max_invalid=1.0,
+        )
         out, err = capsys.readouterr()
         assert "answers were invalid" in err and "predictions stayed invalid" in err  # well-formed replies: allowed
         assert "invalid 0" not in out and "fallbacks 0;" not in out
@@ -260,8 +280,17 @@ def test_both_learners_run_with_an_openai_server(tmp_path, monkeypatch, capsys):
     try:
         for algo in ("llm-advisor", "llm-reward"):
             _Judge.prompts = []
-            run_main(tmp_path / algo, monkeypatch, algo=algo, model="openai:judge", advice_prob=1.0, env="chain",
-                     base_url=f"http://127.0.0.1:{httpd.server_port}/v1", total_steps=30, no_cache=True)
+            run_main(
+                tmp_path / algo,
+                monkeypatch,
+                algo=algo,
+                model="openai:judge",
+                advice_prob=1.0,
+                env="chain",
+                base_url=f"http://127.0.0.1:{httpd.server_port}/v1",
+                total_steps=30,
+                no_cache=True,
+            )
             out = capsys.readouterr().out
             assert "invalid 0, fallbacks 0" in out
             assert 1 <= len(_Judge.prompts) == len(set(_Judge.prompts)) <= 8  # each state's prompt asked once
@@ -273,33 +302,48 @@ def test_both_learners_run_with_an_openai_server(tmp_path, monkeypatch, capsys):
 
 
 def test_advice_probability_after_k_episodes_is_its_closed_form(tmp_path, monkeypatch):
-    run = run_main(tmp_path, monkeypatch, algo="llm-advisor", model="oracle", advice_prob=0.7, advice_decay=0.8,
-                   env="maze", total_steps=40, seed=5)
+    run = run_main(
+        tmp_path,
+        monkeypatch,
+        algo="llm-advisor",
+        model="oracle",
+        advice_prob=0.7,
+        advice_decay=0.8,
+        env="maze",
+        total_steps=40,
+        seed=5,
+    )
     ends = [step for step, _ in read_scalars(run, "charts/regret")]
     probs = read_scalars(run, "advice/probability")
     assert len(probs) == 40 and len(ends) >= 4
     for step, p in probs:
-        k = sum(1 for e in ends if e < step)                       # episodes finished before this step
-        assert p == pytest.approx(0.7 * 0.8 ** k, rel=1e-6), (step, k)
+        k = sum(1 for e in ends if e < step)  # episodes finished before this step
+        assert p == pytest.approx(0.7 * 0.8**k, rel=1e-6), (step, k)
 
 
 def test_shaping_keeps_phi_of_the_next_state_at_a_time_out(tmp_path, monkeypatch):
     """A time-out is not terminal: its bonus is gamma Phi(s') - Phi(s); a terminal step's is -Phi(s)."""
     updates, episodes = [], []
     update, add = ic.Agent.tabular_update, ic.Agent.add_episode
-    monkeypatch.setattr(ic.Agent, "tabular_update", lambda self, t, shaping=0.0: (updates.append((t, shaping)),
-                                                                                   update(self, t, shaping)))
+    monkeypatch.setattr(
+        ic.Agent,
+        "tabular_update",
+        lambda self, t, shaping=0.0: (updates.append((t, shaping)), update(self, t, shaping)),
+    )
     monkeypatch.setattr(ic.Agent, "add_episode", lambda self, ep: (episodes.append(ep), add(self, ep)))
     run_main(tmp_path, monkeypatch, algo="llm-reward", model="oracle", env="maze", total_steps=40, seed=1, q_init=0.0)
     maze = ic.Maze()
     phi = lambda s: ic.optimal_value(maze, s)  # noqa: E731  (shaping scale 1: the oracle potential is V*)
     timeouts = [ep.transitions[-1] for ep in episodes if not ep.transitions[-1].done]
-    assert len(updates) == 40 and timeouts and all(len(ep.transitions) == 8 for ep in episodes
-                                                   if not ep.transitions[-1].done)
+    assert (
+        len(updates) == 40
+        and timeouts
+        and all(len(ep.transitions) == 8 for ep in episodes if not ep.transitions[-1].done)
+    )
     for t, bonus in updates:
         want = -phi(t.state) if t.done else 0.8 * phi(t.next_state) - phi(t.state)
         assert bonus == pytest.approx(want, abs=1e-12), t
-    assert all(phi(t.next_state) > 0 for t in timeouts)            # so a terminal rule would have changed them
+    assert all(phi(t.next_state) > 0 for t in timeouts)  # so a terminal rule would have changed them
 
 
 # ---------------------------------------------------------------- the default model, offline
@@ -322,14 +366,15 @@ def test_smoke_runs_with_the_default_model(tmp_path, monkeypatch, capsys, smollm
     """Both learners with SmolLM2 (offline), one loaded model shared by the two runs."""
     monkeypatch.setattr(ic, "make_backend", lambda args, domain, rng: smollm2_backend)
     cache = str(tmp_path / "judgements.sqlite")
-    run = run_main(tmp_path, monkeypatch, algo=algo, env="chain", total_steps=10, seed=1, advice_prob=1.0,
-                   cache=cache)
+    run = run_main(tmp_path, monkeypatch, algo=algo, env="chain", total_steps=10, seed=1, advice_prob=1.0, cache=cache)
     out = capsys.readouterr().out
     calls = sum(v for _, v in read_scalars(run, "model/calls"))
-    assert 1 <= calls <= 8 * (3 if algo == "llm-advisor" else 1)   # at most one judgement per state
+    assert 1 <= calls <= 8 * (3 if algo == "llm-advisor" else 1)  # at most one judgement per state
     assert sum(v for _, v in read_scalars(run, "model/invalid")) == 0  # scored by log-probability: never invalid
     assert read_scalars(run, "charts/regret")
-    assert ("advice: p_t from 1" in out) == (algo == "llm-advisor") and ("shaping: Phi" in out) == (algo == "llm-reward")
+    assert ("advice: p_t from 1" in out) == (algo == "llm-advisor") and ("shaping: Phi" in out) == (
+        algo == "llm-reward"
+    )
     import sqlite3
 
     with sqlite3.connect(cache) as db:

@@ -74,8 +74,12 @@ def test_constants(name):
     assert d.done_text(False) == c["done_texts"]["false"] + c["stops"]["done"]
     for r, text in c["reward_texts"].items():
         assert d.reward_text(int(r)) == text + c["stops"]["reward"]
-    assert d.stops == {"done": c["stops"]["done"], "reward": c["stops"]["reward"],
-                       "next": c["stops"]["next_state"], "policy": c["stops"]["policy"]}
+    assert d.stops == {
+        "done": c["stops"]["done"],
+        "reward": c["stops"]["reward"],
+        "next": c["stops"]["next_state"],
+        "policy": c["stops"]["policy"],
+    }
 
 
 @pytest.mark.parametrize("name", DOMAINS)
@@ -110,8 +114,7 @@ def test_replay_every_recorded_episode(name):
 def test_every_one_step_entry(name):
     d = ic.make_domain(name)
     entries = FIX[name]["one_step"]
-    assert len(entries) == {"chain": 8, "distractor-chain": 64, "maze": 9, "mini-catch": 80,
-                            "mini-invaders": 376}[name]
+    assert len(entries) == {"chain": 8, "distractor-chain": 64, "maze": 9, "mini-catch": 80, "mini-invaders": 376}[name]
     for e in entries:
         s = to_state(name, e["state"])
         assert d.state_text(s, True) == e["text"] and d.state_text(s, False) == e["text_nohint"]
@@ -135,8 +138,9 @@ def test_every_optimal_return(name):
         s = to_state(name, e["start_state"])
         assert d.optimal_return(s) == e["original"], e
         if name != "distractor-chain":  # its distractor is random
-            assert ic.search_optimal_return(d, s, table["search_limit_steps"], table["discount"]) == \
-                pytest.approx(e["search"], abs=1e-12)
+            assert ic.search_optimal_return(d, s, table["search_limit_steps"], table["discount"]) == pytest.approx(
+                e["search"], abs=1e-12
+            )
         if name == "mini-invaders":
             assert ic.search_optimal_return(d, s, 8, d.gamma) == pytest.approx(e["search_with_planning_gamma"])
 
@@ -190,8 +194,11 @@ def test_prompts_match_the_original(name, k):
     rng = np.random.default_rng(0)
     stop = {"done": "done", "reward": "reward", "next_state": "next", "policy": "policy"}
 
-    for kind, pattern in (("done", r"assert (not )?done\n\n$"), ("reward", r"assert reward == \d+"),
-                          ("next_state", r"$")):
+    for kind, pattern in (
+        ("done", r"assert (not )?done\n\n$"),
+        ("reward", r"assert reward == \d+"),
+        ("next_state", r"$"),
+    ):
         p = fx[kind]
         q = p["query_transition"]
         state, action = to_state(name, q["state"]), q["action"]
@@ -210,17 +217,22 @@ def test_prompts_match_the_original(name, k):
                 assert class_counts(ours, pattern) == class_counts(theirs, pattern)
                 sizes = p["balanced"]["class_sizes_before_balancing"]
                 nonempty = [v for v in sizes.values() if v]
-                assert Counter(class_counts(ours, pattern).values()) == Counter({max(nonempty): len(nonempty)}) \
+                assert (
+                    Counter(class_counts(ours, pattern).values()) == Counter({max(nonempty): len(nonempty)})
                     or kind == "next_state"
+                )
             else:
                 assert sorted(ours) == sorted(theirs)
         # the text sent to the model is "".join(examples) + query
         full = "".join(p["unbalanced"]["examples"]) + p["query"]
         assert hashlib.sha256(full.encode()).hexdigest() == p["unbalanced"]["prompt_sha256"]
         # the completion that answers the query correctly, with the stop string appended, is our text
-        nxt, r, term = d.step(state, action, Draw(to_state(name, q["state"])[1]) if name == "distractor-chain" else None)
-        right = {"done": d.done_text(bool(q["done"])), "reward": d.reward_text(int(q["reward"])),
-                 "next_state": None}[kind]
+        nxt, r, term = d.step(
+            state, action, Draw(to_state(name, q["state"])[1]) if name == "distractor-chain" else None
+        )
+        right = {"done": d.done_text(bool(q["done"])), "reward": d.reward_text(int(q["reward"])), "next_state": None}[
+            kind
+        ]
         if right is not None:
             assert p["completion_for_query"] + d.stops[stop[kind]] == right
         assert ic.parse_completion(d, stop[kind], p["completion_for_query"]) is not None

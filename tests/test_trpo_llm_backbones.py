@@ -24,9 +24,17 @@ def build_tiny_llama(folder: str, n_layer: int = 2, hidden: int = 32, heads: int
 
     corpus = ["0 1 2 3 4 5 6 7 8 9 -0.12 3.45 . , -", "run forward as fast as possible"] * 20
     tok = train_tiny_tokenizer(corpus, 300, bos="<s>", eos="</s>")
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=64, num_hidden_layers=n_layer,
-                         num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=n_layer,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -59,18 +67,23 @@ def test_llama_backbone_loads_pretrained_truncates_and_finetunes(tiny_llama_dir,
     # a TRPO step through the Llama (Gauss-Newton Fisher-vector products) stays in the trust region
     obs, actions, adv = torch.randn(40, 3), torch.randn(40, 2), torch.randn(40)
     params = [p for p in policy.parameters() if p.requires_grad]
-    stats = trpo.trpo_step(policy, params, policy.encode(obs), actions, adv,
-                           trpo.Args(max_kl=0.05, num_envs=4, fvp_subsample=2))
+    stats = trpo.trpo_step(
+        policy, params, policy.encode(obs), actions, adv, trpo.Args(max_kl=0.05, num_envs=4, fvp_subsample=2)
+    )
     assert stats["accepted"] and 0 < stats["kl"] <= 0.05
 
 
 def test_llama_random_init_overrides_width_heads_layers(tiny_llama_dir):
-    args = trpo.Args(llm=tiny_llama_dir, llm_init="random", llm_layers=3, llm_embd=16, llm_heads=2,
-                     state_encoding="text")
+    args = trpo.Args(
+        llm=tiny_llama_dir, llm_init="random", llm_layers=3, llm_embd=16, llm_heads=2, state_encoding="text"
+    )
     policy = trpo.build_policy(args, 3, 2)
     cfg = policy.transformer.config
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers) == (16, 2, 2, 3)
-    assert len(policy.transformer.layers) == 3 and policy.transformer.layers[0].self_attn.q_proj.weight.shape == (16, 16)
+    assert len(policy.transformer.layers) == 3 and policy.transformer.layers[0].self_attn.q_proj.weight.shape == (
+        16,
+        16,
+    )
     assert cfg.attention_dropout == 0.0
     with torch.no_grad():
         out = policy(torch.tensor([[0.1, -2.0, 3.0], [0.0, 1.0, -1.5]]))
@@ -85,11 +98,36 @@ def test_text_policy_checkpoint_evaluates_with_the_tokenizer_of_its_llm(kind, ti
 
     src = tiny_llama_dir if kind == "llama" else tiny_gpt2_dir
     folder = shutil.copytree(src, os.path.join(workdir, "model"))
-    out = run_script(SCRIPT, "--llm", folder, "--state-encoding", "text", "--instruction", "run forward",
-                     "--llm-layers", "1", "--num-envs", "2", "--batch-size", "40", "--total-timesteps", "40",
-                     "--cg-iters", "2", "--vf-iters", "2", "--save-model", "--eval-episodes", "1", "--env-id",
-                     "InvertedPendulum-v5", cwd=workdir).stdout
-    (ckpt,) = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(workdir, "runs")) for f in fs if f.endswith(".pt")]
+    out = run_script(
+        SCRIPT,
+        "--llm",
+        folder,
+        "--state-encoding",
+        "text",
+        "--instruction",
+        "run forward",
+        "--llm-layers",
+        "1",
+        "--num-envs",
+        "2",
+        "--batch-size",
+        "40",
+        "--total-timesteps",
+        "40",
+        "--cg-iters",
+        "2",
+        "--vf-iters",
+        "2",
+        "--save-model",
+        "--eval-episodes",
+        "1",
+        "--env-id",
+        "InvertedPendulum-v5",
+        cwd=workdir,
+    ).stdout
+    (ckpt,) = [
+        os.path.join(r, f) for r, _, fs in os.walk(os.path.join(workdir, "runs")) for f in fs if f.endswith(".pt")
+    ]
     data = torch.load(ckpt, weights_only=True)
     assert data["llm_config"]["model_type"] == kind and data["args"]["llm"] == folder
     proc = run_script(SCRIPT, "--eval-checkpoint", ckpt, "--eval-episodes", "1", cwd=workdir)
@@ -143,12 +181,20 @@ def test_smollm2_policy_holds_the_weights_of_the_gguf_file():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lm, tol", [("tiny_gpt2_dir", 1e-9),
-                                     ("tiny_llama_dir", 1e-6)])  # Llama's RMSNorm computes in float32 even in float64
+@pytest.mark.parametrize(
+    "lm, tol", [("tiny_gpt2_dir", 1e-9), ("tiny_llama_dir", 1e-6)]
+)  # Llama's RMSNorm computes in float32 even in float64
 def test_gauss_newton_fvp_equals_explicit_fisher(lm, tol, request):
     torch.manual_seed(0)
-    args = trpo.Args(llm=request.getfixturevalue(lm), llm_init="random", llm_layers=1, llm_embd=8, llm_heads=2,
-                     hidden_size=4, instruction="run forward")
+    args = trpo.Args(
+        llm=request.getfixturevalue(lm),
+        llm_init="random",
+        llm_layers=1,
+        llm_embd=8,
+        llm_heads=2,
+        hidden_size=4,
+        instruction="run forward",
+    )
     policy = trpo.build_policy(args, 3, 2).double()
     with torch.no_grad():
         policy.action_log_std.copy_(torch.tensor([[0.3, -0.2]]))
@@ -156,12 +202,11 @@ def test_gauss_newton_fvp_equals_explicit_fisher(lm, tol, request):
     params = [p for p in policy.parameters() if p.requires_grad]
     obs = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     enc = policy.encode(obs)
-    gn = trpo.make_gauss_newton_fvp(policy, params, [trpo.subset(enc, slice(0, 3)), trpo.subset(enc, slice(3, 5))],
-                                    5, 0.1)  # two chunks
+    gn = trpo.make_gauss_newton_fvp(
+        policy, params, [trpo.subset(enc, slice(0, 3)), trpo.subset(enc, slice(3, 5))], 5, 0.1
+    )  # two chunks
     F = explicit_fisher(policy, params, obs)
     for seed in range(2):
         v = torch.randn(F.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
         b = gn(v)
         assert torch.allclose(b, F @ v + 0.1 * v, rtol=tol, atol=tol * float(b.abs().max()))
-
-

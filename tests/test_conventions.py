@@ -1,0 +1,75 @@
+"""What every script does the same way: importing it changes nothing, Ctrl-C while it starts is one line, and the
+code is formatted and linted by ruff (pyproject.toml)."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+SCRIPTS = ["ppo_cartpole", "gpt2ppo_lunar", "trpo_gpt2_halfcheetah", "icpi_chain"]
+
+IMPORT = """
+import os, signal, sys, threading
+sys.path.insert(0, sys.argv[1])
+handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+environ, threads = dict(os.environ), threading.active_count()
+module = __import__(sys.argv[2])
+assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers, "a signal handler was installed"
+assert dict(os.environ) == environ, "the environment changed"
+assert threading.active_count() == threads, "a thread was started"
+assert callable(module.cli) and callable(module.main)
+"""
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_importing_a_script_changes_nothing(script, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT, ROOT, script], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == "" and proc.stderr == "", (proc.stdout, proc.stderr)
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
+HOLD = """
+import builtins, runpy, sys, time
+real = builtins.__import__
+def held(name, *a, **k):
+    if name in ("gymnasium", "numpy") and not getattr(held, "done", False):
+        held.done = True
+        print("IMPORTING", flush=True)
+        time.sleep(30)
+    return real(name, *a, **k)
+builtins.__import__ = held
+sys.argv = [sys.argv[1]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_ctrl_c_while_starting_is_one_line_and_exit_130(script, tmp_path):
+    """The first third-party import is held open by an import hook, so the signal lands there on any machine."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, os.path.join(ROOT, f"{script}.py")],
+        cwd=tmp_path,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert proc.stdout.readline().strip() == "IMPORTING"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert [line for line in err.splitlines() if line.strip()] == ["interrupted while starting"], err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("command", [["format", "--check"], ["check"]], ids=["ruff format", "ruff check"])
+def test_ruff_is_clean(command):
+    proc = subprocess.run([sys.executable, "-m", "ruff", *command, "."], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
