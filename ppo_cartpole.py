@@ -22,6 +22,7 @@ if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, no
 import re
 import stat
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
@@ -49,6 +50,10 @@ class Args:
     """path of a checkpoint to evaluate instead of training"""
     eval_episodes: int = 10
     """number of greedy evaluation episodes (`--eval-checkpoint`, `--save-model`)"""
+    checkpoint_every: int = 10
+    """save the training state (for `--resume`) every this many updates, and when the run ends or is stopped"""
+    resume: Optional[str] = None
+    """a run folder to continue, with its own flags, to its original budget (in the same folder and log)"""
 
     env_id: str = "CartPole-v1"
     """the id of the environment (flat Box observation, Discrete actions)"""
@@ -189,6 +194,9 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     torch.set_num_threads(args.torch_threads)
     if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, stop)
+    state = None
+    if args.resume is not None:  # the run's own flags and its training state at its last checkpoint
+        args, state = load_training_state(args)
     obs_dim, n_actions = env_sizes(args.env_id)
     check_memory(args, obs_dim)
     args.seed = 1 if args.seed is None else args.seed
@@ -196,13 +204,19 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     batch_size, minibatch_size = N * T, N * T // args.num_minibatches
     num_iterations = -(-args.total_timesteps // batch_size)  # whole rollouts, rounded up
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}")
-    print(f"device: {device}, logging to runs/{run_name}", flush=True)
+    if state is None:
+        run_dir = os.path.join("runs", make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}"))
+    else:
+        run_dir = args.resume
+    run_name = os.path.basename(os.path.normpath(run_dir))
+    print(f"device: {device}, logging to {run_dir}", flush=True)
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(f"runs/{run_name}")
-    table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    # a resumed run hides what was logged after its last checkpoint, so no step appears twice
+    writer = SummaryWriter(run_dir, purge_step=None if state is None else state["global_step"] + 1)
+    if state is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
 
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -222,9 +236,12 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     rewards_buf = np.zeros((T, N), dtype=np.float32)
     terminations_buf = np.zeros((T, N), dtype=np.float32)
     dones_buf = np.zeros((T, N), dtype=np.float32)
-    global_step, start_time = 0, time.time()
+    global_step, start_iteration = 0, 0
     next_obs = envs.reset(seed=args.seed)[0].astype(np.float32)
-    for iteration in range(1, num_iterations + 1):
+    if state is not None:  # continue exactly where the run stopped: weights, optimizer, random streams, envs
+        start_iteration, global_step, next_obs = restore_training_state(state, agent, optimizer, envs, action_rng)
+    first_step, start_time = global_step, time.time()
+    for iteration in range(start_iteration + 1, num_iterations + 1):
         if args.anneal_lr:
             optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
         rollout_start = time.time()
@@ -295,7 +312,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
 
         y_pred, y_true = b_values.cpu().numpy(), returns.ravel()
         var_y = np.var(y_true)
-        sps = int(global_step / (time.time() - start_time))
+        sps = int((global_step - first_step) / (time.time() - start_time))
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
         writer.add_scalar("losses/value_loss", v_loss.item(), global_step)
         writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
@@ -307,14 +324,17 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         writer.add_scalar("charts/SPS", sps, global_step)
         writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
         writer.add_scalar("time/update_seconds", time.time() - update_start, global_step)
-        if stop.requested:  # Ctrl-C or SIGTERM: keep what was done
+        if stop.requested or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
+            state = training_state(args, iteration, global_step, next_obs, agent, optimizer, envs, action_rng)
+            save_checkpoint(os.path.join(run_dir, "training_state.pt"), state)
+        if stop.requested:  # Ctrl-C or SIGTERM: the training state above keeps what was done
             break
         if iteration % max(1, num_iterations // 10) == 0 and iteration < num_iterations:
             print(f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, {sps} steps/s", flush=True)
 
     envs.close()
     writer.flush()
-    model_path = f"runs/{run_name}/{args.exp_name}.pt"
+    model_path = os.path.join(run_dir, f"{args.exp_name}.pt")
     if args.save_model:
         checkpoint = {"model": agent.state_dict(), "args": asdict(args), "run_name": run_name}
         save_checkpoint(model_path, checkpoint)
@@ -322,8 +342,9 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     mean_return = np.mean(envs.return_queue or [np.nan])
     print(
         f"{run_name}: {global_step} of {num_iterations * batch_size} steps, mean return of the last "
-        f"{len(envs.return_queue)} episodes {mean_return:.2f}, {int(global_step / (time.time() - start_time))} "
-        f"steps/s; {saved}" + ("; interrupted" if stop.requested else ""),
+        f"{len(envs.return_queue)} episodes {mean_return:.2f}, "
+        f"{int((global_step - first_step) / (time.time() - start_time))} "
+        f"steps/s; {saved}" + (f"; interrupted (continue it: --resume {run_dir})" if stop.requested else ""),
         flush=True,
     )
     if args.save_model and not stop.requested:
@@ -344,6 +365,7 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
     "seed": (0, 2**32 - 1, False),
     "torch_threads": (1, 1024, False),
     "eval_episodes": (1, 10**6, False),
+    "checkpoint_every": (1, 10**9, False),
     "total_timesteps": (1, 10**12, False),
     "learning_rate": (0, 1, True),
     "num_envs": (1, 1024, False),
@@ -359,6 +381,7 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
     "target_kl": (0, 1e6, True),
 }
 EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads"}  # all that --eval-checkpoint takes
+RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads"}  # flags a resumed run may change
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
 
 
@@ -536,6 +559,121 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
     with SummaryWriter(f"runs/{run_name}") as writer:
         evaluate(agent, train["env_id"], args.eval_episodes, seed, writer, stop)
     return stop.exit_status
+
+
+def training_state(args, iteration, global_step, next_obs, agent, optimizer, envs, action_rng) -> dict:
+    """Everything a run needs to continue exactly: flags, counters, weights, optimizer, random streams, envs."""
+    return {
+        "script": "ppo_cartpole.py",
+        "args": asdict(args),
+        "iteration": iteration,
+        "global_step": global_step,
+        "next_obs": torch.from_numpy(next_obs.copy()),
+        "model": agent.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "numpy_rng": [torch.from_numpy(np.random.get_state()[1].copy()), *np.random.get_state()[2:]],
+        "action_rng": action_rng.bit_generator.state,
+        "envs": env_state(envs),
+    }
+
+
+def restore_training_state(state: dict, agent, optimizer, envs, action_rng) -> tuple[int, int, np.ndarray]:
+    """Put a training state back into freshly made objects; (updates done, steps done, the current observation)."""
+    agent.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    keys, *rest = state["numpy_rng"]
+    np.random.set_state(("MT19937", keys.numpy(), *rest))
+    action_rng.bit_generator.state = state["action_rng"]
+    restore_env_state(envs, state["envs"])
+    return state["iteration"], state["global_step"], state["next_obs"].numpy()
+
+
+def env_layers(envs) -> list:
+    """The vector env's wrappers, the vector env, and each copy's wrappers down to the env itself."""
+    layers = [envs]
+    while hasattr(layers[-1], "env"):
+        layers.append(layers[-1].env)
+    for env in layers[-1].envs:
+        layers.append(env)
+        while hasattr(layers[-1], "env"):
+            layers.append(layers[-1].env)
+    return layers
+
+
+def env_state(envs) -> list[dict]:
+    """The plain attributes (numbers, arrays, random generators, episode queues) of every layer of the envs.
+
+    For classic-control envs this is their whole state: an episode in progress continues where it stopped.
+    """
+    saved = []
+    for layer in env_layers(envs):
+        plain = {}
+        for key, value in vars(layer).items():
+            if isinstance(value, np.random.Generator):
+                plain[key] = {"generator": value.bit_generator.state}
+            elif isinstance(value, np.ndarray) and value.dtype != object:
+                plain[key] = torch.from_numpy(value.copy())
+            elif isinstance(value, np.generic):  # a numpy number, such as a counter summed with np.sum
+                plain[key] = {"scalar": torch.from_numpy(np.array(value))}
+            elif isinstance(value, deque):
+                plain[key] = {"deque": torch.from_numpy(np.array(value))}
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                plain[key] = value
+        saved.append(plain)
+    return saved
+
+
+def restore_env_state(envs, saved: list[dict]) -> None:
+    layers = env_layers(envs)
+    if len(layers) != len(saved):
+        raise UserError("the saved environments do not match this script's")
+    for layer, plain in zip(layers, saved):
+        for key, value in plain.items():
+            if isinstance(value, dict) and "generator" in value:
+                generator = np.random.default_rng()
+                generator.bit_generator.state = value["generator"]
+                setattr(layer, key, generator)
+            elif isinstance(value, dict) and "scalar" in value:
+                setattr(layer, key, value["scalar"].numpy()[()])
+            elif isinstance(value, dict) and "deque" in value:
+                queue = getattr(layer, key)
+                queue.clear()
+                queue.extend(list(value["deque"].numpy()))
+            elif torch.is_tensor(value):
+                setattr(layer, key, value.numpy())
+            else:
+                setattr(layer, key, value)
+
+
+def load_training_state(args: Args) -> tuple[Args, dict]:
+    """The flags and training state of the run folder `args.resume`; UserError when it cannot be continued."""
+    path = os.path.join(args.resume, "training_state.pt")
+    if not os.path.isdir(args.resume):
+        raise UserError(f"--resume {args.resume} is not a run folder")
+    if not os.path.exists(path):
+        raise UserError(f"--resume {args.resume} holds no training_state.pt (it stopped before its first checkpoint)")
+    state = load_checkpoint(path)
+    saved = state.get("args")
+    if (
+        state.get("script") != "ppo_cartpole.py"
+        or not isinstance(saved, dict)
+        or set(saved) != {f.name for f in fields(Args)}
+    ):
+        raise UserError(f"'{path}' is not a training state of this version of ppo_cartpole.py")
+    for f in fields(Args):
+        value = getattr(args, f.name)
+        if f.name not in RESUME_FLAGS and value != f.default and value != saved[f.name]:
+            raise UserError(
+                f"--resume continues a run with its own flags, but {flag(f.name)} {value} differs from its "
+                f"{saved[f.name]}"
+            )
+    resumed = Args(**{**saved, **{name: getattr(args, name) for name in RESUME_FLAGS}})
+    steps = -(-resumed.total_timesteps // (resumed.num_envs * resumed.num_steps))
+    if state.get("iteration") == steps:
+        raise UserError(f"the run in {args.resume} is complete ({steps} of {steps} updates); nothing to resume")
+    return resumed, state
 
 
 def make_run_dir(base: str, root: str = "runs") -> str:

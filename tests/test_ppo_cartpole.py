@@ -244,6 +244,25 @@ def _checkpoint(folder, kind):
     return path
 
 
+def _training_state(folder, kind):
+    """A run folder holding a training state, good or spoiled as `kind` says."""
+    folder.mkdir()
+    args = ppo.Args(seed=1, total_timesteps=512 if kind == "complete" else 5120)
+    envs = ppo.gym.wrappers.vector.RecordEpisodeStatistics(
+        ppo.gym.vector.SyncVectorEnv(
+            [ppo.make_env("CartPole-v1")] * 4, autoreset_mode=ppo.gym.vector.AutoresetMode.SAME_STEP
+        )
+    )
+    obs = envs.reset(seed=1)[0]
+    agent = ppo.Agent(4, 2)
+    state = ppo.training_state(
+        args, 1, 512, obs, agent, torch.optim.Adam(agent.parameters()), envs, np.random.default_rng(1)
+    )
+    if kind == "foreign":
+        state["script"] = "another.py"
+    ppo.save_checkpoint(str(folder / "training_state.pt"), state)
+
+
 def _bad(flags, message):
     return pytest.param(flags, message, id=" ".join(flags)[:60])
 
@@ -307,6 +326,13 @@ def _bad(flags, message):
             "takes no training flags, got --save-model --num-envs",
         ),
         _bad(("--eval-checkpoint", "ckpt:good", "--env-id", "Acrobot-v1"), "takes no training flags, got --env-id"),
+        # --resume: a folder that is not a run of this script with these flags
+        _bad(("--resume", "given"), "holds no training_state.pt"),
+        _bad(("--resume", "nowhere"), "--resume nowhere is not a run folder"),
+        _bad(("--resume", "resume:foreign"), "is not a training state of this version of ppo_cartpole.py"),
+        _bad(("--resume", "resume:good", "--num-envs", "8"), "but --num-envs 8 differs from its 4"),
+        _bad(("--resume", "resume:complete"), "is complete (1 of 1 updates); nothing to resume"),
+        _bad(("--resume", "resume:good", "--eval-checkpoint", "x"), "takes no training flags, got --resume"),
         # a run folder that cannot be made (a file named runs stands where the folder would go)
         _bad(("--total-timesteps", "512", "runs-is-a-file"), "cannot create the run folder"),
     ],
@@ -317,18 +343,20 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
     if "runs-is-a-file" in flags:
         flags = tuple(f for f in flags if f != "runs-is-a-file")
         (tmp_path / "runs").write_text("")
+    for f in flags:
+        if f.startswith("resume:"):
+            _training_state(given / f[7:], f[7:])
     if "fifo" in flags:  # a named pipe where the checkpoint should be: opening it would wait for a writer forever
         os.mkfifo(given / "fifo.pt")
-    flags = [
-        _checkpoint(str(given), f[5:])
-        if f.startswith("ckpt:")
-        else str(given)
-        if f == "given"
-        else str(given / "fifo.pt")
-        if f == "fifo"
-        else f
-        for f in flags
-    ]
+
+    def path_of(f):  # the file or folder a flag value names
+        if f.startswith("ckpt:"):
+            return _checkpoint(str(given), f[5:])
+        if f.startswith("resume:"):
+            return str(given / f[7:])
+        return {"given": str(given), "fifo": str(given / "fifo.pt")}.get(f, f)
+
+    flags = [path_of(f) for f in flags]
     before = sorted(os.listdir(tmp_path)), sorted(os.listdir(given))
     monkeypatch.chdir(tmp_path)
 
@@ -408,3 +436,76 @@ def test_run_folders_are_unique():
     with tempfile.TemporaryDirectory() as root:
         names = {ppo.make_run_dir("CartPole-v1__ppo_cartpole__1", root=root) for _ in range(3)}
         assert len(names) == 3 and all(os.path.isdir(os.path.join(root, n)) for n in names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping and resuming
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_training_state_restores_exactly(tmp_path):
+    """Save a state mid-episode, put it into freshly made objects, and save again: every tensor, random stream,
+    counter and env attribute comes back the same, and both copies then step the same."""
+    args = ppo.Args(num_envs=3, seed=7)
+    make = [ppo.make_env("CartPole-v1") for _ in range(3)]
+    mode = ppo.gym.vector.AutoresetMode.SAME_STEP
+
+    def fresh():
+        envs = ppo.gym.wrappers.vector.RecordEpisodeStatistics(ppo.gym.vector.SyncVectorEnv(make, autoreset_mode=mode))
+        agent = ppo.Agent(4, 2)
+        return envs, agent, torch.optim.Adam(agent.parameters(), eps=1e-5), np.random.default_rng(0)
+
+    envs, agent, optimizer, rng = fresh()
+    obs = envs.reset(seed=7)[0]
+    for _ in range(30):  # some episodes end, the others are in progress
+        obs = envs.step(rng.integers(0, 2, 3))[0]
+    agent.get_value(torch.zeros(2, 4)).sum().backward()
+    optimizer.step()
+    np.random.rand(3)
+    path = str(tmp_path / "state.pt")
+    ppo.save_checkpoint(path, ppo.training_state(args, 5, 640, obs, agent, optimizer, envs, rng))
+    twin = fresh()
+    twin[0].reset(seed=123)
+    iteration, step, twin_obs = ppo.restore_training_state(ppo.load_checkpoint(path), *twin[1:3], twin[0], twin[3])
+    assert (iteration, step) == (5, 640) and np.array_equal(twin_obs, obs)
+    a = ppo.training_state(args, 5, 640, obs, agent, optimizer, envs, rng)
+    b = ppo.training_state(args, 5, 640, twin_obs, twin[1], twin[2], twin[0], twin[3])
+    assert repr(a) == repr(b)  # tensors, numbers and generator states alike
+    for _ in range(40):  # and the two copies go on the same way
+        action = rng.integers(0, 2, 3)
+        assert np.array_equal(twin[3].integers(0, 2, 3), action)
+        one, two = envs.step(action), twin[0].step(action)
+        assert all(np.array_equal(x, y) for x, y in zip(one[:4], two[:4]))
+    assert list(envs.return_queue) == list(twin[0].return_queue)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_stopped_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, sig):
+    """SIGTERM saves the state at the update it stops after; SIGKILL loses the updates since the last checkpoint,
+    which the resumed run does again, hiding their first logging. Either way the resumed run's TensorBoard series
+    equal, bit for bit, those of a run that was never stopped."""
+    from conftest import all_scalars
+
+    flags = ["--total-timesteps", "20480", "--seed", "4", "--checkpoint-every", "5"]  # the last one before 12: 10
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    (tmp_path / "stopped").mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, *flags],
+        cwd=tmp_path / "stopped",
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    while "update 12/40" not in proc.stdout.readline():
+        pass
+    proc.send_signal(sig)
+    proc.communicate(timeout=120)
+    run = only_run_dir(str(tmp_path / "stopped"))
+    assert proc.returncode == (143 if sig == signal.SIGTERM else -9)
+    out = run_script("ppo_cartpole.py", "--resume", run, cwd=str(tmp_path / "stopped")).stdout
+    assert "20480 of 20480 steps" in out and only_run_dir(str(tmp_path / "stopped")) == run
+    (tmp_path / "whole").mkdir()
+    run_script("ppo_cartpole.py", *flags, cwd=str(tmp_path / "whole"))
+    resumed, whole = all_scalars(run), all_scalars(only_run_dir(str(tmp_path / "whole")))
+    assert len(whole["losses/policy_loss"]) == 40 and resumed == whole
