@@ -12,7 +12,7 @@ steps per second can be measured side by side on the same machine:
 Torch runs with its default thread count, as CleanRL does.
 Only SPS is meant to be compared; use ppo_cartpole.py for learning results.
 
-    python benchmark/cleanrl_style_ppo.py --total-timesteps 100000
+    python benchmark/peers/cleanrl_style_ppo.py --total-timesteps 100000
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ charts/episodic_length, charts/SPS, time/rollout_seconds, time/update_seconds in
 line `... N steps/s`, and with `--eval-episodes K` (K > 0) the deterministic evaluation (mean action,
 observation statistics frozen) as eval/episodic_return, env seeds seed+10000 ... as the script.
 
-    python benchmark/sb3_trpo_halfcheetah.py --total-timesteps 150000 --seed 1
-    python benchmark/sb3_trpo_halfcheetah.py --hyperparams zoo --eval-episodes 10 --seed 1
+    python benchmark/peers/sb3_trpo_halfcheetah.py --total-timesteps 150000 --seed 1
+    python benchmark/peers/sb3_trpo_halfcheetah.py --hyperparams zoo --eval-episodes 10 --seed 1
 """
 
 from __future__ import annotations
