@@ -168,7 +168,7 @@ def metric(row: dict) -> str:
     if row["tag"].startswith("eval/"):
         return f"deterministic evaluation, {row['last_n']} episodes per seed"
     if row.get("last_fraction"):
-        return f"{row['tag'].split('/')[-1]}, episodes of the last {row['last_fraction']:.0%} of the steps"
+        return f"normalised regret, episodes ending in the last {row['last_fraction']:.0%} of the steps (lower: better)"
     return f"{row['tag'].split('/')[-1].replace('_', ' ')}, last {row['last_n']} episodes per seed"
 
 
@@ -259,9 +259,11 @@ def compare_table(data: dict, lines: list[str]) -> str:
 def throughput_table(data: dict, script: str) -> str:
     head = "steps per run, runs each, ours steps/s, peer, peer threads, peer steps/s, ratio".split(", ")
     keys = ("steps", "repeats", "sps", "peer_label", "peer_threads", "peer_sps", "ratio")
-    cell = lambda t, k: fmt(t[k], 2 if k == "ratio" else 0) if isinstance(t[k], float) else t[k]  # noqa: E731
+    cell = lambda x, k: fmt(x, 2 * (k == "ratio")) if isinstance(x, float) else f"{x:,}" if isinstance(x, int) else x  # noqa: E731
     records = [
-        [short_machine(t["machine"])] + [cell(t, k) for k in keys] for t in data["throughput"] if t["script"] == script
+        [short_machine(t["machine"])] + [cell(t[k], k) for k in keys]
+        for t in data["throughput"]
+        if t["script"] == script
     ]
     return markdown(records, ["machine", *head])
 
@@ -283,7 +285,7 @@ def speed_records(e: dict) -> list[list]:
             len(r["time/update_seconds"]),
             fmt(np.median(r["time/rollout_seconds"])),
             fmt(np.median(r["time/update_seconds"])),
-            r["steps_done"],
+            f"{r['steps_done']:,}",
             fmt(r["wall_seconds"], 0),
             f"`{' '.join(r['flags'])}`",
         ]
@@ -301,7 +303,7 @@ def speed_table(data: dict, name: str) -> str:
     (e,) = [e for e in data["speed"] if e["name"] == name]
     floor = e["data"].get("env_floor")
     note = f" The {floor['steps']:,} env steps alone: {floor['steps_per_s']:.0f} steps/s." if floor else ""
-    return markdown(speed_records(e), speed_columns(e)) + f"\n\n{e['machine']}.{note}"
+    return markdown(speed_records(e), speed_columns(e)) + f"\n\nMachine: {e['machine']}.{note}"
 
 
 def critics_table(data: dict) -> str:
@@ -314,6 +316,15 @@ def critics_table(data: dict) -> str:
     return markdown(list(records.values()))
 
 
+def refs_table(data: dict) -> str:
+    """Every published number the stored rows are shown beside, with the scripts and envs it stands beside."""
+    beside = {}
+    for r in data["rows"]:
+        for x in r["refs"]:
+            beside.setdefault(ref_text(x), {})[f"`{r['script']}.py` {r['env']}"] = 0
+    return markdown([[k, ", ".join(v)] for k, v in beside.items()], ["published number (source)", "shown beside"])
+
+
 def table(data: dict, spec: dict) -> str:
     """A page table from its registry entry ([tables.NAME] in registry.toml)."""
     if "rows" in spec:
@@ -324,7 +335,9 @@ def table(data: dict, spec: dict) -> str:
         return compare_table(data, spec["compare"])
     if "throughput" in spec:
         return throughput_table(data, spec["throughput"])
-    return speed_table(data, spec["speed"]) if "speed" in spec else critics_table(data)
+    if "speed" in spec:
+        return speed_table(data, spec["speed"])
+    return critics_table(data) if "critics" in spec else refs_table(data)
 
 
 # ----------------------------------------------------------------------------------------------- results.md
