@@ -394,9 +394,11 @@ def render(data: dict, order: list[tuple]) -> str:
             text += f" Made by `{r['harness_command']}` (finished {r['finished']}, niceness {r['nice']}); each seed"
             text += f" ran `{'`, `'.join(r['run_commands'])}` ({'; '.join(r['code'])})."
         out.append(text + f" File: `{r['_file']}`.")
-    comparisons = [line for spec in REGISTRY["tables"].values() for line in spec.get("compare", [])]
-    out += ["", "## Comparisons between settings", "", " ".join(compare.__doc__.split()), ""]
-    out += [compare_table(data, comparisons), "", "## Throughput (short runs alternating with the peer, medians)"]
+    have = {(r["script"], r["env"], str(r["steps"]), r["setting"]) for r in data["rows"]}
+    pairs = [line for spec in REGISTRY["tables"].values() for line in spec.get("compare", [])]
+    pairs = [p for p in pairs if {(*p.split()[:3], x) for x in p.split()[3:]} <= have]
+    out += ["", "## Comparisons between settings", "", " ".join(compare.__doc__.split()), ""] * bool(pairs)
+    out += [compare_table(data, pairs), "", "## Throughput (short runs alternating with the peer, medians)"]
     for script in dict.fromkeys(t["script"] for t in data["throughput"]):
         out += ["", f"`{script}.py`:", "", throughput_table(data, script)]
     out += [""] + [

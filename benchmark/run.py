@@ -206,16 +206,17 @@ def read_run(folder: str):
     """Every scalar of the event files under a run folder (tbparse), in write order within each TensorBoard run."""
     from tbparse import SummaryReader
 
-    return SummaryReader(folder, pivot=False, extra_columns={"dir_name"}).scalars
+    df = SummaryReader(folder, pivot=False, extra_columns={"dir_name"}).scalars
+    return df if "tag" in df else df.assign(step=[], tag=[], value=[])
 
 
 def series(df, tag: str) -> dict:
     return {"steps": df.step[df.tag == tag].astype(int).tolist(), "values": df.value[df.tag == tag].round(4).tolist()}
 
 
-def collect(s: S, runs_dir: str, results_dir: str) -> Optional[dict]:
+def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ()) -> Optional[dict]:
     """The complete runs of setting `s` under `runs_dir` as a store row, written to the store; seeds of the stored row
-    that these runs lack and the registry still lists are kept (same flags and metric). None: no complete run."""
+    that these runs lack and the registry still lists (`wanted`) are kept (same flags and metric). None: no run."""
     info, fresh = SCRIPTS[s.script], {}
     for seed in s.seeds:
         if os.path.isfile(path := os.path.join(run_folder(runs_dir, s, seed), MARKER)):
@@ -244,7 +245,11 @@ def collect(s: S, runs_dir: str, results_dir: str) -> Optional[dict]:
     row["finished"] = max(m["finished"] for m in markers)
     path = report.row_path(results_dir, row)
     old = json.load(open(path)) if os.path.isfile(path) else {}
-    keep = [str(x) for x in old.get("seeds", []) if x in s.seeds and str(x) not in fresh and str(x) in old["series"]]
+    keep = [
+        str(x)
+        for x in old.get("seeds", [])
+        if x in (wanted or s.seeds) and str(x) not in fresh and str(x) in old["series"]
+    ]
     if keep and [old.get("flags"), old.get("tag")] == [row["flags"], tag]:
         row["seeds"] = sorted(row["seeds"] + list(map(int, keep)))
         for key in ("series", "train_series", "seconds_per_update", "seed_replayed", "seed_sps", "seed_wall_seconds"):
@@ -447,7 +452,8 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
     elif args.mode in ("train", "collect"):
         failed = train(args, selected, harness_command) if args.mode == "train" else []
         for s in selected:
-            if row := collect(s, args.runs_dir, args.results_dir):
+            wanted = next(r.seeds for r in registry if (r.script, r.env, r.name) == (s.script, s.env, s.name))
+            if row := collect(s, args.runs_dir, args.results_dir, wanted):
                 print(f"{s.script} {s.env} {s.name} {s.steps:,} steps, seeds {row['seeds']}: {report.pm(row)}")
     write_report(args, registry)
     if failed:
