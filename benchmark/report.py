@@ -74,14 +74,11 @@ def derive(row: dict) -> dict:
             per_seed[seed] = _mean(values[-row["last_n"] :])
     row["per_seed"], row["episodes"] = per_seed, {k: len(s["values"]) for k, s in row["series"].items()}
     row["mean"], row["std"] = mean_std(per_seed.values())
-    extra = {
-        "first": first,
-        "train": {k: _mean(s["values"][-n:]) for k, s in (row.get("train_series") or {}).items()},
-        "update_s": {k: r + u for k, (r, u) in (row.get("seconds_per_update") or {}).items()},
-    }
-    row["extra"] = {
-        k: dict(zip(("per_seed", "mean", "std"), (v, *mean_std(v.values())))) for k, v in extra.items() if v
-    }
+    train = {k: _mean(s["values"][-n:]) for k, s in (row.get("train_series") or {}).items()}
+    update = {k: r + u for k, (r, u) in (row.get("seconds_per_update") or {}).items()}
+    extra = {"first": first, "train": train, "update_s": update}
+    row["extra"] = {k: dict(zip(("per_seed", "mean", "std"), (v, *mean_std(v.values())))) for k, v in extra.items()}
+    row["extra"] = {k: v for k, v in row["extra"].items() if v["per_seed"]}
     row["sps"], row["wall_seconds"] = (math.nan if row.get(k) is None else row[k] for k in ("sps", "wall_seconds"))
     return row
 
@@ -132,10 +129,8 @@ def compare(a: list[float], b: list[float]) -> dict:
     welch = stats.ttest_ind(a, b, equal_var=False)
     out = {"welch_p": float(welch.pvalue), "welch_ci": tuple(map(float, welch.confidence_interval(0.95)))}
     for name, x in (("a", a), ("b", b)):
-        out[f"mean {name}"], out[f"IQM {name}"] = (
-            (float(x.mean()), _boot((x,), np.mean)),
-            (float(iqm(x)), _boot((x,), iqm)),
-        )
+        out[f"mean {name}"] = (float(x.mean()), _boot((x,), np.mean))
+        out[f"IQM {name}"] = (float(iqm(x)), _boot((x,), iqm))
     out["P(a > b)"] = (float(prob_improvement(a, b)), _boot((a, b), prob_improvement))
     return out
 
@@ -174,14 +169,8 @@ def metric(row: dict) -> str:
 
 def flags(row: dict) -> str:
     """The setting's flags, less those that only save, evaluate or cache."""
-    out, rest = [], list(row["flags"])
-    while rest:
-        f = rest.pop(0)
-        if f in ("--eval-episodes", "--cache"):
-            rest.pop(0)
-        elif f != "--save-model":
-            out.append(f)
-    return f"`{' '.join(out)}`" if out else "(defaults)"
+    kept = re.sub(r"--save-model|--eval-episodes \S+|--cache \S+", "", " ".join(row["flags"])).split()
+    return f"`{' '.join(kept)}`" if kept else "(defaults)"
 
 
 def ref_text(r: dict) -> str:
@@ -279,18 +268,9 @@ def speed_records(e: dict) -> list[list]:
             [f"`{c}`", fmt(m), fmt(d["steps_per_epoch"] / m, 0), f"{m / first:.1f}x", len(d["per_epoch"][c])]
             for c, m in med.items()
         ]
-    return [
-        [
-            name,
-            len(r["time/update_seconds"]),
-            fmt(np.median(r["time/rollout_seconds"])),
-            fmt(np.median(r["time/update_seconds"])),
-            f"{r['steps_done']:,}",
-            fmt(r["wall_seconds"], 0),
-            f"`{' '.join(r['flags'])}`",
-        ]
-        for name, r in d["runs"].items()
-    ]
+    med = lambda r, k: fmt(np.median(r[f"time/{k}_seconds"]))  # noqa: E731
+    parts = lambda r: [len(r["time/update_seconds"]), med(r, "rollout"), med(r, "update"), f"{r['steps_done']:,}"]  # noqa: E731
+    return [[name, *parts(r), fmt(r["wall_seconds"], 0), f"`{' '.join(r['flags'])}`"] for name, r in d["runs"].items()]
 
 
 def speed_columns(e: dict) -> list[str]:
@@ -342,45 +322,27 @@ def table(data: dict, spec: dict) -> str:
 
 # ----------------------------------------------------------------------------------------------- results.md
 
+HEADER = (
+    "Written by `python benchmark/run.py --mode report` from `benchmark/results/` (do not edit). Per seed the mean of "
+    "the last N episodes of the row's metric (ICPI: of the episodes that ended in the last quarter of the real steps), "
+    "then mean ± population std (ddof=0) over seeds. SPS and wall minutes are means over seeds, on machines that were "
+    "often shared: compare them only within a side-by-side measurement (Throughput, Speed). Source `imported`: made "
+    "before the harness held it, by the command in its notes."
+)
+
 
 def render(data: dict, order: list[tuple]) -> str:
     """results.md: every stored row (registry order), how each was made, the comparisons, throughput and speed."""
     rank = {k: i for i, k in enumerate(order)}
     rows = sorted(data["rows"], key=lambda r: (rank.get((r["script"], r["env"], r["setting"]), len(rank)), r["steps"]))
-    mid = {
-        m: f"M{i + 1}"
-        for i, m in enumerate(sorted({f"{x['machine']}; {x['versions']}" for k in data for x in data[k]}))
-    }
+    machines = sorted({f"{x['machine']}; {x['versions']}" for k in data for x in data[k]})
+    mid = {m: f"M{i + 1}" for i, m in enumerate(machines)}
     m_of = lambda x: mid[f"{x['machine']}; {x['versions']}"]  # noqa: E731
     cols = "script env setting steps seeds result metric".split()
-    main = [
-        [
-            i + 1,
-            *[CELLS[c][1](r) for c in cols],
-            fmt(r["sps"], 0),
-            fmt(r["wall_seconds"] / 60, 1),
-            m_of(r),
-            r.get("source", "harness"),
-        ]
-        for i, r in enumerate(rows)
-    ]
-    out = [
-        "# Benchmark results",
-        "",
-        " ".join(
-            """Written by `python benchmark/run.py --mode report` from
-        `benchmark/results/` (do not edit). Per seed the mean of the last N episodes of the row's metric (ICPI: of the
-        episodes that ended in the last quarter of the real steps), then mean ± population std (ddof=0) over seeds. SPS
-        and wall minutes are means over seeds, on machines that were often shared: compare them only within a
-        side-by-side measurement (Throughput, Speed). Source `imported`: made before the harness held it, by the
-        command in its notes.""".split()
-        ),
-        "",
-        markdown(main, ["#", *(CELLS[c][0] for c in cols), "SPS", "wall / run, min", "machine", "source"]),
-        "",
-        "Per row: its flags, per-seed numbers and extras, and how it was made.",
-        "",
-    ]
+    line = lambda r: [CELLS[c][1](r) for c in cols] + [fmt(r["sps"], 0), fmt(r["wall_seconds"] / 60, 1), m_of(r)]  # noqa: E731
+    main = [[i + 1, *line(r), r.get("source", "harness")] for i, r in enumerate(rows)]
+    head = ["#", *(CELLS[c][0] for c in cols), "SPS", "wall / run, min", "machine", "source"]
+    out = ["# Benchmark results", "", HEADER, "", markdown(main, head), "", "How each row was made:", ""]
     for i, r in enumerate(rows):
         text = f"{i + 1}. `{r['script']}.py {' '.join(r['flags']) or '(defaults)'}`: per seed {per_seed(r)} "
         text += f"({', '.join(map(str, r['episodes'].values()))} episodes)."
@@ -401,26 +363,16 @@ def render(data: dict, order: list[tuple]) -> str:
     out += [compare_table(data, pairs), "", "## Throughput (short runs alternating with the peer, medians)"]
     for script in dict.fromkeys(t["script"] for t in data["throughput"]):
         out += ["", f"`{script}.py`:", "", throughput_table(data, script)]
-    out += [""] + [
-        f"- `{t['_file']}`: `{t['harness_command']}`, machine {m_of(t)}, 1-minute load {t['load'][0]} "
-        f"before, {t['load'][1]} after"
-        for t in data["throughput"]
-    ]
+    out.append("")
+    for t in data["throughput"]:
+        load = f"1-minute load {t['load'][0]} before, {t['load'][1]} after"
+        out.append(f"- `{t['_file']}`: `{t['harness_command']}`, machine {m_of(t)}, {load}")
     out += ["", "## Speed (`--mode speed`; the GPU entries imported from `benchmark/gpu/`)"]
     for e in data["speed"]:
-        how = (
-            f"imported: `{e['imported']['command']}`, from `{e['imported']['from']}`"
-            if e.get("imported")
-            else (f"`{e['harness_command']}`, finished {e['finished']}")
-        )
-        out += [
-            "",
-            f"### {e['name']} (machine {m_of(e)})",
-            "",
-            how + ".",
-            "",
-            markdown(speed_records(e), speed_columns(e)),
-        ]
+        how = e.get("imported") and f"imported: `{e['imported']['command']}`, from `{e['imported']['from']}`"
+        how = how or f"`{e['harness_command']}`, finished {e['finished']}"
+        out += ["", f"### {e['name']} (machine {m_of(e)})", "", how + ".", ""]
+        out.append(markdown(speed_records(e), speed_columns(e)))
     return "\n".join(out + ["", "## Machines", ""] + [f"- {v}: {k}" for k, v in mid.items()]) + "\n"
 
 

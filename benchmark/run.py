@@ -190,9 +190,8 @@ def run_job(s: S, seed: int, runs_dir: str, harness_command: str = "", nice: int
             rc = -9
     if rc == 0:
         marker = {"command": display(cmd), "seconds": time.time() - t0, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
-        marker.update(
-            machine=machine(), versions=versions(), nice=os.nice(0) + nice, code=f"{file} blob {blob} on {commit}"
-        )
+        marker.update(machine=machine(), versions=versions(), nice=os.nice(0) + nice)
+        marker.update(code=f"{file} blob {blob} on {commit}")
         marker.update(harness_command=harness_command, load=round(os.getloadavg()[0], 2))
         with open(os.path.join(folder, MARKER), "w") as f:
             json.dump(marker, f, indent=1)
@@ -245,11 +244,8 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
     row["finished"] = max(m["finished"] for m in markers)
     path = report.row_path(results_dir, row)
     old = json.load(open(path)) if os.path.isfile(path) else {}
-    keep = [
-        str(x)
-        for x in old.get("seeds", [])
-        if x in (wanted or s.seeds) and str(x) not in fresh and str(x) in old["series"]
-    ]
+    wanted = wanted or s.seeds
+    keep = [str(x) for x in old.get("seeds", []) if x in wanted and str(x) not in fresh and str(x) in old["series"]]
     if keep and [old.get("flags"), old.get("tag")] == [row["flags"], tag]:
         row["seeds"] = sorted(row["seeds"] + list(map(int, keep)))
         for key in ("series", "train_series", "seconds_per_update", "seed_replayed", "seed_sps", "seed_wall_seconds"):
@@ -269,9 +265,9 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
 # ----------------------------------------------------------------------------------------------- throughput and speed
 
 
-def timed_run(cmd: list[str], steps: int) -> dict:
+def timed_run(cmd: list[str], steps: int) -> tuple[dict, object]:
     """Run `cmd` in a fresh folder: steps/s from its last `N steps/s` line, else its last charts/SPS, else steps over
-    the wall time; the rollout and update seconds it logged, summed."""
+    the wall time; the rollout and update seconds it logged, summed; and every scalar it logged."""
     with tempfile.TemporaryDirectory() as cwd:
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=cwd, env=thread_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL)
@@ -281,7 +277,7 @@ def timed_run(cmd: list[str], steps: int) -> dict:
         df = read_run(cwd)
     found, sps = re.findall(r"([0-9.]+) steps/s", proc.stdout), df.value[df.tag == "charts/SPS"]
     total = {k: float(df.value[df.tag == f"time/{k}_seconds"].sum()) for k in ("rollout", "update")}
-    return {"sps": float(found[-1]) if found else float(sps.iloc[-1]) if len(sps) else steps / wall, **total}
+    return {"sps": float(found[-1]) if found else float(sps.iloc[-1]) if len(sps) else steps / wall, **total}, df
 
 
 def throughput(p: dict, steps: int, repeats: int, harness_command: str) -> dict:
@@ -291,17 +287,14 @@ def throughput(p: dict, steps: int, repeats: int, harness_command: str) -> dict:
     ours_cmd = script_command(info.file, info, p["env"], steps, shlex.split(p["flags"]))
     peer_cmd = script_command(p["peer"], info, p["env"], steps, shlex.split(p["peer_flags"]))
     for _ in range(repeats):
-        peer.append(timed_run(peer_cmd, steps))
-        ours.append(timed_run(ours_cmd, steps))
+        peer.append(timed_run(peer_cmd, steps)[0])
+        ours.append(timed_run(ours_cmd, steps)[0])
         print(f"{p['script']}: {ours[-1]['sps']:.0f} steps/s; peer {p['label']}: {peer[-1]['sps']:.0f}", flush=True)
-    med = {
-        f"{who}{k}": statistics.median(r[k] for r in runs)
-        for who, runs in (("", ours), ("peer_", peer))
-        for k in ours[0]
-    }
-    out = {"script": p["script"], "env": p["env"], "flags": shlex.split(p["flags"]), "steps": steps, "sps": med["sps"]}
-    out.update(peer_label=p["label"], peer_sps=med["peer_sps"], ratio=med["sps"] / med["peer_sps"], repeats=repeats)
-    out.update(peer_threads="1 (OMP_NUM_THREADS=1)", rollout_s=med["rollout"], update_s=med["update"])
+    med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
+    sps, peer_sps = med(ours, "sps"), med(peer, "sps")
+    out = {"script": p["script"], "env": p["env"], "flags": shlex.split(p["flags"]), "steps": steps, "sps": sps}
+    out.update(peer_label=p["label"], peer_sps=peer_sps, ratio=sps / peer_sps, repeats=repeats)
+    out.update(peer_threads="1 (OMP_NUM_THREADS=1)", rollout_s=med(ours, "rollout"), update_s=med(ours, "update"))
     out.update(machine=machine(), versions=versions(), harness_command=harness_command)
     return dict(out, load=[load0, round(os.getloadavg()[0], 2)])
 
@@ -313,11 +306,7 @@ def speed(name: str, harness_command: str) -> dict:
     for _ in range(e.get("repeats", 1)):
         for config in e["configs"]:
             cmd = script_command(info.file, info, e["env"], e["steps_per_update"] * e["updates"], shlex.split(config))
-            with tempfile.TemporaryDirectory() as cwd:
-                subprocess.run(
-                    cmd, cwd=cwd, env=thread_env(), check=True, capture_output=True, stdin=subprocess.DEVNULL
-                )
-                df = read_run(cwd)
+            df = timed_run(cmd, 0)[1]
             parts = [df.value[df.tag == f"time/{k}_seconds"].to_numpy() for k in ("rollout", "update")]
             per[config] += [round(float(r + u), 4) for r, u in zip(*parts)]
             print(f"{config}: {per[config][-len(parts[0]) :]} s per update", flush=True)
@@ -335,40 +324,23 @@ class Args:
     """train: run what is missing, store it, report; collect: store the complete runs under --runs-dir, report;
     report: results.md, the plots and the pages' tables from the store (seconds); throughput: timed runs alternating
     with the peer; speed: the speed entries named by --speed; list: the settings"""
-    scripts: tuple[str, ...] = ()
-    """scripts to include (e.g. ppo_cartpole); empty: all"""
-    envs: tuple[str, ...] = ()
-    """env ids to include; empty: all"""
-    settings: tuple[str, ...] = ()
-    """setting names to include; empty: all"""
-    seeds: tuple[int, ...] = ()
-    """override the registry's seeds"""
-    steps: Optional[int] = None
-    """override the registry's step budget"""
-    workers: int = os.cpu_count() or 1
-    """runs at a time (each with one thread)"""
-    nice: int = 0
-    """niceness added to every run (a shared machine: e.g. 10)"""
-    quick: bool = False
-    """every light setting at a tiny budget, written under benchmark/out/quick (a check of the harness)"""
-    runs_dir: Optional[str] = None
-    """run folders (default benchmark/out/runs, git-ignored)"""
-    results_dir: Optional[str] = None
-    """the results store (default benchmark/results; only the default store rewrites the pages' tables)"""
-    results_md: Optional[str] = None
-    """the report (default benchmark/results.md)"""
-    plots_dir: Optional[str] = None
-    """the plots (default benchmark/plots)"""
-    repeats: int = 3
-    """throughput: timed runs of each program"""
-    throughput_steps: Optional[int] = None
-    """throughput: steps per timed run (default: per script)"""
-    force: bool = False
-    """run again even when a run is complete"""
-    timeout: Optional[float] = None
-    """seconds after which a run is killed and counted as failed"""
-    speed: tuple[str, ...] = ()
-    """speed: the entries to measure ([speed.NAME] in registry.toml)"""
+    scripts: tuple[str, ...] = ()  # scripts to include (e.g. ppo_cartpole); empty: all
+    envs: tuple[str, ...] = ()  # env ids to include; empty: all
+    settings: tuple[str, ...] = ()  # setting names to include; empty: all
+    seeds: tuple[int, ...] = ()  # override the registry's seeds
+    steps: Optional[int] = None  # override the registry's step budget
+    workers: int = os.cpu_count() or 1  # runs at a time (each with one thread)
+    nice: int = 0  # niceness added to every run (a shared machine: e.g. 10)
+    quick: bool = False  # every light setting at a tiny budget, under benchmark/out/quick (checks the harness)
+    runs_dir: Optional[str] = None  # run folders (default benchmark/out/runs, git-ignored)
+    results_dir: Optional[str] = None  # the store (default benchmark/results, the only one that writes the pages)
+    results_md: Optional[str] = None  # the report (default benchmark/results.md)
+    plots_dir: Optional[str] = None  # the plots (default benchmark/plots)
+    repeats: int = 3  # throughput: timed runs of each program
+    throughput_steps: Optional[int] = None  # throughput: steps per timed run (default: per script)
+    force: bool = False  # run again even when a run is complete
+    timeout: Optional[float] = None  # seconds after which a run is killed and counted as failed
+    speed: tuple[str, ...] = ()  # speed: the entries to measure ([speed.NAME] in registry.toml)
 
 
 def write_report(args: Args, registry: list[S]) -> None:
@@ -418,13 +390,11 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
     args = tyro.cli(Args, args=argv, description=__doc__.split("\n\n")[0])
     registry = SETTINGS if registry is None else registry
     args.scripts = tuple(x.removesuffix(".py") for x in args.scripts)
-    known = {"script": {s.script for s in registry}, "env": {s.env for s in registry}, "speed entry": set(SPEED)}
-    known["setting"] = {s.name for s in registry}
-    for what, given in (("script", args.scripts), ("env", args.envs), ("setting", args.settings)):
-        if bad := [x for x in given if x not in known[what]]:
-            sys.exit(f"error: unknown {what} '{bad[0]}'; the registry has: {', '.join(sorted(known[what]))}.")
-    if bad := [x for x in args.speed if x not in SPEED]:
-        sys.exit(f"error: unknown speed entry '{bad[0]}'; registry.toml has: {', '.join(SPEED)}.")
+    checks = [("script", args.scripts, {s.script for s in registry}), ("env", args.envs, {s.env for s in registry})]
+    checks += [("setting", args.settings, {s.name for s in registry}), ("speed entry", args.speed, set(SPEED))]
+    for what, given, names in checks:
+        if bad := [x for x in given if x not in names]:
+            sys.exit(f"error: unknown {what} '{bad[0]}'; the registry has: {', '.join(sorted(names))}.")
     if args.workers < 1 or args.repeats < 1:
         sys.exit("error: --workers and --repeats must be at least 1.")
     base = os.path.join(HERE, "out", "quick") if args.quick else HERE
@@ -443,9 +413,12 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
             info = SCRIPTS[p["script"]]
             steps = args.throughput_steps or (info.quick_steps if args.quick else p.get("steps", info.throughput_steps))
             t = throughput(p, steps, args.repeats, harness_command)
-            name = re.sub(r"[^\w.-]+", "_", f"{p['script']}__{p['env']}__{p['flags'] or 'defaults'}__{steps}")
-            path = os.path.join(args.results_dir, "throughput", f"{name}__{t['machine'].split(' (')[0]}.json")
-            print(f"ratio {t['ratio']:.2f}x -> {report.dump(t, path.replace(' ', '_'))}", flush=True)
+            cpu = t["machine"].split("(")[0].split(",")[0].strip()
+            name = re.sub(
+                r"[^\w.-]+", "_", f"{p['script']}__{p['env']}__{p['flags'] or 'defaults'}__{steps}__peer1thread__{cpu}"
+            )
+            path = report.dump(t, os.path.join(args.results_dir, "throughput", name + ".json"))
+            print(f"ratio {t['ratio']:.2f}x -> {path}", flush=True)
     elif args.mode == "speed":
         for name in args.speed:
             report.dump(speed(name, harness_command), os.path.join(args.results_dir, "speed", f"{name}.json"))

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 
@@ -50,12 +49,15 @@ def _run(repo, *args):
 def test_main_job_learns_on_inverted_pendulum_then_says_where_to_look(repo):
     proc = _run(repo)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == ("job --env-id InvertedPendulum-v5 --llm smollm2 --llm-layers 2 --fvp-subsample 5 "
-                           "--batch-size 2000 --total-timesteps 30000\n")
+    assert proc.stdout == (
+        "job --env-id InvertedPendulum-v5 --llm smollm2 --llm-layers 2 --fvp-subsample 5 "
+        "--batch-size 2000 --total-timesteps 30000\n"
+    )
     assert proc.stderr.strip().splitlines()[-2:] == [
         "main job done. Its curves: ./run python -m tensorboard.main --logdir runs",
         "Read next: docs/trpo_gpt2_halfcheetah.md (the script; its headline is HalfCheetah-v5: "
-        "./run trpo_gpt2_halfcheetah.py --seed 543)"]
+        "./run trpo_gpt2_halfcheetah.py --seed 543)",
+    ]
     # a failed job: its exit status, and no "main job done"
     proc = _run(repo, "main", "--fail")
     assert proc.returncode == 3 and "main job done" not in proc.stderr
@@ -67,8 +69,14 @@ def test_sigterm_to_run_reaches_the_main_job(repo):
     import time
 
     env = dict(os.environ, PYTHON=sys.executable)
-    proc = subprocess.Popen([str(repo / "run"), "main", "--wait"], cwd=repo, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(repo / "run"), "main", "--wait"],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 30
     while not (repo / "waiting").exists() and time.time() < deadline:
         time.sleep(0.05)
@@ -104,10 +112,13 @@ def test_setup_runs_once_then_only_when_a_requirements_file_changes(repo):
     assert _run(repo, "setup").returncode == 0 and len(_pip_calls(repo)) == 6
 
 
-@pytest.mark.parametrize("args, message", [
-    (("nope",), "error: unknown command 'nope'"),
-    (("missing.py",), "error: no script 'missing.py' here"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("nope",), "error: unknown command 'nope'"),
+        (("missing.py",), "error: no script 'missing.py' here"),
+    ],
+)
 def test_bad_input_one_clear_sentence(repo, args, message):
     proc = _run(repo, *args)
     assert proc.returncode != 0
