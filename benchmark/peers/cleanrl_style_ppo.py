@@ -12,7 +12,7 @@ steps per second can be measured side by side on the same machine:
 Torch runs with its default thread count, as CleanRL does.
 Only SPS is meant to be compared; use ppo_cartpole.py for learning results.
 
-    python benchmark/cleanrl_style_ppo.py --total-timesteps 100000
+    python benchmark/peers/cleanrl_style_ppo.py --total-timesteps 100000
 """
 
 from __future__ import annotations
@@ -55,10 +55,20 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
 class Agent(nn.Module):
     def __init__(self, obs_dim, n_actions):
         super().__init__()
-        self.critic = nn.Sequential(layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)),
-                                    nn.Tanh(), layer_init(nn.Linear(64, 1), std=1.0))
-        self.actor = nn.Sequential(layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)),
-                                   nn.Tanh(), layer_init(nn.Linear(64, n_actions), std=0.01))
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 1), std=1.0),
+        )
+        self.actor = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, n_actions), std=0.01),
+        )
 
     def get_value(self, x):
         return self.critic(x)
@@ -73,8 +83,9 @@ class Agent(nn.Module):
 def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
-    envs = gym.vector.SyncVectorEnv([lambda: gym.wrappers.RecordEpisodeStatistics(gym.make(args.env_id))
-                                     for _ in range(args.num_envs)])
+    envs = gym.vector.SyncVectorEnv(
+        [lambda: gym.wrappers.RecordEpisodeStatistics(gym.make(args.env_id)) for _ in range(args.num_envs)]
+    )
     obs_dim = int(np.prod(envs.single_observation_space.shape))
     agent = Agent(obs_dim, envs.single_action_space.n)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
@@ -131,13 +142,14 @@ def main(args: Args) -> None:
         for _ in range(args.update_epochs):
             np.random.shuffle(b_inds)
             for s in range(0, batch_size, minibatch_size):
-                mb = b_inds[s:s + minibatch_size]
+                mb = b_inds[s : s + minibatch_size]
                 _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb], b_actions.long()[mb])
                 ratio = (newlogprob - b_logprobs[mb]).exp()
                 mb_adv = b_advantages[mb]
                 mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-                pg_loss = torch.max(-mb_adv * ratio, -mb_adv * torch.clamp(ratio, 1 - args.clip_coef,
-                                                                          1 + args.clip_coef)).mean()
+                pg_loss = torch.max(
+                    -mb_adv * ratio, -mb_adv * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+                ).mean()
                 newvalue = newvalue.view(-1)
                 v_clipped = b_values[mb] + torch.clamp(newvalue - b_values[mb], -args.clip_coef, args.clip_coef)
                 v_loss = 0.5 * torch.max((newvalue - b_returns[mb]) ** 2, (v_clipped - b_returns[mb]) ** 2).mean()

@@ -19,8 +19,8 @@ charts/episodic_length, charts/SPS, time/rollout_seconds, time/update_seconds in
 line `... N steps/s`, and with `--eval-episodes K` (K > 0) the deterministic evaluation (mean action,
 observation statistics frozen) as eval/episodic_return, env seeds seed+10000 ... as the script.
 
-    python benchmark/sb3_trpo_halfcheetah.py --total-timesteps 150000 --seed 1
-    python benchmark/sb3_trpo_halfcheetah.py --hyperparams zoo --eval-episodes 10 --seed 1
+    python benchmark/peers/sb3_trpo_halfcheetah.py --total-timesteps 150000 --seed 1
+    python benchmark/peers/sb3_trpo_halfcheetah.py --hyperparams zoo --eval-episodes 10 --seed 1
 """
 
 from __future__ import annotations
@@ -57,13 +57,38 @@ def settings(name: str) -> tuple[int, dict, dict]:
     """(number of envs, TRPO keyword arguments, VecNormalize keyword arguments)."""
     net = dict(net_arch=dict(pi=[64, 64], vf=[64, 64]), activation_fn=torch.nn.Tanh)
     if name == "same":
-        return 10, dict(n_steps=1500, gamma=0.995, gae_lambda=0.97, cg_max_steps=10, cg_damping=0.1,
-                        target_kl=0.01, policy_kwargs=net), dict(norm_obs=True, norm_reward=False, clip_obs=5.0)
+        return (
+            10,
+            dict(
+                n_steps=1500,
+                gamma=0.995,
+                gae_lambda=0.97,
+                cg_max_steps=10,
+                cg_damping=0.1,
+                target_kl=0.01,
+                policy_kwargs=net,
+            ),
+            dict(norm_obs=True, norm_reward=False, clip_obs=5.0),
+        )
     # rl-baselines3-zoo hyperparams/trpo.yml, HalfCheetah-v4 (= mujoco defaults + target_kl 0.04); the zoo's
     # `normalize: true` is VecNormalize's defaults (observations and rewards, clip 10) with the algorithm's gamma
-    return 2, dict(n_steps=1024, batch_size=128, gamma=0.99, gae_lambda=0.95, sub_sampling_factor=1, cg_max_steps=25,
-                   cg_damping=0.1, n_critic_updates=20, learning_rate=1e-3, target_kl=0.04,
-                   policy_kwargs=net), dict(norm_obs=True, norm_reward=True, gamma=0.99)
+    return (
+        2,
+        dict(
+            n_steps=1024,
+            batch_size=128,
+            gamma=0.99,
+            gae_lambda=0.95,
+            sub_sampling_factor=1,
+            cg_max_steps=25,
+            cg_damping=0.1,
+            n_critic_updates=20,
+            learning_rate=1e-3,
+            target_kl=0.04,
+            policy_kwargs=net,
+        ),
+        dict(norm_obs=True, norm_reward=True, gamma=0.99),
+    )
 
 
 def main(args: Args) -> None:
@@ -82,8 +107,11 @@ def main(args: Args) -> None:
     n_envs, kwargs, norm = settings(args.hyperparams)
     run_name = f"{args.env_id}__{args.exp_name}-{args.hyperparams}__{args.seed}__{int(time.time())}"
     writer = SummaryWriter(f"runs/{run_name}")
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-        f"|{k}|{v}|" for k, v in {**vars(args), "n_envs": n_envs, **kwargs, **norm}.items()))
+    writer.add_text(
+        "hyperparameters",
+        "|param|value|\n|-|-|\n"
+        + "\n".join(f"|{k}|{v}|" for k, v in {**vars(args), "n_envs": n_envs, **kwargs, **norm}.items()),
+    )
     venv = VecNormalize(make_vec_env(args.env_id, n_envs=n_envs, seed=args.seed, vec_env_cls=DummyVecEnv), **norm)
     model = TRPO("MlpPolicy", venv, seed=args.seed, device="cpu", **kwargs)
 

@@ -1,0 +1,469 @@
+"""The report of the benchmark harness, made from the results store (benchmark/results/) alone: the numbers of every
+row, the statistics of the comparisons, benchmark/results.md, the plots, and the results tables that README.md and
+docs/*.md hold between `<!-- results: NAME -->` and `<!-- /results -->`. `python benchmark/run.py --mode report`."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import tomllib
+import warnings
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+with open(os.path.join(HERE, "registry.toml"), "rb") as _f:
+    REGISTRY = tomllib.load(_f)
+TRAIN_LAST_N = 30  # an evaluation row's training return: the mean of its last 30 training episodes per seed
+DERIVED = ("per_seed", "episodes", "mean", "std", "extra", "first_mean", "first_std", "_file")
+EXTRAS = {"first": "first quarter", "train": "training return", "update_s": "seconds per update"}
+
+
+# ----------------------------------------------------------------------------------------------- the store
+
+
+def row_path(results_dir: str, row: dict) -> str:
+    return os.path.join(results_dir, row["script"], f"{row['env']}__{row['setting']}__{row['steps']}.json")
+
+
+def _clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None  # JSON has no nan
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    return [_clean(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
+def dump(obj: dict, path: str) -> str:
+    """One top-level key per line (a series stays on one line: small diffs); derived numbers are not stored."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lines = [f' "{k}": {json.dumps(_clean(v), separators=(", ", ": "))}' for k, v in obj.items() if k not in DERIVED]
+    with open(path, "w") as f:
+        f.write("{\n" + ",\n".join(lines) + "\n}\n")
+    return path
+
+
+def mean_std(values) -> tuple[float, float]:
+    """Mean and POPULATION std (ddof=0) over seeds, as openrlbenchmark; a seed without a value is left out."""
+    x = np.array([v for v in values if v is not None and v == v], dtype=float)
+    return (float(x.mean()), float(x.std())) if x.size else (math.nan, math.nan)
+
+
+def _mean(x) -> float:
+    return float(np.mean(x)) if len(x) else math.nan
+
+
+def derive(row: dict) -> dict:
+    """The row's numbers from its episode series: per seed the mean of the last `last_n` episodes (or of those that
+    ended in the last `last_fraction` of the steps), then mean and population std over seeds; the same for the
+    extras (the first quarter, an evaluation row's training return, seconds per update)."""
+    row, frac, n = dict(row), row.get("last_fraction"), row.get("train_last_n", TRAIN_LAST_N)
+    per_seed, first = {}, {}
+    for seed, s in row["series"].items():
+        steps, values = np.asarray(s["steps"]), np.asarray(s["values"], dtype=float)
+        if frac:
+            per_seed[seed] = _mean(values[steps >= (1 - frac) * row["steps"]])
+            first[seed] = _mean(values[steps < frac * row["steps"]])
+        else:
+            per_seed[seed] = _mean(values[-row["last_n"] :])
+    row["per_seed"], row["episodes"] = per_seed, {k: len(s["values"]) for k, s in row["series"].items()}
+    row["mean"], row["std"] = mean_std(per_seed.values())
+    train = {k: _mean(s["values"][-n:]) for k, s in (row.get("train_series") or {}).items()}
+    update = {k: r + u for k, (r, u) in (row.get("seconds_per_update") or {}).items()}
+    extra = {"first": first, "train": train, "update_s": update}
+    row["extra"] = {k: dict(zip(("per_seed", "mean", "std"), (v, *mean_std(v.values())))) for k, v in extra.items()}
+    row["extra"] = {k: v for k, v in row["extra"].items() if v["per_seed"]}
+    row["sps"], row["wall_seconds"] = (math.nan if row.get(k) is None else row[k] for k in ("sps", "wall_seconds"))
+    return row
+
+
+def load(results_dir: str) -> dict:
+    """Everything in the store: {"rows": [...], "throughput": [...], "speed": [...]}, the rows' numbers derived."""
+    data = {"rows": [], "throughput": [], "speed": []}
+    for path in sorted(glob.glob(os.path.join(results_dir, "**", "*.json"), recursive=True)):
+        with open(path) as f:
+            obj = json.load(f)
+        obj["_file"] = os.path.relpath(path, os.path.dirname(os.path.abspath(results_dir)))
+        kind = os.path.relpath(path, results_dir).split(os.sep)[0]
+        data[kind].append(obj) if kind in data else data["rows"].append(derive(obj))
+    return data
+
+
+def find(data: dict, script: str, env: str, steps: int, setting: str) -> dict:
+    for r in data["rows"]:
+        if (r["script"], r["env"], r["steps"], r["setting"]) == (script, env, steps, setting):
+            return r
+    raise KeyError(f"no stored row {script} {env} {steps} {setting}: run it (benchmark/run.py) or take it off the page")
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+
+
+def _boot(samples, statistic) -> tuple[float, float]:
+    """Percentile bootstrap 95% interval, each sample resampled on its own (stratified: seeds within a setting)."""
+    res = stats.bootstrap(samples, statistic, n_resamples=10_000, method="percentile", rng=np.random.default_rng(0))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def iqm(x, axis=-1):
+    return stats.trim_mean(x, 0.25, axis=axis)
+
+
+def prob_improvement(x, y, axis=-1):
+    """P(X > Y) for a random seed of each, ties counting half: rliable's probability of improvement on one task."""
+    d = np.moveaxis(np.asarray(x), axis, -1)[..., :, None] - np.moveaxis(np.asarray(y), axis, -1)[..., None, :]
+    return (d > 0).mean((-2, -1)) + 0.5 * (d == 0).mean((-2, -1))
+
+
+def compare(a: list[float], b: list[float]) -> dict:
+    """Setting a against setting b: the mean and the interquartile mean of each with stratified-bootstrap 95%
+    intervals, and the probability of improvement P(a > b) with its interval (Agarwal et al. 2021, rliable's method),
+    beside Welch's t-test of the difference of the means (95% interval, p-value)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    welch = stats.ttest_ind(a, b, equal_var=False)
+    out = {"welch_p": float(welch.pvalue), "welch_ci": tuple(map(float, welch.confidence_interval(0.95)))}
+    for name, x in (("a", a), ("b", b)):
+        out[f"mean {name}"] = (float(x.mean()), _boot((x,), np.mean))
+        out[f"IQM {name}"] = (float(iqm(x)), _boot((x,), iqm))
+    out["P(a > b)"] = (float(prob_improvement(a, b)), _boot((a, b), prob_improvement))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- cells and tables
+
+
+def fmt(x, digits: int = 2) -> str:
+    return "n/a" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def pm(row: dict, key: str | None = None) -> str:
+    """`mean ± std` of the row's number or of one of its extras ('' when the row has no such extra)."""
+    x, d = row if key is None else row["extra"].get(key), 3 if row["tag"] == "charts/regret" else 2
+    return "" if x is None else f"{fmt(x['mean'], d)} ± {fmt(x['std'], d)}"
+
+
+def per_seed(row: dict, key: str | None = None) -> str:
+    x, d = row["per_seed"] if key is None else row["extra"][key]["per_seed"], 3 if row["tag"] == "charts/regret" else 2
+    return ", ".join(fmt(x[str(s)], d) for s in row["seeds"] if str(s) in x)
+
+
+def short_machine(machine: str) -> str:
+    names = {"H100": "H100", "H200": "H200", "EPYC": "AMD EPYC", "Xeon": "Intel Xeon"}
+    one = lambda m: next((v for k, v in names.items() if k in m), m.split(",")[0])  # noqa: E731
+    return " + ".join(dict.fromkeys(one(m) for m in machine.split(" / ")))
+
+
+def metric(row: dict) -> str:
+    if row["tag"].startswith("eval/"):
+        return f"deterministic evaluation, {row['last_n']} episodes per seed"
+    if row.get("last_fraction"):
+        return f"normalised regret, episodes ending in the last {row['last_fraction']:.0%} of the steps (lower: better)"
+    return f"{row['tag'].split('/')[-1].replace('_', ' ')}, last {row['last_n']} episodes per seed"
+
+
+def flags(row: dict) -> str:
+    """The setting's flags, less those that only save, evaluate or cache."""
+    kept = re.sub(r"--save-model|--eval-episodes \S+|--cache \S+", "", " ".join(row["flags"])).split()
+    return f"`{' '.join(kept)}`" if kept else "(defaults)"
+
+
+def ref_text(r: dict) -> str:
+    return (f"{r['value']:g}" if r.get("std") is None else f"{r['value']:g} ± {r['std']:g}") + f" ({r['source']})"
+
+
+def markdown(records: list, columns: list[str] | None = None) -> str:
+    df = pd.DataFrame(records, columns=columns, dtype=str).fillna("")
+    return df.to_markdown(index=False, disable_numparse=True, tablefmt="github")
+
+
+CELLS = {  # column of a results table -> (header, cell of a stored row)
+    "script": ("script", lambda r: f"`{r['script']}.py`"),
+    "setting": ("setting", lambda r: f"`{r['setting']}`"),
+    "flags": ("flags", flags),
+    "env": ("env", lambda r: r["env"]),
+    "steps": ("steps", lambda r: f"{r['steps']:,}"),
+    "seeds": ("seeds", lambda r: ", ".join(map(str, r["seeds"]))),
+    "machine": ("machine", lambda r: short_machine(r["machine"])),
+    "metric": ("metric", metric),
+    "result": ("mean ± std", pm),
+    "eval": ("evaluation, mean ± std", pm),
+    "per-seed": ("per seed", per_seed),
+    "first": ("first quarter, mean ± std", lambda r: pm(r, "first")),
+    "train": ("training return, mean ± std", lambda r: pm(r, "train")),
+    "update-s": ("seconds per update, mean ± std", lambda r: pm(r, "update_s")),
+}
+
+
+def picked(data: dict, lines: list[str]) -> list[dict]:
+    """Stored rows named by lines `script env steps setting [setting ...]`."""
+    return [find(data, s, e, int(n), x) for s, e, n, *xs in (line.split() for line in lines) for x in xs]
+
+
+def rows_table(data: dict, columns: str, lines: list[str]) -> str:
+    """One line per named row with the given columns (CELLS), then the rows' published numbers."""
+    rows = picked(data, lines)
+    refs = {f"- {r['env']}, {r['steps']:,} steps: {ref_text(x)}": 0 for r in rows for x in r["refs"]}
+    head = ["", "Published (other code, machines and library versions):", ""] if refs else []
+    return "\n".join([markdown([{CELLS[c][0]: CELLS[c][1](r) for c in columns.split()} for r in rows]), *head, *refs])
+
+
+def pivot_table(data: dict, script: str, settings: list[str], envs: str) -> str:
+    """Settings by env (`env (steps)`): mean ± std where the store has the row, empty where it has none."""
+    pairs = list(zip(envs.split()[::2], map(int, envs.split()[1::2])))
+    have = {(r["env"], r["steps"], r["setting"]): r for r in data["rows"] if r["script"] == script}
+    found = [have[(e, n, s)] for s in settings for e, n in pairs if (e, n, s) in have]
+    records = [{"setting": f"`{s}`", "flags": flags(next(r for r in found if r["setting"] == s))} for s in settings]
+    for rec, s in zip(records, settings):
+        rec.update({f"{e} ({n})": pm(have[(e, n, s)]) if (e, n, s) in have else "" for e, n in pairs})
+    seeds = "; ".join(sorted({", ".join(map(str, r["seeds"])) for r in found}))
+    return (
+        markdown(records)
+        + f"\n\nSeeds {seeds}; machines: {', '.join(sorted({short_machine(r['machine']) for r in found}))}."
+    )
+
+
+def compare_table(data: dict, lines: list[str]) -> str:
+    """For each line `script env steps a b`: a against b (`compare`)."""
+    records = []
+    for script, env, steps, a, b in (line.split() for line in lines):
+        ra, rb = find(data, script, env, int(steps), a), find(data, script, env, int(steps), b)
+        c = compare(list(ra["per_seed"].values()), list(rb["per_seed"].values()))
+        ci = lambda lo, hi: f"[{fmt(lo)}, {fmt(hi)}]"  # noqa: E731
+        records.append({"a": f"`{a}`", "b": f"`{b}`", "seeds": f"{len(ra['seeds'])} vs {len(rb['seeds'])}"})
+        records[-1].update(
+            {f"{k} [95% CI]": f"{fmt(c[k][0])} {ci(*c[k][1])}" for k in ("mean a", "mean b", "IQM a", "IQM b")}
+        )
+        records[-1].update({"P(a > b) [95% CI]": f"{fmt(c['P(a > b)'][0])} {ci(*c['P(a > b)'][1])}"})
+        records[-1].update({"a - b: Welch 95% CI": ci(*c["welch_ci"]), "Welch p": fmt(c["welch_p"], 3)})
+        records[-1]["machine"] = " vs ".join(dict.fromkeys(short_machine(r["machine"]) for r in (ra, rb)))
+    return markdown(records)
+
+
+def throughput_table(data: dict, script: str) -> str:
+    head = "steps per run, runs each, ours steps/s, peer, peer threads, peer steps/s, ratio".split(", ")
+    keys = ("steps", "repeats", "sps", "peer_label", "peer_threads", "peer_sps", "ratio")
+    cell = lambda x, k: fmt(x, 2 * (k == "ratio")) if isinstance(x, float) else f"{x:,}" if isinstance(x, int) else x  # noqa: E731
+    records = [
+        [short_machine(t["machine"])] + [cell(t[k], k) for k in keys]
+        for t in data["throughput"]
+        if t["script"] == script
+    ]
+    return markdown(records, ["machine", *head])
+
+
+def speed_records(e: dict) -> list[list]:
+    """A speed entry's table: seconds per update (epoch) of each configuration against the first's (`per_epoch`), or
+    the runs of a GPU check (`runs`: medians over the updates)."""
+    d = e["data"]
+    if "per_epoch" in d:
+        med = {c: float(np.median(v)) for c, v in d["per_epoch"].items()}
+        first = next(iter(med.values()))
+        return [
+            [f"`{c}`", fmt(m), fmt(d["steps_per_epoch"] / m, 0), f"{m / first:.1f}x", len(d["per_epoch"][c])]
+            for c, m in med.items()
+        ]
+    med = lambda r, k: fmt(np.median(r[f"time/{k}_seconds"]))  # noqa: E731
+    parts = lambda r: [len(r["time/update_seconds"]), med(r, "rollout"), med(r, "update"), f"{r['steps_done']:,}"]  # noqa: E731
+    return [[name, *parts(r), fmt(r["wall_seconds"], 0), f"`{' '.join(r['flags'])}`"] for name, r in d["runs"].items()]
+
+
+def speed_columns(e: dict) -> list[str]:
+    if "per_epoch" in e["data"]:
+        return ["configuration", "s per update (median)", "env steps/s", "vs the first", "updates timed"]
+    return ["run", "updates", "rollout s (median)", "update s (median)", "steps", "wall s", "flags"]
+
+
+def speed_table(data: dict, name: str) -> str:
+    (e,) = [e for e in data["speed"] if e["name"] == name]
+    floor = e["data"].get("env_floor")
+    note = f" The {floor['steps']:,} env steps alone: {floor['steps_per_s']:.0f} steps/s." if floor else ""
+    return markdown(speed_records(e), speed_columns(e)) + f"\n\nMachine: {e['machine']}.{note}"
+
+
+def critics_table(data: dict) -> str:
+    """GPT2PPO's critics: seconds per epoch against the MLP critic's, per machine and env (gpt2ppo speed entries)."""
+    records = {}
+    for e in (e for e in data["speed"] if e["name"].startswith("gpt2ppo")):
+        for rec in speed_records(e)[1:]:
+            key = (rec[0], short_machine(e["machine"]))
+            records.setdefault(key, {"critic": key[0], "machine": key[1]})[e["data"]["env_id"]] = rec[3]
+    return markdown(list(records.values()))
+
+
+def refs_table(data: dict) -> str:
+    """Every published number the stored rows are shown beside, with the scripts and envs it stands beside."""
+    beside = {}
+    for r in data["rows"]:
+        for x in r["refs"]:
+            beside.setdefault(ref_text(x), {})[f"`{r['script']}.py` {r['env']}"] = 0
+    return markdown([[k, ", ".join(v)] for k, v in beside.items()], ["published number (source)", "shown beside"])
+
+
+def table(data: dict, spec: dict) -> str:
+    """A page table from its registry entry ([tables.NAME] in registry.toml)."""
+    if "rows" in spec:
+        return rows_table(data, spec["columns"], spec["rows"])
+    if "pivot" in spec:
+        return pivot_table(data, spec["pivot"], spec["settings"], spec["envs"])
+    if "compare" in spec:
+        return compare_table(data, spec["compare"])
+    if "throughput" in spec:
+        return throughput_table(data, spec["throughput"])
+    if "speed" in spec:
+        return speed_table(data, spec["speed"])
+    return critics_table(data) if "critics" in spec else refs_table(data)
+
+
+# ----------------------------------------------------------------------------------------------- results.md
+
+HEADER = (
+    "Written by `python benchmark/run.py --mode report` from `benchmark/results/` (do not edit). Per seed the mean of "
+    "the last N episodes of the row's metric (ICPI: of the episodes that ended in the last quarter of the real steps), "
+    "then mean ± population std (ddof=0) over seeds. SPS and wall minutes are means over seeds, on machines that were "
+    "often shared: compare them only within a side-by-side measurement (Throughput, Speed). Source `imported`: made "
+    "before the harness held it, by the command in its notes."
+)
+
+
+def render(data: dict, order: list[tuple]) -> str:
+    """results.md: every stored row (registry order), how each was made, the comparisons, throughput and speed."""
+    rank = {k: i for i, k in enumerate(order)}
+    rows = sorted(data["rows"], key=lambda r: (rank.get((r["script"], r["env"], r["setting"]), len(rank)), r["steps"]))
+    machines = sorted({f"{x['machine']}; {x['versions']}" for k in data for x in data[k]})
+    mid = {m: f"M{i + 1}" for i, m in enumerate(machines)}
+    m_of = lambda x: mid[f"{x['machine']}; {x['versions']}"]  # noqa: E731
+    cols = "script env setting steps seeds result metric".split()
+    line = lambda r: [CELLS[c][1](r) for c in cols] + [fmt(r["sps"], 0), fmt(r["wall_seconds"] / 60, 1), m_of(r)]  # noqa: E731
+    main = [[i + 1, *line(r), r.get("source", "harness")] for i, r in enumerate(rows)]
+    head = ["#", *(CELLS[c][0] for c in cols), "SPS", "wall / run, min", "machine", "source"]
+    out = ["# Benchmark results", "", HEADER, "", markdown(main, head), "", "How each row was made:", ""]
+    for i, r in enumerate(rows):
+        text = f"{i + 1}. `{r['script']}.py {' '.join(r['flags']) or '(defaults)'}`: per seed {per_seed(r)} "
+        text += f"({', '.join(map(str, r['episodes'].values()))} episodes)."
+        text += "".join(f" {EXTRAS[k].capitalize()}: {pm(r, k)} ({per_seed(r, k)})." for k in r["extra"])
+        if any((r.get("seed_replayed") or {}).values()):
+            text += " Answers replayed from the cache of a stopped attempt (the wall time is the rest's): "
+            text += ", ".join(f"seed {s} {n}" for s, n in r["seed_replayed"].items()) + "."
+        if r.get("imported"):
+            text += f" Imported: made by `{r['imported']['command']}`; data from {r['imported']['from']}."
+        else:
+            text += f" Made by `{r['harness_command']}` (finished {r['finished']}, niceness {r['nice']}); each seed"
+            text += f" ran `{'`, `'.join(r['run_commands'])}` ({'; '.join(r['code'])})."
+        out.append(text + f" File: `{r['_file']}`.")
+    have = {(r["script"], r["env"], str(r["steps"]), r["setting"]) for r in data["rows"]}
+    pairs = [line for spec in REGISTRY["tables"].values() for line in spec.get("compare", [])]
+    pairs = [p for p in pairs if {(*p.split()[:3], x) for x in p.split()[3:]} <= have]
+    out += ["", "## Comparisons between settings", "", " ".join(compare.__doc__.split()), ""] * bool(pairs)
+    out += [compare_table(data, pairs), "", "## Throughput (short runs alternating with the peer, medians)"]
+    for script in dict.fromkeys(t["script"] for t in data["throughput"]):
+        out += ["", f"`{script}.py`:", "", throughput_table(data, script)]
+    out.append("")
+    for t in data["throughput"]:
+        load = f"1-minute load {t['load'][0]} before, {t['load'][1]} after"
+        out.append(f"- `{t['_file']}`: `{t['harness_command']}`, machine {m_of(t)}, {load}")
+    out += ["", "## Speed (`--mode speed`; the GPU entries imported from `benchmark/gpu/`)"]
+    for e in data["speed"]:
+        how = e.get("imported") and f"imported: `{e['imported']['command']}`, from `{e['imported']['from']}`"
+        how = how or f"`{e['harness_command']}`, finished {e['finished']}"
+        out += ["", f"### {e['name']} (machine {m_of(e)})", "", how + ".", ""]
+        out.append(markdown(speed_records(e), speed_columns(e)))
+    return "\n".join(out + ["", "## Machines", ""] + [f"- {v}: {k}" for k, v in mid.items()]) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------- pages
+
+MARKED = re.compile(r"(<!-- results: ([\w.-]+) -->\n)(.*?)(<!-- /results -->)", re.S)
+
+
+def fill(text: str, data: dict) -> str:
+    """`text` with every marked results table regenerated from the store (an unknown name is an error)."""
+
+    def one(m: re.Match) -> str:
+        if m.group(2) not in REGISTRY["tables"]:
+            raise KeyError(f"no results table '{m.group(2)}' in registry.toml ({', '.join(REGISTRY['tables'])})")
+        return m.group(1) + table(data, REGISTRY["tables"][m.group(2)]) + "\n" + m.group(4)
+
+    return MARKED.sub(one, text)
+
+
+def pages(root: str = ROOT) -> list[str]:
+    return [os.path.join(root, "README.md")] + sorted(glob.glob(os.path.join(root, "docs", "*.md")))
+
+
+def write_pages(data: dict, root: str = ROOT) -> list[str]:
+    """Regenerate the marked tables of README.md and docs/*.md under `root`; returns the files that changed."""
+    changed = []
+    for path in pages(root):
+        with open(path) as f:
+            old = f.read()
+        if (new := fill(old, data)) != old:
+            with open(path, "w") as f:
+                f.write(new)
+            changed.append(path)
+    return changed
+
+
+# ----------------------------------------------------------------------------------------------- plots
+
+
+def plot(rows: list[dict], plots_dir: str, points: int = 200) -> list[str]:
+    """One PNG per figure of the registry (a script's settings, or its rows that no other figure takes), a panel
+    per (env, steps): per setting the running mean of the row's window over each seed's episodes, mean over
+    seeds with a ±std band, and the published numbers as lines. Evaluation rows draw their training return."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = {name: (f["script"], f.get("settings")) for name, f in REGISTRY["figures"].items()}
+    train = lambda r: dict(r, series=r["train_series"], last_n=r.get("train_last_n", TRAIN_LAST_N))  # noqa: E731
+    rows = [train(r) if r.get("train_series") else r for r in rows if r.get("train_series") or r["tag"][:5] != "eval/"]
+    taken = {(script, s) for script, settings in figures.values() for s in settings or ()}
+    written = []
+    for name, (script, settings) in figures.items():
+        mine = [
+            r
+            for r in rows
+            if r["script"] == script and (r["setting"] in settings if settings else (script, r["setting"]) not in taken)
+        ]
+        if not mine:
+            continue
+        panels = sorted({(r["env"], r["steps"]) for r in mine})
+        colour = {s: f"C{i % 10}" for i, s in enumerate(sorted({r["setting"] for r in mine}))}
+        cols, lines = min(3, len(panels)), -(-len(panels) // 3)
+        fig, axes = plt.subplots(lines, cols, figsize=(5.5 * cols, 4.2 * lines), squeeze=False)
+        for ax in axes.flat[len(panels) :]:
+            ax.set_visible(False)
+        for ax, (env, steps) in zip(axes.flat, panels):
+            here = [r for r in mine if (r["env"], r["steps"]) == (env, steps)]
+            for r in here:
+                grid, ys = np.linspace(0, r["steps"], points), []
+                for s in r["series"].values():
+                    run = pd.Series(s["values"], dtype=float).rolling(r["last_n"], min_periods=1).mean()
+                    ys.append(np.interp(grid, s["steps"], run, left=np.nan, right=np.nan))
+                with warnings.catch_warnings():  # grid points before any seed's first episode
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
+                label = f"{r['setting']} ({len(ys)} seed{'s' * (len(ys) > 1)})"
+                ax.plot(grid, mean, lw=1.2, color=colour[r["setting"]], label=label)
+                ax.fill_between(grid, mean - std, mean + std, color=colour[r["setting"]], alpha=0.15)
+            refs = {(x["value"], x["source"]): x for r in here for x in r["refs"]}
+            for i, x in enumerate(refs.values()):
+                ax.axhline(x["value"], color="k", ls=["--", ":", "-."][i % 3], lw=0.8, label=ref_text(x))
+            ylabel = "training return" if here[0].get("train_series") else here[0]["y_label"]
+            ax.set(xlabel=here[0]["x_label"], title=f"{env}, {steps:,} steps")
+            ax.set_ylabel(f"{ylabel} (running mean of {here[0]['last_n']} episodes)", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6, loc="best")
+        fig.tight_layout()
+        os.makedirs(plots_dir, exist_ok=True)
+        written.append(os.path.join(plots_dir, f"{name}.png"))
+        fig.savefig(written[-1], dpi=80, metadata={"Software": None})
+        plt.close(fig)
+    return written
