@@ -13,8 +13,9 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT
 from scipy import stats
+
+from conftest import ROOT
 
 _spec = importlib.util.spec_from_file_location("bench_run", os.path.join(ROOT, "benchmark", "run.py"))
 bench = importlib.util.module_from_spec(_spec)
