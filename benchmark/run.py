@@ -16,12 +16,14 @@ store (benchmark/results/, a JSON file per setting with every seed's episode ser
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import platform
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -174,27 +176,154 @@ def git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
+def resumable(folder: str, cmd: list[str]) -> Optional[str]:
+    """The script's run folder inside `folder` that a stopped run of `cmd` left with a training state, when the script
+    takes `--resume` and the run is not complete; None otherwise (the run starts afresh)."""
+    with open(cmd[1]) as f:
+        takes_resume = re.search(r"^\s+resume\s*:", f.read(), re.M)
+    states = glob.glob(os.path.join(folder, "runs", "*", "training_state.pt"))
+    try:
+        with open(os.path.join(folder, "run.log")) as f:
+            same = f.readline().strip() == display(cmd)
+    except OSError:
+        same = False
+    return (
+        os.path.dirname(states[0])
+        if takes_resume and same and len(states) == 1 and not is_complete(folder, cmd)
+        else None
+    )
+
+
 def run_job(s: S, seed: int, runs_dir: str, harness_command: str = "", nice: int = 0, timeout=None) -> int:
-    """Run one (setting, seed) in a fresh run folder; write its marker when it exits 0. Returns the exit code."""
+    """Run one (setting, seed) in its run folder: a stopped run that left a training state continues (`--resume`),
+    anything else starts in a fresh folder; write the marker when it exits 0. Returns the exit code."""
     folder, cmd, file = run_folder(runs_dir, s, seed), job_command(s, seed), SCRIPTS[s.script].file
-    shutil.rmtree(folder, ignore_errors=True)  # an interrupted or outdated run starts clean
-    os.makedirs(folder)
+    resume = resumable(folder, cmd)
+    if resume is None:
+        shutil.rmtree(folder, ignore_errors=True)  # an interrupted or outdated run starts clean
+        os.makedirs(folder)
     blob, commit = git("hash-object", os.path.join(ROOT, file))[:12], git("rev-parse", "--short", "HEAD")
     t0 = time.time()
-    with open(os.path.join(folder, "run.log"), "w") as log:
-        print(display(cmd), file=log, flush=True)
+    with open(os.path.join(folder, "run.log"), "a") as log:
+        print(
+            display(cmd) if resume is None else f"resumed: {display(cmd + ['--resume', resume])}", file=log, flush=True
+        )
         try:
             kw = dict(cwd=folder, env=thread_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            rc = subprocess.run(cmd, timeout=timeout, preexec_fn=lambda: os.nice(nice), **kw).returncode
+            full = cmd if resume is None else cmd + ["--resume", os.path.relpath(resume, folder)]
+            rc = subprocess.run(full, timeout=timeout, preexec_fn=lambda: os.nice(nice), **kw).returncode
         except subprocess.TimeoutExpired:
             rc = -9
+    with open(os.path.join(folder, "attempts.log"), "a") as f:  # the wall time of every attempt, resumed or not
+        print(f"{time.time() - t0:.3f} {rc}", file=f)
     if rc == 0:
-        marker = {"command": display(cmd), "seconds": time.time() - t0, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+        with open(os.path.join(folder, "attempts.log")) as f:
+            seconds = sum(float(line.split()[0]) for line in f)
+        marker = {"command": display(cmd), "seconds": seconds, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
         marker.update(machine=machine(), versions=versions(), nice=os.nice(0) + nice)
-        marker.update(code=f"{file} blob {blob} on {commit}")
+        marker.update(code=f"{file} blob {blob} on {commit}", resumed=resume is not None)
         marker.update(harness_command=harness_command, load=round(os.getloadavg()[0], 2))
         with open(os.path.join(folder, MARKER), "w") as f:
             json.dump(marker, f, indent=1)
+    return rc
+
+
+# ----------------------------------------------------------------------------------------------- Slurm
+
+
+SBATCH = """#!/bin/bash
+#SBATCH --job-name=benchmark
+#SBATCH --array=0-{last}
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output={runs_dir}/slurm-%A_%a.log
+#SBATCH --cpus-per-task={cpus}
+#SBATCH --time={time}
+{extra}
+exec {python} {run_py} --mode slurm-task --jobs-file {jobs_file}
+"""
+
+
+def submit_slurm(args: "Args", selected: list[S], harness_command: str) -> int:
+    """One Slurm job array, a task per (setting, seed) that is not complete, and a job after it that collects the
+    runs into the store and writes the report."""
+    jobs = [(s, seed) for s in selected for seed in s.seeds]
+    jobs = [
+        (s, seed)
+        for s, seed in jobs
+        if args.force or not is_complete(run_folder(args.runs_dir, s, seed), job_command(s, seed))
+    ]
+    if not jobs:
+        print("nothing to submit: every run is complete", flush=True)
+        return 0
+    os.makedirs(args.runs_dir, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    jobs_file = os.path.join(args.runs_dir, f"slurm-jobs-{stamp}.json")
+    with open(jobs_file, "w") as f:
+        json.dump(
+            {
+                "runs_dir": args.runs_dir,
+                "harness_command": harness_command,
+                "nice": args.nice,
+                "jobs": [{"setting": asdict(s), "seed": seed} for s, seed in jobs],
+            },
+            f,
+            indent=1,
+        )
+    extra = [f"#SBATCH --partition={args.slurm_partition}"] * bool(args.slurm_partition)
+    extra += [f"#SBATCH --gpus-per-task={args.slurm_gpus_per_task}"] * bool(args.slurm_gpus_per_task)
+    script = SBATCH.format(
+        last=len(jobs) - 1,
+        runs_dir=args.runs_dir,
+        cpus=args.slurm_cpus_per_task,
+        time=args.slurm_time,
+        extra="\n".join(extra),
+        python=sys.executable,
+        run_py=os.path.abspath(__file__),
+        jobs_file=jobs_file,
+    )
+    array = sbatch(script)
+    collect_cmd = [sys.executable, os.path.abspath(__file__), "--mode", "collect", *selection_flags(args)]
+    after = sbatch(
+        f"#!/bin/bash\n#SBATCH --job-name=benchmark-collect\n#SBATCH --dependency=afterany:{array}\n"
+        f"#SBATCH --output={args.runs_dir}/slurm-{array}-collect.log\n{shlex.join(collect_cmd)}\n"
+    )
+    print(
+        f"submitted job array {array} ({len(jobs)} runs) and job {after}, which stores them and writes the report "
+        f"when the array has finished; the tasks' logs: {args.runs_dir}/slurm-{array}_*.log",
+        flush=True,
+    )
+    return 0
+
+
+def sbatch(script: str) -> str:
+    """Submit a batch script; its job id."""
+    proc = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"error: sbatch refused the job: {proc.stderr.strip()}.")
+    return proc.stdout.strip().split(";")[0]
+
+
+def slurm_task(jobs_file: str) -> int:
+    """One task of the array: its run, continued if an earlier attempt stopped. When Slurm stops the task (SIGTERM:
+    preemption, the time limit, `scontrol requeue`), the script saves its training state and the task requeues itself,
+    so that the next attempt resumes."""
+    with open(jobs_file) as f:
+        spec = json.load(f)
+    job = spec["jobs"][int(os.environ["SLURM_ARRAY_TASK_ID"])]
+    s = S(
+        **{
+            **job["setting"],
+            "seeds": tuple(job["setting"]["seeds"]),
+            "flags": tuple(job["setting"]["flags"]),
+            "refs": (),
+        }
+    )
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))  # the script gets it too and saves
+    rc = run_job(s, job["seed"], spec["runs_dir"], spec["harness_command"], spec["nice"])
+    if rc != 0 and stopped:
+        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], capture_output=True)
     return rc
 
 
@@ -202,11 +331,21 @@ def run_job(s: S, seed: int, runs_dir: str, harness_command: str = "", nice: int
 
 
 def read_run(folder: str):
-    """Every scalar of the event files under a run folder (tbparse), in write order within each TensorBoard run."""
-    from tbparse import SummaryReader
+    """Every scalar of the event files under a run folder, in write order within each TensorBoard run. Tensorboard's
+    own reader, because it honours `purge_step`: a resumed run hides what it logged after its last checkpoint."""
+    import pandas as pd
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    df = SummaryReader(folder, pivot=False, extra_columns={"dir_name"}).scalars
-    return df if "tag" in df else df.assign(step=[], tag=[], value=[])
+    frames = []
+    for d in sorted({os.path.dirname(p) for p in glob.glob(os.path.join(folder, "**", "*tfevents*"), recursive=True)}):
+        acc = EventAccumulator(d, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            events = acc.Scalars(tag)
+            frames.append(
+                pd.DataFrame({"step": [e.step for e in events], "tag": tag, "value": [e.value for e in events]})
+            )
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"step": [], "tag": [], "value": []})
 
 
 def series(df, tag: str) -> dict:
@@ -320,7 +459,7 @@ def speed(name: str, harness_command: str) -> dict:
 
 @dataclass
 class Args:
-    mode: Literal["train", "collect", "report", "throughput", "speed", "list"] = "train"
+    mode: Literal["train", "collect", "report", "throughput", "speed", "list", "slurm-task"] = "train"
     """train: run what is missing, store it, report; collect: store the complete runs under --runs-dir, report;
     report: results.md, the plots and the pages' tables from the store (seconds); throughput: timed runs alternating
     with the peer; speed: the speed entries named by --speed; list: the settings"""
@@ -341,6 +480,14 @@ class Args:
     force: bool = False  # run again even when a run is complete
     timeout: Optional[float] = None  # seconds after which a run is killed and counted as failed
     speed: tuple[str, ...] = ()  # speed: the entries to measure ([speed.NAME] in registry.toml)
+    slurm: bool = (
+        False  # train: submit the runs to Slurm as one job array (a task per run) instead of running them here
+    )
+    slurm_partition: Optional[str] = None  # --slurm: the partition (default: the cluster's)
+    slurm_time: str = "24:00:00"  # --slurm: each task's time limit; a task stopped by it is requeued and resumes
+    slurm_cpus_per_task: int = 1  # --slurm: CPUs per task
+    slurm_gpus_per_task: int = 0  # --slurm: GPUs per task
+    jobs_file: Optional[str] = None  # slurm-task: the array's job list (written by --slurm)
 
 
 def write_report(args: Args, registry: list[S]) -> None:
@@ -369,6 +516,17 @@ def select(args: Args, registry: list[S]) -> list[S]:
         s = replace(s, steps=args.steps or s.steps, seeds=tuple(args.seeds) or s.seeds)
         out.setdefault((s.script, s.env, s.name, s.steps), s)
     return list(out.values())
+
+
+def selection_flags(args: Args) -> list[str]:
+    """The flags that select the same runs and the same store again (for the job that collects after an array)."""
+    flags = [f"--{k}" for k in ("quick", "force") if getattr(args, k)]
+    for key in ("scripts", "envs", "settings", "seeds"):
+        flags += [f"--{key}", *map(str, getattr(args, key))] if getattr(args, key) else []
+    flags += ["--steps", str(args.steps)] if args.steps else []
+    for key in ("runs_dir", "results_dir", "results_md", "plots_dir"):
+        flags += [f"--{key.replace('_', '-')}", getattr(args, key)]
+    return flags
 
 
 def train(args: Args, selected: list[S], harness_command: str) -> list[str]:
@@ -422,6 +580,10 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
     elif args.mode == "speed":
         for name in args.speed:
             report.dump(speed(name, harness_command), os.path.join(args.results_dir, "speed", f"{name}.json"))
+    elif args.mode == "slurm-task":
+        return slurm_task(args.jobs_file)
+    elif args.mode == "train" and args.slurm:
+        return submit_slurm(args, selected, harness_command)
     elif args.mode in ("train", "collect"):
         failed = train(args, selected, harness_command) if args.mode == "train" else []
         for s in selected:

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+pytest_plugins = ["slurm_cluster"]  # the slurm_cluster fixture
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 

@@ -1,0 +1,138 @@
+"""The harness continues stopped runs: locally, a run whose script was stopped resumes from its training state on the
+next call; on a real Slurm cluster (tests/slurm_cluster.py), the runs go out as one job array, the store is written by
+the job after it, and a task that Slurm stops (`scontrol requeue`) resumes where it stopped."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import ROOT, all_scalars
+from slurm_cluster import wait_for_jobs
+
+RUN_PY = os.path.join(ROOT, "benchmark", "run.py")
+
+
+def _harness(tmp_path, *flags, steps=20480, seeds=("1",)):
+    """`benchmark/run.py` on ppo_cartpole's CartPole-v1 default setting at a small budget, writing under tmp_path."""
+    out = tmp_path / "out"
+    return [
+        sys.executable,
+        RUN_PY,
+        "--scripts",
+        "ppo_cartpole",
+        "--envs",
+        "CartPole-v1",
+        "--settings",
+        "default",
+        "--steps",
+        str(steps),
+        "--seeds",
+        *seeds,
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--results-dir",
+        str(out / "results"),
+        "--results-md",
+        str(out / "results.md"),
+        "--plots-dir",
+        str(out / "plots"),
+        *flags,
+    ]
+
+
+def _wait_for(pattern: str, timeout: float = 120) -> str:
+    deadline = time.time() + timeout
+    while not glob.glob(pattern):
+        assert time.time() < deadline, f"nothing matched {pattern} after {timeout} s"
+        time.sleep(0.2)
+    return glob.glob(pattern)[0]
+
+
+def _stored(tmp_path) -> dict:
+    (path,) = glob.glob(str(tmp_path / "out" / "results" / "ppo_cartpole" / "*.json"))
+    with open(path) as f:
+        return json.load(f)
+
+
+def _check_whole(run_folder: str, updates: int) -> None:
+    """The script's TensorBoard log: every update logged once, as in a run that was never stopped."""
+    (run,) = glob.glob(os.path.join(run_folder, "runs", "*"))
+    steps = [s for s, _ in all_scalars(run)["losses/policy_loss"]]
+    assert steps == [512 * (i + 1) for i in range(updates)], steps
+
+
+def test_a_stopped_run_resumes_on_the_next_call(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.Popen(
+        _harness(tmp_path, "--workers", "1"), env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    state = _wait_for(str(tmp_path / "runs" / "*" / "runs" / "*" / "training_state.pt"))
+    script = subprocess.run(["pgrep", "-f", "ppo_cartpole.py --env-id"], capture_output=True, text=True).stdout.split()
+    for pid in script:  # the script is stopped, as by a scheduler
+        os.kill(int(pid), signal.SIGTERM)
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 1 and "failed runs" in out, out
+    folder = os.path.dirname(os.path.dirname(os.path.dirname(state)))
+    assert not os.path.exists(os.path.join(folder, "done.json"))
+    second = subprocess.run(_harness(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout + second.stderr
+    log = open(os.path.join(folder, "run.log")).read()
+    assert "resumed: python ppo_cartpole.py" in log and "--resume runs/" in log and "interrupted" in log
+    _check_whole(folder, 40)
+    marker = json.load(open(os.path.join(folder, "done.json")))
+    assert marker["resumed"] and len(open(os.path.join(folder, "attempts.log")).readlines()) == 2
+    assert _stored(tmp_path)["seeds"] == [1]
+
+
+def test_slurm_array_stores_two_runs(slurm_cluster, tmp_path):
+    submit = subprocess.run(
+        _harness(tmp_path, "--slurm", steps=2048, seeds=("1", "2")),
+        env=slurm_cluster,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    array, collect = [w.strip("(),") for w in submit.stdout.split() if w.strip("(),").isdigit()][:2]
+    wait_for_jobs(slurm_cluster, array, timeout=600)
+    wait_for_jobs(slurm_cluster, collect, timeout=300)
+    row = _stored(tmp_path)
+    assert row["seeds"] == [1, 2] and all(len(row["series"][k]["values"]) > 20 for k in ("1", "2"))
+    assert os.path.isfile(tmp_path / "out" / "results.md")
+    # submitting again submits nothing: both runs are complete
+    again = subprocess.run(
+        _harness(tmp_path, "--slurm", steps=2048, seeds=("1", "2")),
+        env=slurm_cluster,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "nothing to submit" in again.stdout
+
+
+def test_a_slurm_task_stopped_by_a_requeue_resumes(slurm_cluster, tmp_path):
+    submit = subprocess.run(
+        _harness(tmp_path, "--slurm", steps=40960), env=slurm_cluster, capture_output=True, text=True, timeout=120
+    )
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    array = next(w for w in submit.stdout.split() if w.isdigit())
+    state = _wait_for(str(tmp_path / "runs" / "*" / "runs" / "*" / "training_state.pt"))
+    task = subprocess.run(
+        ["squeue", "-h", "-o", "%A", "-j", array], env=slurm_cluster, capture_output=True, text=True
+    ).stdout.split()[0]
+    requeue = subprocess.run(["scontrol", "requeue", task], env=slurm_cluster, capture_output=True, text=True)
+    assert requeue.returncode == 0, requeue.stderr
+    deadline = time.time() + 300
+    while subprocess.run(["squeue", "-h", "-j", array], env=slurm_cluster, capture_output=True, text=True).stdout:
+        # a requeued job waits before it may start again; let it start now
+        subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], env=slurm_cluster, capture_output=True)
+        assert time.time() < deadline, "the requeued task did not finish"
+        time.sleep(1)
+    folder = os.path.dirname(os.path.dirname(os.path.dirname(state)))
+    log = open(os.path.join(folder, "run.log")).read()
+    assert "resumed: python ppo_cartpole.py" in log and "interrupted" in log, log
+    _check_whole(folder, 80)
