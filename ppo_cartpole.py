@@ -145,11 +145,10 @@ def mlp_forward_numpy(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray
     return x @ W + b
 
 
-def sample_categorical(logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """One draw per row from softmax(logits), by inverting the cumulative distribution."""
+def sample_categorical(logits: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+    """One draw per row from softmax(logits): the inverse cumulative distribution at uniforms of shape (rows, 1)."""
     cdf = np.cumsum(np.exp(logits - logits.max(-1, keepdims=True)), -1)
-    u = rng.random((logits.shape[0], 1)) * cdf[:, -1:]
-    return np.minimum((cdf <= u).sum(-1), logits.shape[-1] - 1)
+    return np.minimum((cdf <= uniforms * cdf[:, -1:]).sum(-1), logits.shape[-1] - 1)
 
 
 def compute_gae(rewards, values, next_values, terminations, dones, gamma, gae_lambda):
@@ -227,7 +226,8 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         )
     )
     agent = Agent(obs_dim, n_actions).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+    params = list(agent.parameters())
+    optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=1e-5, fused=True)
     action_rng = np.random.default_rng(args.seed)  # the policy's sampling noise
 
     obs_buf = np.zeros((T, N, obs_dim), dtype=np.float32)
@@ -246,10 +246,11 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
             optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
         rollout_start = time.time()
         actor = agent.actor_layers_numpy()  # the parameters are fixed during the rollout
+        uniforms = action_rng.random((T, N, 1))  # the rollout's sampling noise, drawn at once
         for step in range(T):
             global_step += N
             obs_buf[step] = next_obs
-            actions_buf[step] = action = sample_categorical(mlp_forward_numpy(actor, next_obs), action_rng)
+            actions_buf[step] = action = sample_categorical(mlp_forward_numpy(actor, next_obs), uniforms[step])
             next_obs, reward, terminations, truncations, infos = envs.step(action)
             next_obs_buf[step] = next_obs = next_obs.astype(np.float32)
             dones = np.logical_or(terminations, truncations)
@@ -289,7 +290,8 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
             np.random.shuffle(b_inds)
             for start in range(0, batch_size, minibatch_size):
                 mb_inds = torch.from_numpy(b_inds[start : start + minibatch_size])
-                all_logp = agent.log_probs(b_obs[mb_inds])
+                mb_obs = b_obs[mb_inds]
+                all_logp = agent.log_probs(mb_obs)
                 newlogprob = all_logp.gather(-1, b_actions[mb_inds].unsqueeze(-1)).squeeze(-1)
                 entropy = -(all_logp.exp() * all_logp).sum(-1)
                 mb_advantages = b_advantages[mb_inds]
@@ -299,13 +301,13 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
                     newlogprob, b_logprobs[mb_inds], mb_advantages, args.clip_coef
                 )
                 clipfracs.append(clipfrac.item())
-                newvalue = agent.get_value(b_obs[mb_inds])
+                newvalue = agent.get_value(mb_obs)
                 v_loss = value_loss(newvalue, b_values[mb_inds], b_returns[mb_inds], args.clip_coef, args.clip_vloss)
                 entropy_loss = entropy.mean()
                 loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
                 optimizer.zero_grad()
                 loss.backward()
-                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                 optimizer.step()
             if args.target_kl is not None and approx_kl > args.target_kl:
                 break
