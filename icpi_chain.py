@@ -144,29 +144,23 @@ class Domain:
 
         @lru_cache(maxsize=None)
         def best(s, t):
-            return (
-                0.0
-                if t == self.max_episode
-                else max(
-                    r * self.log_gamma**t + (0.0 if term else best(s2, t + 1))
-                    for s2, r, term in (self.step(s, a) for a in range(self.n_actions))
-                )
-            )
+            if t == self.max_episode:
+                return 0.0
+            steps = (self.step(s, a) for a in range(self.n_actions))
+            return max(r * self.log_gamma**t + (0.0 if term else best(s2, t + 1)) for s2, r, term in steps)
 
         return best(state, 0)
 
 
 def search_optimal_return(domain: Domain, state, steps_left: int, gamma: float) -> float:
+    """The best gamma-discounted return from `state` within `steps_left` steps, by exhaustive search."""
+
     @lru_cache(maxsize=None)
     def v(s, k):
-        return (
-            0.0
-            if k <= 0
-            else max(
-                r + (0.0 if term else gamma * v(s2, k - 1))
-                for s2, r, term in (domain.step(s, a, None) for a in range(domain.n_actions))
-            )
-        )
+        if k <= 0:
+            return 0.0
+        steps = (domain.step(s, a, None) for a in range(domain.n_actions))
+        return max(r + (0.0 if term else gamma * v(s2, k - 1)) for s2, r, term in steps)
 
     return v(state, steps_left)
 
@@ -185,7 +179,9 @@ class Chain(Domain):
 
     name = "chain"
     action_names = ("left", "try_goal", "right")
-    n_states, goal, width = 8, 4, 1  # positions, the goal, numbers in a state
+    n_states = 8  # positions 0..7
+    goal = 4
+    width = 1  # numbers in a state
     task = (
         "The state is a position on a line from 0 to 7. left() and right() move it by one position. "
         "try_goal(state) ends the episode and gives reward 1 only at position 4, otherwise 0. "
@@ -342,7 +338,8 @@ class MiniInvaders(Domain):
     time_limit = None
     max_episode = 6
     header = "\nship, aliens = reset()\n"
-    width, start_y = 4, 5
+    width = 4
+    start_y = 5
     return_scale = 2.0
     success_threshold = 1.0
     stops = {"done": "\n", "reward": "()\n", "next": "\n", "policy": "\n"}
@@ -509,9 +506,12 @@ class HFBackend:
             cfg = AutoConfig.from_pretrained(self.folder)
         except (OSError, ValueError) as e:
             raise hf_load_error(spec, e)
-        self.tok.padding_side, self.tok.pad_token = "left", self.tok.pad_token or self.tok.eos_token
+        self.tok.padding_side = "left"
+        self.tok.pad_token = self.tok.pad_token or self.tok.eos_token
         self.name = spec if self.dtype == "float32" else f"{spec}@{self.dtype}"  # the completion-cache key
-        self.max_tokens, self.prefix_cache, self._prefixes = args.max_tokens, True, {}  # prefix_cache: bench_speed.py
+        self.max_tokens = args.max_tokens
+        self.prefix_cache = True  # False: whole prompts batched (benchmark/bench_speed.py compares)
+        self._prefixes = {}  # examples -> their key/value cache, least recently used first
         self.forward_tokens = 0  # token positions run through the model (benchmark/bench_speed.py)
         self.max_context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         self.count_tokens = lru_cache(maxsize=200_000)(lambda s: len(self._ids(s)))
@@ -541,7 +541,7 @@ class HFBackend:
 
     def _complete_prefixed(self, r: Request) -> tuple[str, int]:
         """Sample on top of the cached KV of the examples (built once, LRU of 32), then crop the cache back."""
-        torch, stop = self.torch, r.stop
+        torch = self.torch
         cache = self._prefixes.pop(r.prefix, None)
         if cache is None:
             cache = self._forward(self._ids(r.prefix)).past_key_values
@@ -553,26 +553,27 @@ class HFBackend:
         gen = torch.Generator().manual_seed(r.seed % (2**63))
         out_ids, text = [], ""
         for _ in range(self.max_tokens):
-            t_id = (
-                int(torch.multinomial(torch.softmax(nxt / r.temperature, -1).cpu(), 1, generator=gen))
-                if r.temperature > 0
-                else int(nxt.argmax())
-            )
+            if r.temperature > 0:
+                t_id = int(torch.multinomial(torch.softmax(nxt / r.temperature, -1).cpu(), 1, generator=gen))
+            else:
+                t_id = int(nxt.argmax())
             if t_id == self.tok.eos_token_id:
                 break
             out_ids.append(t_id)
             text = self.tok.decode(out_ids, skip_special_tokens=True)
-            if stop in text:
+            if r.stop in text:
                 break
             nxt = self._forward([t_id], cache).logits[0, -1].float()
         cache.crop(n - cache.get_seq_length())  # back to the examples alone
-        return text.split(stop)[0], len(out_ids)
+        return text.split(r.stop)[0], len(out_ids)
 
     def complete(self, requests: list[Request]) -> list[tuple[str, int]]:
         """Sampled completions cut at the stop string (one call's requests share stop string and temperature)."""
         if self.prefix_cache and all(r.prefix for r in requests):
             return [self._complete_prefixed(r) for r in requests]
-        torch, stop, temperature = self.torch, requests[0].stop, requests[0].temperature
+        torch = self.torch
+        stop = requests[0].stop
+        temperature = requests[0].temperature
         enc = self.tok([r.prompt for r in requests], return_tensors="pt", padding=True, add_special_tokens=False).to(
             self.device
         )
@@ -597,7 +598,8 @@ class HFBackend:
 
     def score_candidates(self, prompt: str, candidates: list[str], stop: str = "\n") -> list[float]:
         """The log-probability of each candidate plus `stop` after `prompt`, all in one left-padded forward."""
-        torch, pad = self.torch, self.tok.pad_token_id
+        torch = self.torch
+        pad = self.tok.pad_token_id
         spans = [self._ids(c + stop) for c in candidates]
         seqs = [self._ids(prompt) + c_ids for c_ids in spans]
         width = max(len(s) for s in seqs)
@@ -610,29 +612,6 @@ class HFBackend:
         self.forward_tokens += int(ids.numel())
         logp = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
         return [float(logp[k, width - 1 - len(c_ids) :].sum()) for k, c_ids in enumerate(spans)]
-
-
-CHARS_PER_TOKEN = 256  # more than any real token holds: a longer reply is not a completion of at most max_tokens
-
-
-def completion_of(raw, stop: str, max_tokens: int) -> tuple[str, int]:
-    """(text cut at the stop string, completion tokens) of a raw /completions reply; ValueError naming what is
-    wrong (the status, the content type, the shape, the size)."""
-    http = raw.http_response
-    where = f"HTTP {http.status_code} {http.reason_phrase}, content type {http.headers.get('content-type', 'none')}"
-    try:
-        reply = raw.parse()
-        text = reply.choices[0].text
-        tokens = getattr(reply.usage, "completion_tokens", None)
-        if http.status_code != 200 or not isinstance(text, str) or tokens is not None and type(tokens) is not int:
-            raise TypeError("not a completion")
-        if len(text) > CHARS_PER_TOKEN * max_tokens or tokens is not None and not 0 <= tokens <= max_tokens:
-            size = f"{len(text)} characters" + ("" if tokens is None else f" said to be {tokens} tokens")
-            raise ValueError(f"{size}, beyond --max-tokens {max_tokens}")
-    except (ValueError, AttributeError, IndexError, TypeError) as e:
-        raise ValueError(f"{where}, {type(e).__name__}: {str(e)[:80]}") from None
-    tokens = simple_token_count(text) if tokens is None else tokens
-    return text.split(stop)[0], tokens or simple_token_count(text)
 
 
 class OpenAIBackend:
@@ -708,7 +687,8 @@ class OracleModel:
     count_tokens = staticmethod(simple_token_count)
 
     def __init__(self, domain: Domain, rng: np.random.Generator):
-        self.domain, self.rng = domain, rng
+        self.domain = domain
+        self.rng = rng
 
     def answer(self, kind, state, action, done=None, agent=None):
         d = self.domain
@@ -930,7 +910,11 @@ class Agent:
     def __init__(
         self, domain: Domain, model, args: Args, rng: np.random.Generator, cache: Optional["CompletionCache"] = None
     ):
-        self.domain, self.model, self.args, self.rng, self.cache = domain, model, args, rng, cache
+        self.domain = domain
+        self.model = model
+        self.args = args
+        self.rng = rng
+        self.cache = cache
         self.episodes, self.transitions = [], []  # finished episodes, and their transitions in one list
         self.sil = args.algo == "no-argmax"  # the policy prompt's episodes: no-argmax keeps the successful ones only
         self.recent: deque = deque(maxlen=args.recency)
@@ -941,7 +925,10 @@ class Agent:
         )
         if getattr(model, "max_context", None):  # leave room for the query (~80 tokens at most) and the completion
             self.budget = max(16, min(self.budget, model.max_context - args.max_tokens - 96))
-        self.real_step, self.stats, self._examples, self.q_table = 0, StepStats(), {}, {}
+        self.real_step = 0
+        self.stats = StepStats()  # of the current real step
+        self._examples = {}  # the current real step's prompts
+        self.q_table = {}  # the tabular learners' Q
         self.judgements: dict = {}  # llm-advisor / llm-reward: (kind, prompt or state) -> judgement (None: fallback)
 
     def successful(self, transitions) -> bool:
@@ -974,32 +961,28 @@ class Agent:
         """The clipped, ordered examples of one prompt, seeded by (seed, step, kind, action, done, attempt)."""
         key = (kind, action, done, attempt)
         if key not in self._examples:
+            a = -1 if action is None else action
             rng = np.random.default_rng(
-                prompt_seed(
-                    self.args.seed,
-                    self.real_step,
-                    KINDS[kind],
-                    -1 if action is None else action,
-                    -1 if done is None else int(done),
-                    attempt,
-                )
+                prompt_seed(self.args.seed, self.real_step, KINDS[kind], a, -1 if done is None else int(done), attempt)
             )
-            d, h, b, succ = self.domain, self.args.hints, self.args.balance, self.successful if self.sil else None
-            ex = (
-                done_examples(d, self.transitions, action, rng, b, h)
-                if kind == "done"
-                else reward_examples(d, self.transitions, action, done, rng, b, h)
-                if kind == "reward"
-                else next_examples(d, self.episodes, action, rng, b, h, succ)
-                if kind == "next"
-                else policy_examples(d, list(self.recent), rng, h, succ)
-            )
+            d = self.domain
+            succ = self.successful if self.sil else None
+            if kind == "done":
+                ex = done_examples(d, self.transitions, action, rng, self.args.balance, self.args.hints)
+            elif kind == "reward":
+                ex = reward_examples(d, self.transitions, action, done, rng, self.args.balance, self.args.hints)
+            elif kind == "next":
+                ex = next_examples(d, self.episodes, action, rng, self.args.balance, self.args.hints, succ)
+            else:
+                ex = policy_examples(d, list(self.recent), rng, self.args.hints, succ)
             self._examples[key] = clip_examples(ex, self.budget, self.model.count_tokens)
         return self._examples[key]
 
     def request(self, kind: str, item: dict, attempt: int) -> Request:
         """The examples, then the query; a prompt without examples is the query alone (the original)."""
-        d, h, policy = self.domain, self.args.hints, kind == "policy"
+        d = self.domain
+        h = self.args.hints
+        policy = kind == "policy"
         q = d.header + d.state_text(item["state"], h) if policy else query_text(d, item["state"], item["action"], h)
         action = None if policy else item["action"]
         ex = "".join(self.examples(kind, action, item.get("done") if kind == "reward" else None, attempt))
@@ -1070,7 +1053,8 @@ class Agent:
     def q_values(self, state) -> np.ndarray:
         """One simulated rollout per action, in lockstep batches (done, reward, next state, action); it ends at a
         done, the horizon or an invalid prediction (partial return); an invalid action is random (the original)."""
-        d, n = self.domain, self.domain.n_actions
+        d = self.domain
+        n = d.n_actions
         q = np.zeros(n)
         cur = [{"state": state, "action": a} for a in range(n)]
         alive = list(range(n))
@@ -1227,7 +1211,9 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     state = start_state = domain.reset(env_rng)
     episode, regrets, advised, phis = [], [], [], []  # advised: (state, action) of each step that took the advice
     used = by_coin = not_ready = 0  # why the model was not used: the warm-up coin, or prompts not ready yet
-    totals, start_time, steps_done = StepStats(), time.time(), 0
+    totals = StepStats()
+    start_time = time.time()
+    steps_done = 0
     bar = tqdm(total=args.total_steps, unit="step", disable=None, dynamic_ncols=True)
     try:
         for step in range(args.total_steps):
@@ -1237,8 +1223,10 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
                 p_model = warmup_probability(agent.warmup_count(), args.min_successes)
                 p_advice = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
             t0 = time.time()
-            agent.real_step, agent.stats = step, StepStats()
-            coin, ready = rng.random(), agent.ready()
+            agent.real_step = step
+            agent.stats = StepStats()
+            coin = rng.random()
+            ready = agent.ready()
             advice = agent.advice(state) if advisor and advice_rng.random() < p_advice else None
             use_model = coin < p_model and ready and advice is None
             used += use_model
@@ -1464,7 +1452,9 @@ class CompletionCache:
     may share. Opening it is guarded (a regular file that holds this table or nothing); each write is a transaction,
     so a failed one leaves the file as it was."""
 
-    TABLE, COLUMNS, TIMEOUT = "completions", ["key", "completion", "tokens"], 60.0
+    TABLE = "completions"
+    COLUMNS = ["key", "completion", "tokens"]
+    TIMEOUT = 60.0  # seconds to wait for a lock held by another run
 
     def __init__(self, path: str, model_id: str):
         self.path = os.path.expanduser(path)
@@ -1533,6 +1523,29 @@ class CompletionCache:
     def put(self, key, completion, tokens):
         self.sql(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens))
         self.written.add(key)
+
+
+CHARS_PER_TOKEN = 256  # more than any real token holds: a longer reply is not a completion of at most max_tokens
+
+
+def completion_of(raw, stop: str, max_tokens: int) -> tuple[str, int]:
+    """(text cut at the stop string, completion tokens) of a raw /completions reply; ValueError naming what is
+    wrong (the status, the content type, the shape, the size)."""
+    http = raw.http_response
+    where = f"HTTP {http.status_code} {http.reason_phrase}, content type {http.headers.get('content-type', 'none')}"
+    try:
+        reply = raw.parse()
+        text = reply.choices[0].text
+        tokens = getattr(reply.usage, "completion_tokens", None)
+        if http.status_code != 200 or not isinstance(text, str) or tokens is not None and type(tokens) is not int:
+            raise TypeError("not a completion")
+        if len(text) > CHARS_PER_TOKEN * max_tokens or tokens is not None and not 0 <= tokens <= max_tokens:
+            size = f"{len(text)} characters" + ("" if tokens is None else f" said to be {tokens} tokens")
+            raise ValueError(f"{size}, beyond --max-tokens {max_tokens}")
+    except (ValueError, AttributeError, IndexError, TypeError) as e:
+        raise ValueError(f"{where}, {type(e).__name__}: {str(e)[:80]}") from None
+    tokens = simple_token_count(text) if tokens is None else tokens
+    return text.split(stop)[0], tokens or simple_token_count(text)
 
 
 def server_error(openai, e: Exception, url: str, args: Args) -> UserError:
