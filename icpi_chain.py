@@ -1572,20 +1572,18 @@ def server_error(openai, e: Exception, url: str, args: Args) -> UserError:
 
 
 def check_invalid(totals: "StepStats", model, args: Args, final: bool = False) -> None:
-    """UserError when too many answers were invalid (after 20), or at the end when every answer was."""
+    """UserError when too many answers were invalid (after 20); at the end, when every answer was invalid (allowed
+    by --max-invalid 1) or every reply of the server was malformed (never allowed)."""
     answers = totals.calls + totals.cache_hits
+    malformed = getattr(model, "malformed", 0)
     too_many = answers >= 20 and totals.invalid > args.max_invalid * answers
-    if too_many or (final and 0 < answers <= totals.invalid):
-        malformed = getattr(model, "malformed", 0)
+    every_one = 0 < answers <= totals.invalid and args.max_invalid < 1 or 0 < totals.calls <= malformed
+    if too_many or (final and every_one):
         last = f"; the last: {model.last_malformed}" if malformed else ""
+        why = f"above --max-invalid {args.max_invalid:g} the agent would mostly act at random, so the run stops"
         raise UserError(
             f"{totals.invalid} of {answers} answers from {model.name} were invalid ({malformed} replies were not "
-            f"completions at all{last}); "
-            + (
-                f"above --max-invalid {args.max_invalid:g} the agent would mostly act at random, so the run stops"
-                if too_many
-                else "the run learned nothing from the model"
-            )
+            f"completions at all{last}); " + (why if too_many else "the run learned nothing from the model")
         )
 
 
