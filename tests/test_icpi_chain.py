@@ -785,6 +785,12 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
     started = "--base-url" in flags and "--total-steps" in flags  # a run that starts, then stops: its folder stays
     listing = sorted(os.listdir(tmp_path))
     monkeypatch.chdir(tmp_path)
+    if not started:  # a row that got past the checks would run here: fail at once instead
+
+        def no_run(*a):
+            raise AssertionError("the run started")
+
+        monkeypatch.setattr(ic, "warmup_probability", no_run)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:  # the script's entry point, as its __main__ calls it (tyro's own errors exit 2 from inside it)
         code = ic.cli(flags)
