@@ -514,7 +514,6 @@ class HFBackend:
         self._prefixes = {}  # examples -> their key/value cache, least recently used first
         self.forward_tokens = 0  # token positions run through the model (benchmark/bench_speed.py)
         self.max_context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-        self.count_tokens = lru_cache(maxsize=200_000)(lambda s: len(self._ids(s)))
 
     @cached_property
     def model(self):
@@ -531,6 +530,9 @@ class HFBackend:
     def _ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"] if text else []
 
+    def count_tokens(self, text: str) -> int:
+        return len(self._ids(text))
+
     def _forward(self, ids, cache=None):
         with self.torch.inference_mode():
             out = self.model(
@@ -540,7 +542,10 @@ class HFBackend:
         return out
 
     def _complete_prefixed(self, r: Request) -> tuple[str, int]:
-        """Sample on top of the cached KV of the examples (built once, LRU of 32), then crop the cache back."""
+        """Sample on top of the cached KV of the examples (built once, LRU of 32), then crop the cache back.
+
+        This replaces a whole-prompt `generate` per request, which would prefill the same examples again for every
+        query of a step; its per-request seeded sampling gives the answers of the default model."""
         torch = self.torch
         cache = self._prefixes.pop(r.prefix, None)
         if cache is None:
