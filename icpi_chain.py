@@ -1559,7 +1559,7 @@ def server_error(openai, e: Exception, url: str, args: Args) -> UserError:
     if isinstance(e, openai.APITimeoutError):
         return UserError(f"no reply from {url} within --request-timeout {args.request_timeout:g} s ({tries})")
     if isinstance(e, openai.APIConnectionError):
-        why = str(e.__cause__ or e).strip().splitlines()[0] if str(e.__cause__ or e).strip() else type(e).__name__
+        why = (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0]
         return UserError(
             f"cannot get a completion from {url} after {tries} ({why}); is the server running? (--base-url)"
         )
