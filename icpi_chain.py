@@ -510,9 +510,7 @@ class HFBackend:
         self.tok.pad_token = self.tok.pad_token or self.tok.eos_token
         self.name = spec if self.dtype == "float32" else f"{spec}@{self.dtype}"  # the completion-cache key
         self.max_tokens = args.max_tokens
-        self.prefix_cache = True  # False: whole prompts batched (benchmark/bench_speed.py compares)
         self._prefixes = {}  # examples -> their key/value cache, least recently used first
-        self.forward_tokens = 0  # token positions run through the model (benchmark/bench_speed.py)
         self.max_context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
     @cached_property
@@ -538,7 +536,6 @@ class HFBackend:
             out = self.model(
                 input_ids=self.torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True
             )
-        self.forward_tokens += len(ids)
         return out
 
     def _complete_prefixed(self, r: Request) -> tuple[str, int]:
@@ -574,7 +571,7 @@ class HFBackend:
 
     def complete(self, requests: list[Request]) -> list[tuple[str, int]]:
         """Sampled completions cut at the stop string (one call's requests share stop string and temperature)."""
-        if self.prefix_cache and all(r.prefix for r in requests):
+        if all(r.prefix for r in requests):
             return [self._complete_prefixed(r) for r in requests]
         torch = self.torch
         stop = requests[0].stop
@@ -597,7 +594,6 @@ class HFBackend:
                 pad_token_id=self.tok.pad_token_id,
             )
         n_in = enc["input_ids"].shape[1]
-        self.forward_tokens += int(enc["input_ids"].numel()) + out.shape[0] * (out.shape[1] - n_in)
         rows = [[i for i in row.tolist() if i != self.tok.pad_token_id] for row in out[:, n_in:]]
         return [(self.tok.decode(ids, skip_special_tokens=True).split(stop)[0], len(ids)) for ids in rows]
 
@@ -614,7 +610,6 @@ class HFBackend:
             logits = self.model(
                 input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
             ).logits
-        self.forward_tokens += int(ids.numel())
         logp = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
         return [float(logp[k, width - 1 - len(c_ids) :].sum()) for k, c_ids in enumerate(spans)]
 
@@ -910,8 +905,6 @@ def argmax_random(q, rng: np.random.Generator) -> int:
 
 
 class Agent:
-    batch = True  # False: one model call per prediction, as the original (benchmark/bench_speed.py compares)
-
     def __init__(
         self, domain: Domain, model, args: Args, rng: np.random.Generator, cache: Optional["CompletionCache"] = None
     ):
@@ -1040,14 +1033,14 @@ class Agent:
             if hit is not None:
                 out[k] = hit[0]
             else:
-                misses.setdefault(json.dumps([r.prompt, r.stop, r.seed]) if self.batch else str(k), []).append(k)
-        todo = list(misses.values())  # the indices of identical requests: the first is computed
-        for g in ([todo] if self.batch else [[same] for same in todo]) if todo else []:
+                misses.setdefault(json.dumps([r.prompt, r.stop, r.seed]), []).append(k)
+        todo = list(misses.values())  # the indices of identical requests: the first is computed, all in one call
+        if todo:
             self.stats.batches += 1
-            self.stats.calls += len(g)
-            for same, r in zip(g, self.model.complete([reqs[same[0]] for same in g])):
+            self.stats.calls += len(todo)
+            for same, r in zip(todo, self.model.complete([reqs[same[0]] for same in todo])):
                 if r is None:
-                    continue  # malformed reply after all retries: invalid
+                    continue  # malformed reply: invalid
                 self.stats.completion_tokens += r[1]
                 for j in same:
                     out[j] = r[0]
