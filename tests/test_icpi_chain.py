@@ -897,6 +897,42 @@ class _Slow(BaseHTTPRequestHandler):
         pass
 
 
+def test_a_stopped_run_started_again_continues_from_its_cache(tmp_path, monkeypatch, capsys, tiny_gpt2_dir):
+    """A run stopped after its eleventh real step, started again with the same flags: it replays every answer the first
+    attempt computed and ends with the episodes of a run that was never stopped."""
+
+    class StopAfterElevenSteps(ic.StopSignal):  # SIGTERM, as if it arrived during the eleventh step
+        checks = 0
+
+        @property
+        def requested(self):
+            self.checks += 1
+            self.signum = self.signum or (signal.SIGTERM if self.checks >= 11 else 0)
+            return self.signum != 0
+
+    kw = dict(model=f"hf:{tiny_gpt2_dir}", total_steps=16, seed=2, min_successes=0, max_tokens=8, max_invalid=1.0)
+    logged = {}
+    for name, cache, stop in (
+        ("stopped", "c.sqlite", StopAfterElevenSteps()),
+        ("again", "c.sqlite", None),
+        ("whole", "fresh.sqlite", None),
+    ):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        code = ic.main(ic.Args(**kw, cache=str(tmp_path / cache)), stop)
+        assert code == (143 if name == "stopped" else 0)
+        run = only_run_dir(str(tmp_path / name))
+        tags = ("charts/episodic_return", "charts/regret", "model/calls", "model/cache_hits", "model/replayed")
+        logged[name] = {tag: [v for _, v in read_scalars(run, tag)] for tag in tags}
+    capsys.readouterr()
+    stopped, again, whole = logged["stopped"], logged["again"], logged["whole"]
+    assert 0 < sum(stopped["model/calls"]) < sum(whole["model/calls"])
+    assert sum(again["model/replayed"]) == sum(stopped["model/calls"]) + sum(stopped["model/cache_hits"])
+    assert sum(again["model/calls"]) == sum(whole["model/calls"]) - sum(stopped["model/calls"])
+    assert again["charts/episodic_return"] == whole["charts/episodic_return"]
+    assert again["charts/regret"] == whole["charts/regret"]
+
+
 def test_sigterm_and_sigint_mid_run_stop_after_the_step_and_keep_the_cache(tmp_path):
     httpd = _serve(_Slow, threads=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
