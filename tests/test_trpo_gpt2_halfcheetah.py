@@ -4,6 +4,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import fields
 from typing import Optional
 
@@ -405,6 +406,13 @@ def _checkpoint(folder, kind):
     return path
 
 
+def _open_writer(fifo):
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO when no reader is waiting: nothing to do
+    except OSError:
+        pass
+
+
 def _bad(flags, message):
     return pytest.param(flags, message, id=" ".join(flags)[:60])
 
@@ -519,6 +527,10 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(
         (tmp_path / "runs").write_text("")
     if "fifo" in flags:  # a named pipe where the checkpoint should be: opening it would wait for a writer forever
         os.mkfifo(given / "fifo.pt")
+        # a writer that comes after 20 s turns a reader stuck in open() into a failed row instead of a hung suite
+        unblock = threading.Timer(20, _open_writer, [str(given / "fifo.pt")])
+        unblock.daemon = True
+        unblock.start()
     places = {"given": given, "given/file": given / "file", "fifo": given / "fifo.pt", "TINY": tiny_gpt2_dir}
     flags = [_checkpoint(str(given), f[5:]) if f.startswith("ckpt:") else str(places.get(f, f)) for f in flags]
     before = sorted(os.listdir(tmp_path)), sorted(os.listdir(given))
