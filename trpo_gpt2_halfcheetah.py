@@ -107,7 +107,7 @@ class Args:
     state_encoding: str = "embed"
     """`embed` (a learned projection as one input embedding) or `text` (the numbers printed and tokenized)"""
     instruction: Optional[str] = None
-    """text read before the state, e.g. "run forward as fast as possible\""""
+    """text read before the state, e.g. 'run forward as fast as possible'"""
     finetune_blocks: int = -1
     """how many last blocks TRPO trains (-1: all, with the embeddings; 0: none)"""
 
@@ -572,7 +572,6 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     """Train (or, with --eval-checkpoint, evaluate); returns the exit status: 0, or 128 + the signal that stopped it."""
     stop = StopSignal() if stop is None else stop
     check_args(args)
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     torch.set_num_threads(args.torch_threads)
     if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, stop)
@@ -581,6 +580,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     args.seed = 543 if args.seed is None else args.seed
     T, N = args.batch_size // args.num_envs, args.num_envs
     num_iterations = -(-args.total_timesteps // args.batch_size)  # whole batches, rounded up
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
