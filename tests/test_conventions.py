@@ -27,8 +27,9 @@ assert callable(module.cli) and callable(module.main)
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_importing_a_script_changes_nothing(script, tmp_path):
+    env = dict(os.environ, PYGAME_HIDE_SUPPORT_PROMPT="hide")  # what `import gymnasium` itself sets, not the script
     proc = subprocess.run(
-        [sys.executable, "-c", IMPORT, ROOT, script], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", IMPORT, ROOT, script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == "" and proc.stderr == "", (proc.stdout, proc.stderr)

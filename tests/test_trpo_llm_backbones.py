@@ -1,16 +1,15 @@
 """Any causal LM as the backbone (a tiny Llama beside the tiny GPT-2), the offline SmolLM2 policy, and the
 Gauss-Newton Fisher-vector product through a Llama."""
 
+import glob
 import os
+import signal
 
 import pytest
 import torch
 
 import trpo_gpt2_halfcheetah as trpo
-from conftest import explicit_fisher, run_script, train_tiny_tokenizer
-
-SCRIPT = "trpo_gpt2_halfcheetah.py"
-
+from conftest import explicit_fisher, read_scalars, train_tiny_tokenizer
 
 # ------------------------------------------------------------------------------------------------
 # 2. any causal LM through the Auto classes: a tiny Llama beside the tiny GPT-2
@@ -46,7 +45,7 @@ def tiny_llama_dir(tmp_path_factory):
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
 
 
-def test_llama_backbone_loads_pretrained_truncates_and_finetunes(tiny_llama_dir, capsys):
+def test_llama_backbone_loads_pretrained_truncates_and_finetunes(tiny_llama_dir):
     from transformers import LlamaForCausalLM
 
     args = trpo.Args(llm=tiny_llama_dir, llm_layers=1, finetune_blocks=1, instruction="run forward")
@@ -61,9 +60,8 @@ def test_llama_backbone_loads_pretrained_truncates_and_finetunes(tiny_llama_dir,
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     assert any(n.startswith("transformer.layers.0.") for n in trainable) and "transformer.norm.weight" in trainable
     assert not any(n.startswith("transformer.embed_tokens") for n in trainable)
-    with pytest.raises(SystemExit):
+    with pytest.raises(trpo.UserError, match="--finetune-blocks 2 exceeds the 1 blocks"):
         trpo.build_policy(trpo.Args(llm=tiny_llama_dir, llm_layers=1, finetune_blocks=2), 3, 2)
-    assert "--finetune-blocks 2 exceeds the 1 blocks" in capsys.readouterr().err
     # a TRPO step through the Llama (Gauss-Newton Fisher-vector products) stays in the trust region
     obs, actions, adv = torch.randn(40, 3), torch.randn(40, 2), torch.randn(40)
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -90,53 +88,40 @@ def test_llama_random_init_overrides_width_heads_layers(tiny_llama_dir):
     assert out.shape == (2, 2) and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_text_policy_checkpoint_evaluates_with_the_tokenizer_of_its_llm(kind, tiny_llama_dir, tiny_gpt2_dir, workdir):
+def test_text_policy_checkpoint_evaluates_with_the_tokenizer_of_its_llm(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     """The checkpoint carries the weights and the model's config; the tokenizer is loaded again from the training
-    run's --llm: the evaluation equals the one after training, and fails in one sentence once that folder is gone."""
+    run's --llm: the evaluation equals the one after training, and fails in one sentence once that folder is gone
+    (the same for GPT-2: tests/test_trpo_gpt2_halfcheetah.py)."""
     import shutil
 
-    src = tiny_llama_dir if kind == "llama" else tiny_gpt2_dir
-    folder = shutil.copytree(src, os.path.join(workdir, "model"))
-    out = run_script(
-        SCRIPT,
-        "--llm",
-        folder,
-        "--state-encoding",
-        "text",
-        "--instruction",
-        "run forward",
-        "--llm-layers",
-        "1",
-        "--num-envs",
-        "2",
-        "--batch-size",
-        "40",
-        "--total-timesteps",
-        "40",
-        "--cg-iters",
-        "2",
-        "--vf-iters",
-        "2",
-        "--save-model",
-        "--eval-episodes",
-        "1",
-        "--env-id",
-        "InvertedPendulum-v5",
-        cwd=workdir,
-    ).stdout
-    (ckpt,) = [
-        os.path.join(r, f) for r, _, fs in os.walk(os.path.join(workdir, "runs")) for f in fs if f.endswith(".pt")
-    ]
+    folder = shutil.copytree(tiny_llama_dir, str(tmp_path / "model"))
+    flags = ["--llm", folder, "--state-encoding", "text", "--instruction", "run forward", "--llm-layers", "1"]
+    flags += ["--num-envs", "2", "--batch-size", "40", "--total-timesteps", "40", "--cg-iters", "2", "--vf-iters", "2"]
+    flags += ["--save-model", "--eval-episodes", "1", "--env-id", "InvertedPendulum-v5", "--no-cuda"]
+    assert cli(flags, tmp_path, monkeypatch) == 0
+    (run,) = glob.glob(str(tmp_path / "runs" / "*"))
+    ckpt = os.path.join(run, "trpo_gpt2_halfcheetah.pt")
     data = torch.load(ckpt, weights_only=True)
-    assert data["llm_config"]["model_type"] == kind and data["args"]["llm"] == folder
-    proc = run_script(SCRIPT, "--eval-checkpoint", ckpt, "--eval-episodes", "1", cwd=workdir)
-    assert "over 1 episodes" in proc.stdout
-    assert proc.stdout.split("): ")[1].split(" over")[0] == out.split("eval: ")[1].split(" over")[0]
+    assert data["llm_config"]["model_type"] == "llama" and data["args"]["llm"] == folder
+    assert cli(["--eval-checkpoint", ckpt, "--eval-episodes", "1", "--no-cuda"], tmp_path, monkeypatch) == 0
+    (eval_run,) = glob.glob(run + "-eval__*")
+    assert read_scalars(eval_run, "eval/episodic_return") == read_scalars(run, "eval/episodic_return")
     shutil.rmtree(folder)
-    proc = run_script(SCRIPT, "--eval-checkpoint", ckpt, "--eval-episodes", "1", cwd=workdir, check=False)
-    assert proc.returncode == 2 and f"--llm '{folder}' is not a folder" in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    capsys.readouterr()
+    assert cli(["--eval-checkpoint", ckpt], tmp_path, monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --llm '{folder}' does not exist") and len(err.splitlines()) == 1, err
+
+
+def cli(flags, cwd, monkeypatch) -> int:
+    """The script's entry point in this process, in `cwd`; the signal handlers it installs restored afterwards."""
+    monkeypatch.chdir(cwd)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return trpo.cli(flags)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
 
 
 # ------------------------------------------------------------------------------------------------
