@@ -711,7 +711,7 @@ def save_checkpoint(path: str, checkpoint: dict) -> None:
         torch.save(checkpoint, tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # a full disk: OSError from open, RuntimeError from torch's writer
-        why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        why = e.strerror if isinstance(e, OSError) and e.strerror else "the write failed: is the disk full?"
         raise UserError(f"could not save the checkpoint {path} ({why}); the file there, if any, is unchanged")
     finally:
         if os.path.exists(tmp):
