@@ -261,6 +261,9 @@ def speed_records(e: dict) -> list[list]:
     """A speed entry's table: seconds per update (epoch) of each configuration against the first's (`per_epoch`), or
     the runs of a GPU check (`runs`: medians over the updates)."""
     d = e["data"]
+    if "parts" in d:  # a time breakdown: seconds per update of each part
+        total = sum(d["parts"].values())
+        return [[part, fmt(t, 4), f"{100 * t / total:.0f}%"] for part, t in d["parts"].items()]
     if "per_epoch" in d:
         med = {c: float(np.median(v)) for c, v in d["per_epoch"].items()}
         first = next(iter(med.values()))
@@ -274,6 +277,8 @@ def speed_records(e: dict) -> list[list]:
 
 
 def speed_columns(e: dict) -> list[str]:
+    if "parts" in e["data"]:
+        return ["part", "s per update", "share"]
     if "per_epoch" in e["data"]:
         return ["configuration", "s per update (median)", "env steps/s", "vs the first", "updates timed"]
     return ["run", "updates", "rollout s (median)", "update s (median)", "steps", "wall s", "flags"]
@@ -283,6 +288,9 @@ def speed_table(data: dict, name: str) -> str:
     (e,) = [e for e in data["speed"] if e["name"] == name]
     floor = e["data"].get("env_floor")
     note = f" The {floor['steps']:,} env steps alone: {floor['steps_per_s']:.0f} steps/s." if floor else ""
+    if "parts" in e["data"]:
+        d = e["data"]
+        note = f" `{d['command']}` under pyinstrument, {d['updates']} updates; start-up {fmt(d['startup_seconds'])} s."
     return markdown(speed_records(e), speed_columns(e)) + f"\n\nMachine: {e['machine']}.{note}"
 
 

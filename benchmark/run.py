@@ -419,12 +419,20 @@ def timed_run(cmd: list[str], steps: int) -> tuple[dict, object]:
     return {"sps": float(found[-1]) if found else float(sps.iloc[-1]) if len(sps) else steps / wall, **total}, df
 
 
-def throughput(p: dict, steps: int, repeats: int, harness_command: str) -> dict:
+def throughput(p: dict, steps: int, repeats: int, harness_command: str, peer_dir: Optional[str] = None) -> dict:
     """The script and its peer ([[throughput]] in registry.toml) alternating, so that a competing process slows both
-    alike; medians over `repeats` runs of each."""
+    alike; medians over `repeats` runs of each. A peer from another repository (`peer_repo`) runs unmodified from a
+    checkout of it (`peer_dir`)."""
     info, load0, ours, peer = SCRIPTS[p["script"]], round(os.getloadavg()[0], 2), [], []
     ours_cmd = script_command(info.file, info, p["env"], steps, shlex.split(p["flags"]))
-    peer_cmd = script_command(p["peer"], info, p["env"], steps, shlex.split(p["peer_flags"]))
+    peer_file, peer_code = p["peer"], None
+    if p.get("peer_repo"):
+        if not peer_dir or not os.path.isfile(os.path.join(peer_dir, p["peer"])):
+            sys.exit(f"error: the peer {p['peer']} is {p['peer_repo']}'s: give a checkout of it with --peer-dir.")
+        peer_file = os.path.abspath(os.path.join(peer_dir, p["peer"]))
+        commit = subprocess.run(["git", "-C", peer_dir, "rev-parse", "HEAD"], capture_output=True, text=True)
+        peer_code = f"{p['peer_repo']} {p['peer']} at {commit.stdout.strip()[:12] or 'an unknown commit'}, unmodified"
+    peer_cmd = script_command(peer_file, info, p["env"], steps, shlex.split(p["peer_flags"]))
     for _ in range(repeats):
         peer.append(timed_run(peer_cmd, steps)[0])
         ours.append(timed_run(ours_cmd, steps)[0])
@@ -433,6 +441,7 @@ def throughput(p: dict, steps: int, repeats: int, harness_command: str) -> dict:
     sps, peer_sps = med(ours, "sps"), med(peer, "sps")
     out = {"script": p["script"], "env": p["env"], "flags": shlex.split(p["flags"]), "steps": steps, "sps": sps}
     out.update(peer_label=p["label"], peer_sps=peer_sps, ratio=sps / peer_sps, repeats=repeats)
+    out.update({"peer_code": peer_code} if peer_code else {})
     out.update(peer_threads="1 (OMP_NUM_THREADS=1)", rollout_s=med(ours, "rollout"), update_s=med(ours, "update"))
     out.update(machine=machine(), versions=versions(), harness_command=harness_command)
     return dict(out, load=[load0, round(os.getloadavg()[0], 2)])
@@ -451,6 +460,50 @@ def speed(name: str, harness_command: str) -> dict:
             print(f"{config}: {per[config][-len(parts[0]) :]} s per update", flush=True)
     out = {"name": name, "harness_command": harness_command, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     data = {"env_id": e["env"], "steps_per_epoch": e["steps_per_update"], "per_epoch": per}
+    return dict(out, machine=machine(), versions=versions(), data=data)
+
+
+def breakdown(name: str, harness_command: str) -> dict:
+    """Where a run's time goes ([speed.NAME] with `parts` in registry.toml): the script at its settings under
+    pyinstrument's sampling profiler (main thread); each part's seconds per update inside `main` (the inclusive time of
+    the functions it names), the rest of `main`, and the start-up before it."""
+    e, tree = SPEED[name], None
+    info = SCRIPTS[e["script"]]
+    cmd = script_command(info.file, info, e["env"], e["steps_per_update"] * e["updates"], shlex.split(e["flags"]))
+    with tempfile.TemporaryDirectory() as cwd:
+        prof = os.path.join(cwd, "profile.json")
+        profiler = [sys.executable, "-m", "pyinstrument", "--interval", "0.001", "--show-all", "-r", "json", "-o", prof]
+        profiler += ["-p", "processor_options.filter_threshold=0"]  # keep the small parts too
+        proc = subprocess.run(profiler + cmd[1:], cwd=cwd, env=thread_env(), capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{display(cmd)} exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
+        with open(prof) as f:
+            tree = json.load(f)["root_frame"]
+    seconds: dict[tuple[str, str], float] = {}
+
+    script, main_s = os.path.basename(info.file), 0.0
+
+    def walk(frame, inside_main: bool, above: frozenset) -> None:  # inclusive time, each function once per stack
+        nonlocal main_s
+        key = (frame["function"], frame["file_path_short"])
+        is_main = frame["function"] == "main" and frame["file_path"].endswith(script)
+        main_s += frame["time"] * (is_main and not inside_main)
+        if inside_main and key not in above:
+            seconds[key] = seconds.get(key, 0.0) + frame["time"]
+        for child in frame["children"]:
+            walk(child, inside_main or is_main, above | {key})
+
+    walk(tree, False, frozenset())
+    parts = {
+        label: sum(t for (fn, file), t in seconds.items() if [fn, file] in map(list, functions))
+        for label, functions in e["parts"]
+    }
+    parts["the rest of the loop"] = main_s - sum(parts.values())
+    data = {"steps_per_update": e["steps_per_update"], "updates": e["updates"], "command": display(cmd)}
+    data.update(
+        parts={k: round(v / e["updates"], 5) for k, v in parts.items()}, startup_seconds=round(tree["time"] - main_s, 3)
+    )
+    out = {"name": name, "harness_command": harness_command, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     return dict(out, machine=machine(), versions=versions(), data=data)
 
 
@@ -488,6 +541,7 @@ class Args:
     slurm_cpus_per_task: int = 1  # --slurm: CPUs per task
     slurm_gpus_per_task: int = 0  # --slurm: GPUs per task
     jobs_file: Optional[str] = None  # slurm-task: the array's job list (written by --slurm)
+    peer_dir: Optional[str] = None  # throughput: a checkout of a peer's repository (CleanRL: the PPO peer, unmodified)
 
 
 def write_report(args: Args, registry: list[S]) -> None:
@@ -570,7 +624,7 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
         for p in (p for p in THROUGHPUT if not args.scripts or p["script"] in args.scripts):
             info = SCRIPTS[p["script"]]
             steps = args.throughput_steps or (info.quick_steps if args.quick else p.get("steps", info.throughput_steps))
-            t = throughput(p, steps, args.repeats, harness_command)
+            t = throughput(p, steps, args.repeats, harness_command, args.peer_dir)
             cpu = t["machine"].split("(")[0].split(",")[0].strip()
             name = re.sub(
                 r"[^\w.-]+", "_", f"{p['script']}__{p['env']}__{p['flags'] or 'defaults'}__{steps}__peer1thread__{cpu}"
@@ -579,7 +633,8 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
             print(f"ratio {t['ratio']:.2f}x -> {path}", flush=True)
     elif args.mode == "speed":
         for name in args.speed:
-            report.dump(speed(name, harness_command), os.path.join(args.results_dir, "speed", f"{name}.json"))
+            entry = breakdown(name, harness_command) if "parts" in SPEED[name] else speed(name, harness_command)
+            report.dump(entry, os.path.join(args.results_dir, "speed", f"{name}.json"))
     elif args.mode == "slurm-task":
         return slurm_task(args.jobs_file)
     elif args.mode == "train" and args.slurm:

@@ -228,11 +228,23 @@ def test_runner_end_to_end_on_ppo_cartpole_with_resume(tmp_path):
 
 def test_throughput_and_speed_modes_store_what_they_time(tmp_path, monkeypatch):
     out = _out(tmp_path)
+    # a peer from another repository runs unmodified from a checkout of it: here a git repository made on the spot
+    repo = tmp_path / "peer_repo"
+    (repo / "peer").mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "ppo_cartpole.py"), repo / "peer" / "ppo.py")
+    for git in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "peer"]):
+        subprocess.run(["git", "-C", str(repo), *git], check=True)
+    entry = {"script": "ppo_cartpole", "env": "CartPole-v1", "flags": "", "peer": "peer/ppo.py", "peer_flags": ""}
+    monkeypatch.setattr(bench, "THROUGHPUT", [dict(entry, peer_repo="someone/peer", label="their ppo.py")])
     argv = ["--mode", "throughput", "--quick", "--scripts", "ppo_cartpole", "--repeats", "1", "--throughput-steps"]
-    assert bench.main([*argv, "1024", *out]) == 0
+    with pytest.raises(SystemExit, match="give a checkout of it with --peer-dir"):
+        bench.main([*argv, "1024", *out])
+    assert bench.main([*argv, "1024", *out, "--peer-dir", str(repo)]) == 0
     (t,) = report.load(str(tmp_path / "res"))["throughput"]
     assert t["steps"] == 1024 and t["sps"] > 0 and t["ratio"] == pytest.approx(t["sps"] / t["peer_sps"])
-    assert t["rollout_s"] > 0 and "CleanRL-style" in open(tmp_path / "r.md").read()
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert t["peer_code"] == f"someone/peer peer/ppo.py at {head[:12]}, unmodified"
+    assert t["rollout_s"] > 0 and "their ppo.py" in open(tmp_path / "r.md").read()
     tiny = {
         "script": "gpt2ppo_lunar",
         "env": "LunarLander-v3",
@@ -246,6 +258,20 @@ def test_throughput_and_speed_modes_store_what_they_time(tmp_path, monkeypatch):
     per = e["data"]["per_epoch"]["--critic mlp --steps-per-epoch 256"]
     assert e["name"] == "tiny" and len(per) == 2 and all(0 < x < 60 for x in per)
     assert "### tiny (machine M" in open(tmp_path / "r.md").read()
+
+
+def test_a_time_breakdown_splits_main_into_its_parts(tmp_path, monkeypatch):
+    parts = [["rollout: env stepping", [["step", "gymnasium/wrappers/vector/common.py"]]]]
+    parts += [["GAE", [["compute_gae", "ppo_cartpole.py"]]], ["nothing", [["no_such_function", "ppo_cartpole.py"]]]]
+    entry = {"script": "ppo_cartpole", "env": "CartPole-v1", "flags": "", "steps_per_update": 512, "updates": 8}
+    monkeypatch.setitem(bench.SPEED, "tiny-breakdown", dict(entry, parts=parts))
+    assert bench.main(["--mode", "speed", "--speed", "tiny-breakdown", *_out(tmp_path)]) == 0
+    (e,) = report.load(str(tmp_path / "res"))["speed"]
+    d = e["data"]
+    assert list(d["parts"]) == ["rollout: env stepping", "GAE", "nothing", "the rest of the loop"]
+    assert d["parts"]["nothing"] == 0 and d["parts"]["rollout: env stepping"] > d["parts"]["GAE"] > 0
+    assert d["parts"]["the rest of the loop"] > 0 and d["startup_seconds"] > 0 and d["updates"] == 8
+    assert "| rollout: env stepping |" in open(tmp_path / "r.md").read()
 
 
 @pytest.mark.parametrize(
