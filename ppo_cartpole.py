@@ -158,10 +158,11 @@ def compute_gae(rewards, values, next_values, terminations, dones, gamma, gae_la
     terminations[t] cuts the bootstrap, dones[t] (terminated or truncated) cuts the recursion, so a truncated step
     keeps gamma * V(final observation).
     """
+    deltas = rewards + gamma * next_values * (1.0 - terminations) - values  # the TD errors, all at once
+    decay = gamma * gae_lambda * (1.0 - dones)
     advantages, last = rewards * 0.0, 0.0
     for t in reversed(range(rewards.shape[0])):
-        delta = rewards[t] + gamma * next_values[t] * (1.0 - terminations[t]) - values[t]
-        advantages[t] = last = delta + gamma * gae_lambda * (1.0 - dones[t]) * last
+        advantages[t] = last = deltas[t] + decay[t] * last
     return advantages, advantages + values
 
 
