@@ -561,14 +561,14 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         if stop.requested or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
             state = training_state(args, iteration, global_step, next_obs, models, shuffle_rng, history, episodes, envs)
             save_checkpoint(os.path.join(run_dir, "training_state.pt"), state)
+        if stop.requested:  # Ctrl-C or SIGTERM: the training state above keeps what was done
+            break
         if iteration < num_iterations:
             print(
                 f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, "
                 f"{returns_text(recent_returns)}, {sps} steps/s",
                 flush=True,
             )
-        if stop.requested:  # Ctrl-C or SIGTERM: the training state above keeps what was done
-            break
 
     envs.close()
     writer.flush()
