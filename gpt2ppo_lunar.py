@@ -27,7 +27,7 @@ import re
 import stat
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
 import gymnasium as gym
@@ -54,6 +54,11 @@ class Args:
     """path of a checkpoint whose actor is evaluated instead of training"""
     eval_episodes: int = 10
     """number of greedy evaluation episodes (`--eval-checkpoint`, `--save-model`), episode i seeded 10000 + seed + i"""
+    checkpoint_every: int = 10
+    """save the training state (for `--resume`) every this many updates (rollout and update of steps_per_epoch
+    steps), and when the run ends or is stopped"""
+    resume: Optional[str] = None
+    """a run folder to continue, with its own flags, to its original budget (in the same folder and log)"""
 
     env_id: str = "LunarLander-v3"
     """the id of the environment (flat Box observations, Discrete or flat Box actions, an episode limit)"""
@@ -388,26 +393,35 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     torch.set_num_threads(args.torch_threads)
     if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, stop)
+    state = None
+    if args.resume is not None:  # the run's own flags and its training state at its last checkpoint
+        args, state = load_training_state(args)
     max_timestep, obs_dim, act_dim, discrete = env_sizes(args.env_id)
     args.seed = 123 if args.seed is None else args.seed  # Table I
     T, N = args.steps_per_epoch // args.num_envs, args.num_envs  # steps per env per rollout, envs
     num_iterations = -(-args.total_timesteps // args.steps_per_epoch)  # whole rollouts, rounded up
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     schedule = "" if args.update_schedule == "shuffled" else f"-{args.update_schedule}-schedule"
-    run_name = make_run_dir(
-        f"{args.env_id.replace('/', '-')}__{args.exp_name}__critic-{args.critic}{schedule}__{args.seed}"
-    )
+    if state is None:
+        base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__critic-{args.critic}{schedule}__{args.seed}"
+        run_dir = os.path.join("runs", make_run_dir(base))
+    else:
+        run_dir = args.resume
+    run_name = os.path.basename(os.path.normpath(run_dir))
     slow = device.type == "cpu" and args.critic == "gpt2" and args.value_stride == 1
     print(
         f"{run_name}: device {device}, {num_iterations} rollouts of {args.steps_per_epoch} steps"
+        + ("" if state is None else f", continued after update {state['iteration']}")
         + ("; exact windows: minutes per update on a CPU (--value-stride 64: ~64x fewer passes)" if slow else ""),
         flush=True,
     )
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(f"runs/{run_name}")
-    table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    # a resumed run hides what was logged after its last checkpoint, so no step appears twice
+    writer = SummaryWriter(run_dir, purge_step=None if state is None else state["global_step"] + 1)
+    if state is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -438,9 +452,16 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     rows_all = (np.arange(N)[:, None] * history.L + K - 1 + np.arange(T + 1)[None]).reshape(-1)
     rows_train = (np.arange(N)[None] * history.L + K - 1 + np.arange(T)[:, None]).reshape(-1)
 
-    global_step, start_time = 0, time.time()
+    global_step, start_iteration = 0, 0
     next_obs = envs.reset(seed=args.seed)[0].astype(np.float32)
-    for iteration in range(1, num_iterations + 1):
+    models = {"actor": actor, "critic": critic, "actor_optimizer": actor_opt, "critic_optimizer": critic_opt}
+    episodes = (episode_return, episode_length, recent_returns)  # carried from one rollout into the next
+    if state is not None:  # continue where the run stopped: weights, optimizers, random streams, history, envs
+        start_iteration, global_step, next_obs = restore_training_state(
+            state, models, shuffle_rng, history, episodes, envs
+        )
+    first_step, start_time = global_step, time.time()
+    for iteration in range(start_iteration + 1, num_iterations + 1):
         rollout_start = time.time()
         actor.eval()
         critic.eval()  # no dropout while collecting data and computing value targets
@@ -525,7 +546,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         update_time = time.time() - update_start
         history.carry_over()
 
-        sps = int(global_step / (time.time() - start_time))
+        sps = int((global_step - first_step) / (time.time() - start_time))
         y, y_pred = returns.reshape(-1), values.reshape(-1)
         explained_var = np.nan if np.var(y) == 0 else 1 - np.var(y - y_pred) / np.var(y)
         writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
@@ -537,18 +558,21 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         writer.add_scalar("losses/explained_variance", explained_var, global_step)
         writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
         writer.add_scalar("time/update_seconds", update_time, global_step)
+        if stop.requested or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
+            state = training_state(args, iteration, global_step, next_obs, models, shuffle_rng, history, episodes, envs)
+            save_checkpoint(os.path.join(run_dir, "training_state.pt"), state)
+        if stop.requested:  # Ctrl-C or SIGTERM: the training state above keeps what was done
+            break
         if iteration < num_iterations:
             print(
                 f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, "
                 f"{returns_text(recent_returns)}, {sps} steps/s",
                 flush=True,
             )
-        if stop.requested:  # Ctrl-C or SIGTERM: keep what was done
-            break
 
     envs.close()
     writer.flush()
-    model_path = f"runs/{run_name}/{args.exp_name}.pt"
+    model_path = os.path.join(run_dir, f"{args.exp_name}.pt")
     if args.save_model:
         checkpoint = {
             "actor": actor.state_dict(),
@@ -564,7 +588,8 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     stopped = f"stopped by {signal.Signals(stop.signum).name} after " if stop.requested else ""
     print(
         f"{run_name}: {stopped}{global_step} of {num_iterations * args.steps_per_epoch} steps, "
-        f"{returns_text(recent_returns)}, {int(global_step / (time.time() - start_time))} steps/s; {saved}",
+        f"{returns_text(recent_returns)}, {int((global_step - first_step) / (time.time() - start_time))} steps/s; "
+        f"{saved}" + (f"; continue it: --resume {run_dir}" if stop.requested else ""),
         flush=True,
     )
     if args.save_model and not stop.requested:
@@ -585,6 +610,7 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
     "seed": (0, 2**32 - 1, False),
     "torch_threads": (1, 1024, False),
     "eval_episodes": (1, 10**6, False),
+    "checkpoint_every": (1, 10**9, False),
     "total_timesteps": (1, 10**12, False),
     "steps_per_epoch": (1, 2**24, False),
     "num_envs": (1, 1024, False),
@@ -605,6 +631,7 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
 }
 CHOICES = {"critic": ("gpt2", "mlp"), "update_schedule": ("shuffled", "authors")}
 EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads"}  # all that --eval-checkpoint takes
+RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads"}  # flags a resumed run may change
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a folder name: no separators, not . or ..
 
 
@@ -837,6 +864,145 @@ def returns_text(returns, last: str = "of the last ") -> str:
     if not len(returns):
         return "no episode has finished yet"
     return f"mean return {last}{len(returns)} episodes {np.mean(returns):.2f} +- {np.std(returns):.2f}"
+
+
+def training_state(args, iteration, global_step, next_obs, models, shuffle_rng, history, episodes, envs) -> dict:
+    """Everything a run needs to continue: flags, counters, the weights and optimizers in `models`, random streams
+    (torch's, CUDA's on a GPU, the minibatch shuffler; numpy's and Python's global ones are seeded but never drawn
+    from), the critic's history, the episodes in progress and the last 100 returns, the envs."""
+    episode_return, episode_length, recent_returns = episodes
+    cuda = next(models["actor"].parameters()).is_cuda
+    return {
+        "script": "gpt2ppo_lunar.py",
+        "args": asdict(args),
+        "iteration": iteration,
+        "global_step": global_step,
+        "next_obs": torch.from_numpy(next_obs.copy()),
+        **{name: model.state_dict() for name, model in models.items()},
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if cuda else None,
+        "shuffle_rng": shuffle_rng.bit_generator.state,
+        "history": {name: torch.from_numpy(getattr(history, name).copy()) for name in ("obs", "act", "ts", "reach")},
+        "episode_return": torch.from_numpy(episode_return.copy()),
+        "episode_length": torch.from_numpy(episode_length.copy()),
+        "recent_returns": torch.from_numpy(np.array(recent_returns, dtype=np.float64)),
+        "envs": env_state(envs),
+    }
+
+
+def restore_training_state(state, models, shuffle_rng, history, episodes, envs) -> tuple[int, int, np.ndarray]:
+    """Put a training state back into freshly made objects; (updates done, steps done, the current observation).
+
+    Envs whose state was not saved (Box2D, MuJoCo) start new episodes, seeded by the run's seed and the update."""
+    for name, model in models.items():
+        model.load_state_dict(state[name])
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] is not None and next(models["actor"].parameters()).is_cuda:
+        torch.cuda.set_rng_state(state["cuda_rng"])
+    shuffle_rng.bit_generator.state = state["shuffle_rng"]
+    for name, saved in state["history"].items():
+        getattr(history, name)[...] = saved.numpy()  # in place: History's torch views share this memory
+    episode_return, episode_length, recent_returns = episodes
+    episode_return[:], episode_length[:] = state["episode_return"].numpy(), state["episode_length"].numpy()
+    recent_returns.clear()
+    recent_returns.extend(state["recent_returns"].numpy())
+    if state["envs"] is None:  # the episodes in progress are cut off, unlogged; the windows start afresh
+        episode_return[:], episode_length[:] = 0.0, 0
+        seed = state["args"]["seed"] + envs.num_envs * state["iteration"]
+        return state["iteration"], state["global_step"], envs.reset(seed=seed)[0].astype(np.float32)
+    restore_env_state(envs, state["envs"])
+    return state["iteration"], state["global_step"], state["next_obs"].numpy()
+
+
+def env_layers(envs) -> list:
+    """The vector env's wrappers, the vector env, and each copy's wrappers down to the env itself."""
+    layers = [envs]
+    while hasattr(layers[-1], "env"):
+        layers.append(layers[-1].env)
+    for env in layers[-1].envs:
+        layers.append(env)
+        while hasattr(layers[-1], "env"):
+            layers.append(layers[-1].env)
+    return layers
+
+
+def env_state(envs) -> Optional[list[dict]]:
+    """The plain attributes (numbers, arrays, random generators, queues) of every layer of the envs, or None when an
+    env keeps its state in other objects (Box2D's world: LunarLander, BipedalWalker; MuJoCo's data).
+
+    For classic-control envs (Acrobot, CartPole, Pendulum) this is their whole state: an episode in progress
+    continues where it stopped.
+    """
+    saved = []
+    for layer in env_layers(envs):
+        plain = {}
+        for key, value in vars(layer).items():
+            if isinstance(value, np.random.Generator):
+                plain[key] = {"generator": value.bit_generator.state}
+            elif isinstance(value, np.ndarray) and value.dtype != object:
+                plain[key] = torch.from_numpy(value.copy())
+            elif isinstance(value, np.generic):  # a numpy number, such as a counter summed with np.sum
+                plain[key] = {"scalar": torch.from_numpy(np.array(value))}
+            elif isinstance(value, deque):
+                plain[key] = {"deque": torch.from_numpy(np.array(value))}
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                plain[key] = value
+            elif isinstance(layer, gym.Env) and not isinstance(layer, gym.Wrapper):  # the env itself
+                if not isinstance(value, (gym.Space, gym.envs.registration.EnvSpec)):
+                    return None  # a simulator's object: the plain attributes are not the whole state
+        saved.append(plain)
+    return saved
+
+
+def restore_env_state(envs, saved: list[dict]) -> None:
+    layers = env_layers(envs)
+    if len(layers) != len(saved):
+        raise UserError("the saved environments do not match this script's")
+    for layer, plain in zip(layers, saved):
+        for key, value in plain.items():
+            if isinstance(value, dict) and "generator" in value:
+                generator = np.random.default_rng()
+                generator.bit_generator.state = value["generator"]
+                setattr(layer, key, generator)
+            elif isinstance(value, dict) and "scalar" in value:
+                setattr(layer, key, value["scalar"].numpy()[()])
+            elif isinstance(value, dict) and "deque" in value:
+                queue = getattr(layer, key)
+                queue.clear()
+                queue.extend(list(value["deque"].numpy()))
+            elif torch.is_tensor(value):
+                setattr(layer, key, value.numpy())
+            else:
+                setattr(layer, key, value)
+
+
+def load_training_state(args: Args) -> tuple[Args, dict]:
+    """The flags and training state of the run folder `args.resume`; UserError when it cannot be continued."""
+    path = os.path.join(args.resume, "training_state.pt")
+    if not os.path.isdir(args.resume):
+        raise UserError(f"--resume {args.resume} is not a run folder")
+    if not os.path.exists(path):
+        raise UserError(f"--resume {args.resume} holds no training_state.pt (it stopped before its first checkpoint)")
+    state = load_checkpoint(path)
+    saved = state.get("args")
+    if (
+        state.get("script") != "gpt2ppo_lunar.py"
+        or not isinstance(saved, dict)
+        or set(saved) != {f.name for f in fields(Args)}
+    ):
+        raise UserError(f"'{path}' is not a training state of this version of gpt2ppo_lunar.py")
+    for f in fields(Args):
+        value = getattr(args, f.name)
+        if f.name not in RESUME_FLAGS and value != f.default and value != saved[f.name]:
+            raise UserError(
+                f"--resume continues a run with its own flags, but {flag(f.name)} {value} differs from its "
+                f"{saved[f.name]}"
+            )
+    resumed = Args(**{**saved, **{name: getattr(args, name) for name in RESUME_FLAGS}})
+    updates = -(-resumed.total_timesteps // resumed.steps_per_epoch)
+    if state.get("iteration") == updates:
+        raise UserError(f"the run in {args.resume} is complete ({updates} of {updates} updates); nothing to resume")
+    return resumed, state
 
 
 def make_run_dir(base: str, root: str = "runs") -> str:

@@ -1,9 +1,11 @@
 import glob
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
+from collections import deque
 from dataclasses import asdict, fields
 from typing import Optional
 
@@ -13,9 +15,10 @@ import pytest
 import torch
 
 import gpt2ppo_lunar as g2
-from conftest import ROOT, only_run_dir, read_scalars, same_numbers
+from conftest import ROOT, all_scalars, only_run_dir, read_scalars, same_numbers
 
 TINY = ("--hidden-size", "16", "--n-head", "2", "--context-len", "8", "--update-epochs", "2", "--minibatch-size", "64")
+TINY_ARGS = dict(hidden_size=16, n_head=2, context_len=8, update_epochs=2, minibatch_size=8)
 
 
 def _rows(hist, steps, envs):
@@ -649,6 +652,38 @@ def _checkpoint(folder, kind):
     return path
 
 
+def _loop_objects(args: g2.Args):
+    """What main builds and carries from one update into the next, for `args`, as training_state takes them:
+    (models, shuffle_rng, history, episodes, envs)."""
+    max_t, obs_dim, act_dim, discrete = g2.env_sizes(args.env_id)
+    N, mode = args.num_envs, gym.vector.AutoresetMode.SAME_STEP
+    envs = gym.vector.SyncVectorEnv([g2.make_env(args.env_id)] * N, autoreset_mode=mode)
+    actor = g2.Actor(obs_dim, act_dim, discrete, args.hidden_size)
+    critic = g2.make_critic(args.critic, obs_dim, act_dim, {**asdict(args), "max_timestep": max_t})
+    models = {
+        "actor": actor,
+        "critic": critic,
+        "actor_optimizer": torch.optim.Adam(actor.parameters(), eps=1e-5),
+        "critic_optimizer": torch.optim.Adam([p for p in critic.parameters() if p.requires_grad], eps=1e-5),
+    }
+    T = args.steps_per_epoch // N
+    history = g2.History(N, T, args.context_len, args.value_stride, obs_dim, act_dim)
+    episodes = (np.zeros(N), np.zeros(N, dtype=np.int64), deque(maxlen=100))
+    return models, np.random.default_rng(args.seed), history, episodes, envs
+
+
+def _training_state(folder, kind):
+    """A run folder holding a training state, good or spoiled as `kind` says."""
+    folder.mkdir()
+    args = g2.Args(seed=1, critic="mlp", total_timesteps=2048 if kind == "complete" else 20480)
+    objects = _loop_objects(args)
+    obs = objects[-1].reset(seed=1)[0]
+    state = g2.training_state(args, 1, 2048, obs, *objects)
+    if kind == "foreign":
+        state["script"] = "another.py"
+    g2.save_checkpoint(str(folder / "training_state.pt"), state)
+
+
 def _bad(flags, message):
     return pytest.param(flags, message, id=" ".join(flags)[:60])
 
@@ -718,6 +753,13 @@ def _bad(flags, message):
             ("--eval-checkpoint", "ckpt:good", "--critic", "mlp", "--total-timesteps", "5"),
             "takes no training flags, got --critic --total-timesteps",
         ),
+        # --resume: a folder that is not a run of this script with these flags
+        _bad(("--resume", "given"), "holds no training_state.pt"),
+        _bad(("--resume", "nowhere"), "--resume nowhere is not a run folder"),
+        _bad(("--resume", "resume:foreign"), "is not a training state of this version of gpt2ppo_lunar.py"),
+        _bad(("--resume", "resume:good", "--num-envs", "8"), "but --num-envs 8 differs from its 4"),
+        _bad(("--resume", "resume:complete"), "is complete (1 of 1 updates); nothing to resume"),
+        _bad(("--resume", "resume:good", "--eval-checkpoint", "x"), "takes no training flags, got --resume"),
         # a run folder that cannot be made (a file named runs stands where the folder would go)
         _bad(("--critic", "mlp", "runs-is-a-file"), "cannot create the run folder runs/"),
     ],
@@ -728,9 +770,18 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
     if "runs-is-a-file" in flags:
         flags = tuple(f for f in flags if f != "runs-is-a-file")
         (tmp_path / "runs").write_text("")
-    flags = [
-        _checkpoint(str(given), f[5:]) if f.startswith("ckpt:") else str(given) if f == "given" else f for f in flags
-    ]
+    for f in flags:
+        if f.startswith("resume:"):
+            _training_state(given / f[7:], f[7:])
+
+    def path_of(f):  # the file or folder a flag value names
+        if f.startswith("ckpt:"):
+            return _checkpoint(str(given), f[5:])
+        if f.startswith("resume:"):
+            return str(given / f[7:])
+        return str(given) if f == "given" else f
+
+    flags = [path_of(f) for f in flags]
     before = sorted(os.listdir(tmp_path)), sorted(os.listdir(given))
     monkeypatch.chdir(tmp_path)
 
@@ -795,3 +846,135 @@ def test_a_full_disk_at_the_end_of_a_run_is_one_sentence_and_exit_2(tmp_path, mo
     run = only_run_dir(str(tmp_path))
     assert os.listdir(run) and not glob.glob(os.path.join(run, "*.pt*"))  # no checkpoint, no temporary file
     assert len(read_scalars(run, "losses/policy_loss")) == 1  # what was logged is on disk
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping and resuming
+# ---------------------------------------------------------------------------------------------
+
+
+def _same(a, b) -> bool:
+    """Equal through dicts, lists and tuples: tensors in dtype, shape and every element, the rest by type and value."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("env_id", ["Acrobot-v1", "LunarLander-v3"])
+def test_the_training_state_restores_exactly(tmp_path, env_id):
+    """Save a state mid-episode, put it into freshly made objects, and save again: every weight, Adam moment, random
+    stream, history row and episode counter comes back tensor by tensor, and so does every attribute of a
+    classic-control env, whose copies then step the same. Box2D envs restart their episodes, the same way each time."""
+    args = g2.Args(env_id=env_id, seed=7, num_envs=2, steps_per_epoch=16, value_stride=2, **TINY_ARGS)
+    objects = _loop_objects(args)
+    models, shuffle_rng, history, (returns, lengths, recent), envs = objects
+    n, rng = envs.single_action_space.n, np.random.default_rng(0)
+    obs = envs.reset(seed=7)[0].astype(np.float32)
+    for step in range(8):  # a rollout: the windows' rows, episodes in progress
+        action = rng.integers(0, n, 2)
+        history.put_state(step, obs, lengths)
+        history.put_action(step, np.eye(n, dtype=np.float32)[action])
+        obs, reward = envs.step(action)[:2]
+        obs, returns[:], lengths[:] = obs.astype(np.float32), returns + reward, lengths + 1
+    history.put_state(8, obs, lengths)
+    recent.extend([-500.0, -123.5])
+    models["critic"].train()  # dropout: draws from torch's stream
+    values = models["critic"](*history.windows(np.arange(history.K - 1, history.K + 7)))
+    (values.sum() + models["actor"].dist(torch.from_numpy(obs)).entropy().sum()).backward()
+    models["actor_optimizer"].step()
+    models["critic_optimizer"].step()
+    list(g2.minibatch_plan("shuffled", 16, 4, 8, 2, shuffle_rng))
+    history.carry_over()
+    path = str(tmp_path / "training_state.pt")
+    g2.save_checkpoint(path, g2.training_state(args, 3, 48, obs, *objects))
+    saved = g2.training_state(args, 3, 48, obs, *objects)
+    twins = []
+    for k in range(2):
+        twin = _loop_objects(args)  # fresh weights, drawn from torch's stream
+        twin[-1].reset(seed=123 + k)  # and envs in other states
+        iteration, step, twin_obs = g2.restore_training_state(g2.load_checkpoint(path), *twin)
+        assert (iteration, step) == (3, 48)
+        twins.append((twin, g2.training_state(args, iteration, step, twin_obs, *twin)))
+    (one, one_state), (two, two_state) = twins
+    assert _same(one_state, two_state)
+    if env_id == "Acrobot-v1":  # classic control: the episodes go on
+        assert saved["envs"] is not None and _same(saved, one_state)
+        stepped, others = envs, [one[-1], two[-1]]
+    else:  # Box2D: all else the same, but new episodes, from a reset seeded by the seed and the update
+        restarted = ("next_obs", "episode_return", "episode_length")
+        kept = [{k: v for k, v in state.items() if k not in restarted} for state in (saved, one_state)]
+        assert saved["envs"] is None and _same(*kept)
+        assert not torch.equal(one_state["next_obs"], saved["next_obs"])
+        assert not one_state["episode_return"].any() and not one_state["episode_length"].any()
+        stepped, others = one[-1], [two[-1]]
+    for _ in range(30):
+        action = rng.integers(0, n, 2)
+        expected = stepped.step(action)
+        for other in others:
+            assert all(np.array_equal(x, y) for x, y in zip(expected[:4], other.step(action)[:4]))
+
+
+ACROBOT = (
+    *("--env-id", "Acrobot-v1", "--total-timesteps", "1280", "--steps-per-epoch", "64", "--num-envs", "2"),
+    *("--seed", "4", "--value-stride", "2", "--checkpoint-every", "3", *TINY),
+)  # 20 updates; each env's first episode runs into the 500-step limit in update 16
+
+
+def _stopped_run(cwd, flags, sig, after: int) -> str:
+    """Run the script with `flags` in a subprocess in `cwd`, send `sig` once it has printed update `after`; its run
+    folder."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, *flags], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    while f": update {after}/" not in (line := proc.stdout.readline()):
+        assert line, proc.communicate()[1]
+    proc.send_signal(sig)
+    proc.communicate(timeout=120)
+    assert proc.returncode == (143 if sig == signal.SIGTERM else -9)
+    return only_run_dir(str(cwd))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_acrobot(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    assert cli_in_process(ACROBOT, cwd)[0] == 0
+    return all_scalars(only_run_dir(str(cwd)))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_stopped_acrobot_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, sig, uninterrupted_acrobot):
+    """Classic control: the episodes in progress go on. SIGTERM saves the state at the update it stops after; SIGKILL
+    loses the updates since the last checkpoint (3), which the resumed run does again, hiding their first logging.
+    Either way the TensorBoard series equal, bit for bit, those of a run that was never stopped."""
+    run = _stopped_run(tmp_path, ACROBOT, sig, after=4)
+    code, out, _ = cli_in_process(("--resume", run, "--checkpoint-every", "4"), tmp_path)
+    assert code == 0 and "continued after update" in out and "1280 of 1280 steps" in out
+    resumed = all_scalars(run)
+    assert only_run_dir(str(tmp_path)) == run and len(resumed["losses/policy_loss"]) == 20
+    assert 500.0 in [v for _, v in resumed["charts/episodic_length"]]  # a truncation, after the resume
+    assert resumed == uninterrupted_acrobot
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run, size_guidance={"tensors": 0})
+    acc.Reload()
+    assert len(acc.Tensors("hyperparameters/text_summary")) == 1  # not logged again on resume
+
+
+def test_a_killed_lunarlander_run_resumes_with_new_episodes_and_logs_no_step_twice(tmp_path):
+    """Box2D: the episodes in progress at the checkpoint are cut off, unlogged, and new ones start; the updates lost
+    to SIGKILL are done again and logged once."""
+    flags = ("--total-timesteps", "1536", "--steps-per-epoch", "128", "--seed", "4", "--checkpoint-every", "3", *TINY)
+    run = _stopped_run(tmp_path, flags, signal.SIGKILL, after=4)
+    code, out, _ = cli_in_process(("--resume", run), tmp_path)
+    assert code == 0 and "1536 of 1536 steps" in out
+    resumed_at = 128 * int(re.search(r"continued after update (\d+)", out).group(1))
+    assert [s for s, _ in read_scalars(run, "losses/policy_loss")] == list(range(128, 1537, 128))
+    lengths = read_scalars(run, "charts/episodic_length")
+    steps = [s for s, _ in lengths]
+    assert steps == sorted(steps) and steps[-1] > resumed_at  # in step order: nothing from before the kill remains
+    assert all(length <= (s - resumed_at) / 4 for s, length in lengths if s > resumed_at)  # begun after the resume
