@@ -558,10 +558,11 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         writer.add_scalar("losses/explained_variance", explained_var, global_step)
         writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
         writer.add_scalar("time/update_seconds", update_time, global_step)
-        if stop.requested or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
+        stopping = stop.requested  # read once: a signal after this line stops the run at the next update
+        if stopping or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
             state = training_state(args, iteration, global_step, next_obs, models, shuffle_rng, history, episodes, envs)
             save_checkpoint(os.path.join(run_dir, "training_state.pt"), state)
-        if stop.requested:  # Ctrl-C or SIGTERM: the training state above keeps what was done
+        if stopping:  # Ctrl-C or SIGTERM: the training state above keeps what was done
             break
         if iteration < num_iterations:
             print(

@@ -327,10 +327,11 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         writer.add_scalar("charts/SPS", sps, global_step)
         writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
         writer.add_scalar("time/update_seconds", time.time() - update_start, global_step)
-        if stop.requested or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
+        stopping = stop.requested  # read once: a signal after this line stops the run at the next update
+        if stopping or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
             state = training_state(args, iteration, global_step, next_obs, agent, optimizer, envs, action_rng)
             save_checkpoint(os.path.join(run_dir, "training_state.pt"), state)
-        if stop.requested:  # Ctrl-C or SIGTERM: the training state above keeps what was done
+        if stopping:  # Ctrl-C or SIGTERM: the training state above keeps what was done
             break
         if iteration % max(1, num_iterations // 10) == 0 and iteration < num_iterations:
             print(f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, {sps} steps/s", flush=True)

@@ -199,23 +199,13 @@ def run_job(s: S, seed: int, runs_dir: str, harness_command: str = "", nice: int
     anything else starts in a fresh folder; write the marker when it exits 0. Returns the exit code."""
     folder, cmd, file = run_folder(runs_dir, s, seed), job_command(s, seed), SCRIPTS[s.script].file
     resume = resumable(folder, cmd)
-    if resume is None:
-        shutil.rmtree(folder, ignore_errors=True)  # an interrupted or outdated run starts clean
-        os.makedirs(folder)
     blob, commit = git("hash-object", os.path.join(ROOT, file))[:12], git("rev-parse", "--short", "HEAD")
-    t0 = time.time()
-    with open(os.path.join(folder, "run.log"), "a") as log:
-        print(
-            display(cmd) if resume is None else f"resumed: {display(cmd + ['--resume', resume])}", file=log, flush=True
-        )
-        try:
-            kw = dict(cwd=folder, env=thread_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            full = cmd if resume is None else cmd + ["--resume", os.path.relpath(resume, folder)]
-            rc = subprocess.run(full, timeout=timeout, preexec_fn=lambda: os.nice(nice), **kw).returncode
-        except subprocess.TimeoutExpired:
-            rc = -9
-    with open(os.path.join(folder, "attempts.log"), "a") as f:  # the wall time of every attempt, resumed or not
-        print(f"{time.time() - t0:.3f} {rc}", file=f)
+    rc = attempt(folder, cmd, resume, nice, timeout)
+    if resume is not None and rc == 2:  # the script refused to continue (a run killed after its last update, say)
+        with open(os.path.join(folder, "run.log")) as f:
+            why = f.read().strip().splitlines()[-1]
+        print(f"{os.path.basename(folder)}: could not be continued ({why}); starting it again", flush=True)
+        resume, rc = None, attempt(folder, cmd, None, nice, timeout)
     if rc == 0:
         with open(os.path.join(folder, "attempts.log")) as f:
             seconds = sum(float(line.split()[0]) for line in f)
@@ -225,6 +215,26 @@ def run_job(s: S, seed: int, runs_dir: str, harness_command: str = "", nice: int
         marker.update(harness_command=harness_command, load=round(os.getloadavg()[0], 2))
         with open(os.path.join(folder, MARKER), "w") as f:
             json.dump(marker, f, indent=1)
+    return rc
+
+
+def attempt(folder: str, cmd: list[str], resume: Optional[str], nice: int, timeout) -> int:
+    """One attempt at a run: `cmd` in a fresh folder, or `cmd --resume RUN` in the folder it stopped in; its output
+    appended to run.log and its wall time to attempts.log. Returns the exit code."""
+    if resume is None:
+        shutil.rmtree(folder, ignore_errors=True)  # an interrupted or outdated run starts clean
+        os.makedirs(folder)
+    t0 = time.time()
+    with open(os.path.join(folder, "run.log"), "a") as log:
+        full = cmd if resume is None else cmd + ["--resume", os.path.relpath(resume, folder)]
+        print(display(full) if resume is None else f"resumed: {display(full)}", file=log, flush=True)
+        try:
+            kw = dict(cwd=folder, env=thread_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            rc = subprocess.run(full, timeout=timeout, preexec_fn=lambda: os.nice(nice), **kw).returncode
+        except subprocess.TimeoutExpired:
+            rc = -9
+    with open(os.path.join(folder, "attempts.log"), "a") as f:  # the wall time of every attempt, resumed or not
+        print(f"{time.time() - t0:.3f} {rc}", file=f)
     return rc
 
 
