@@ -1162,20 +1162,24 @@ def restore_env_state(envs, saved: list[dict]) -> None:
 
 
 def mujoco_state(model, data) -> dict:
-    """MuJoCo's integration state (mj_getState) and every quantity derived from it (positions, velocities, forces):
-    the envs that read such quantities before their next step (Ant, Humanoid) see those of the last step."""
+    """MuJoCo's integration state (mj_getState) and what its last step computed from the state before (positions,
+    velocities, forces), which some envs read before their next step (Ant, Humanoid)."""
     import mujoco
 
     integration = np.empty(mujoco.mj_stateSize(model, mujoco.mjtState.mjSTATE_INTEGRATION))
     mujoco.mj_getState(model, data, integration, mujoco.mjtState.mjSTATE_INTEGRATION)
-    fresh = mujoco.MjData(model)  # arrays of the model's sizes; those of contacts and constraints are empty in it
+    fresh = mujoco.MjData(model)  # no contacts, constraints or islands yet: only arrays of the model's sizes exist
     derived = {}
     for name in (n for n in dir(data) if not n.startswith("_")):
-        value = getattr(data, name)
-        if isinstance(value, np.ndarray) and value.dtype == np.float64 and 0 < value.size:
-            if getattr(fresh, name).shape == value.shape:
-                derived[name] = torch.from_numpy(value.copy())
+        value, other = getattr(data, name), getattr(fresh, name)
+        if mujoco_array(value) and mujoco_array(other) and value.shape == other.shape:
+            derived[name] = torch.from_numpy(value.copy())
     return {"integration": torch.from_numpy(integration), "derived": derived}
+
+
+def mujoco_array(value) -> bool:
+    """Whether `value` is a float array in an MjData's memory (for an array not allocated, the binding gives a copy)."""
+    return isinstance(value, np.ndarray) and value.dtype == np.float64 and value.size > 0 and not value.flags.owndata
 
 
 def restore_mujoco_state(model, data, saved: dict) -> None:
