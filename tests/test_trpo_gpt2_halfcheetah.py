@@ -754,6 +754,8 @@ def test_a_stopped_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, 
     update 3, and the resumed run does those updates again, hiding what they logged the first time. Either way the
     resumed run's TensorBoard series equal, bit for bit, those of a run that was never stopped (HalfCheetah's
     episodes of 1000 steps are in progress at every checkpoint)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from conftest import all_scalars
 
     flags = ("--policy", "mlp", "--num-envs", "2", "--batch-size", "1000", "--total-timesteps", "8000")
@@ -780,6 +782,9 @@ def test_a_stopped_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, 
     assert _cli(flags, tmp_path / "whole", monkeypatch) == 0
     resumed, whole = all_scalars(run), all_scalars(only_run_dir(str(tmp_path / "whole")))
     assert len(whole["losses/kl"]) == 8 and whole["losses/kl"][-1][0] == 8000 and resumed == whole
+    texts = EventAccumulator(run, size_guidance={"tensors": 0})
+    texts.Reload()
+    assert len(texts.Tensors("hyperparameters/text_summary")) == 1  # not written again by the resumed run
 
 
 def _stop_in_update(monkeypatch, k: int) -> "trpo.StopSignal":
