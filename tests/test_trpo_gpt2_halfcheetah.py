@@ -701,7 +701,7 @@ def test_the_training_state_restores_exactly(tmp_path, tiny_gpt2_dir, env_id):
     positions MuJoCo derived during the last step), and both copies of the envs then step the same."""
     args = trpo.Args(llm=tiny_gpt2_dir, env_id=env_id, num_envs=3, seed=7)
     objects, rng = _objects(args), np.random.default_rng(0)
-    (policy, value_net, obs_rms, envs, (episode_return, episode_length, recent_returns)) = objects
+    policy, value_net, obs_rms, envs, (episode_return, episode_length, recent_returns) = objects
     raw = envs.reset(seed=7)[0]
     for _ in range(30):  # InvertedPendulum's episodes end, the others are in progress
         obs_rms.update(raw)
