@@ -58,6 +58,10 @@ class Args:
     """path of a checkpoint to evaluate (mean action) instead of training"""
     eval_episodes: int = 10
     """number of evaluation episodes (`--eval-checkpoint`, `--save-model`)"""
+    checkpoint_every: int = 10
+    """save the training state (for `--resume`) every this many updates, and when the run ends or is stopped"""
+    resume: Optional[str] = None
+    """a run folder to continue, with its own flags, to its original budget (in the same folder and log)"""
 
     env_id: str = "HalfCheetah-v5"
     """the id of the environment (flat Box observation, Box actions)"""
@@ -575,6 +579,9 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     torch.set_num_threads(args.torch_threads)
     if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, stop)
+    state = None
+    if args.resume is not None:  # the run's own flags and its training state at its last checkpoint
+        args, state = load_training_state(args)
     obs_dim, act_dim = env_sizes(args.env_id)
     check_memory(args, obs_dim, act_dim)
     args.seed = 543 if args.seed is None else args.seed
@@ -585,17 +592,26 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     dtype = torch.float64 if args.policy == "mlp" else torch.float32  # the reference's float64; an LM's float32
-    policy = build_policy(args, obs_dim, act_dim).to(device=device, dtype=dtype)
+    # a resumed run builds a language model from its saved config: the training state holds all of its weights
+    config = None if state is None else state.get("llm_config")
+    policy = build_policy(args, obs_dim, act_dim, config).to(device=device, dtype=dtype)
     value_net = ValueNet(obs_dim, args.hidden_size).to(device=device, dtype=dtype)
     params = [p for p in policy.parameters() if p.requires_grad]  # what TRPO trains
     act = torch.compile(policy, mode="reduce-overhead") if args.compile else policy  # the update uses `policy`
 
     from torch.utils.tensorboard import SummaryWriter
 
-    run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__policy-{args.policy}__{args.seed}")
-    writer = SummaryWriter(f"runs/{run_name}")
-    table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    if state is None:
+        base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__policy-{args.policy}__{args.seed}"
+        run_dir = os.path.join("runs", make_run_dir(base))
+    else:
+        run_dir = args.resume
+    run_name = os.path.basename(os.path.normpath(run_dir))
+    # a resumed run hides what was logged after its last checkpoint, so no step appears twice
+    writer = SummaryWriter(run_dir, purge_step=None if state is None else state["global_step"] + 1)
+    if state is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     rounded = ""
     if num_iterations * args.batch_size != args.total_timesteps:
         rounded = f" (--total-timesteps {args.total_timesteps} rounded up to whole batches)"
@@ -623,15 +639,21 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     episode_return = np.zeros(N, dtype=np.float64)
     episode_length = np.zeros(N, dtype=np.int64)
     recent_returns = deque(maxlen=20)
-    # update k's value fit runs beside update k's policy step and rollout k+1 (neither reads the value net)
+    # update k's value fit runs beside update k's policy step and rollout k+1 (neither reads the value net); a
+    # training state is saved once it has ended
     pool = ThreadPoolExecutor(max_workers=1) if args.overlap_value_fit else None
     value_fit = None
 
     raw_obs, _ = envs.reset(seed=args.seed)
     obs_rms.update(raw_obs)
     next_obs = obs_rms.normalize(raw_obs)
-    global_step, start_time = 0, time.time()
-    for iteration in range(1, num_iterations + 1):
+    global_step, start_iteration = 0, 0
+    if state is not None:  # continue where the run stopped: weights, statistics, random streams, envs, episodes
+        start_iteration, global_step, next_obs = restore_training_state(
+            state, policy, value_net, obs_rms, envs, (episode_return, episode_length, recent_returns)
+        )
+    first_step, start_time = global_step, time.time()
+    for iteration in range(start_iteration + 1, num_iterations + 1):
         rollout_start = time.time()
         with torch.no_grad():
             log_std = policy.action_log_std.detach().float().cpu().numpy()[0]
@@ -683,7 +705,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         stats = trpo_step(policy, params, policy.encode(b_obs), b_actions, b_adv, args)
         update_time = time.time() - update_start
 
-        sps = int(global_step / (time.time() - start_time))
+        sps = int((global_step - first_step) / (time.time() - start_time))
         ret, val = returns.reshape(-1), values.reshape(-1)
         explained_var = float("nan") if np.var(ret) == 0 else float(1 - np.var(ret - val) / np.var(ret))
         writer.add_scalar("losses/surrogate", stats["surrogate"], global_step)
@@ -705,20 +727,25 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
             f"{mean_return_text(recent_returns)}, kl {stats['kl']:.4f}, {sps} steps/s",
             flush=True,
         )
-        if stop.requested:  # Ctrl-C or SIGTERM: keep what was done
+        if stop.requested or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
+            log_value_fit(value_fit, writer, global_step)  # the value fit ends first: the state holds the fitted net
+            value_fit = None
+            episodes = (episode_return, episode_length, recent_returns)
+            state = training_state(args, iteration, global_step, next_obs, policy, value_net, obs_rms, envs, episodes)
+            save_checkpoint(os.path.join(run_dir, "training_state.pt"), state)
+        if stop.requested:  # Ctrl-C or SIGTERM: the training state above keeps what was done
             break
 
-    log_value_fit(value_fit, writer, global_step)  # the last update's fit: the checkpoint holds the fitted net
     if pool is not None:
         pool.shutdown()
     envs.close()
-    model_path = f"runs/{run_name}/{args.exp_name}.pt"
+    model_path = os.path.join(run_dir, f"{args.exp_name}.pt")
     if args.save_model:
         save_checkpoint(model_path, make_checkpoint(policy, value_net, obs_rms, args, run_name))
     saved = f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"
     print(
         f"{run_name}: {global_step} of {num_iterations * args.batch_size} steps, {mean_return_text(recent_returns)}; "
-        f"{saved}" + ("; interrupted" if stop.requested else ""),
+        f"{saved}" + (f"; interrupted (continue it: --resume {run_dir})" if stop.requested else ""),
         flush=True,
     )
     if args.save_model and not stop.requested:
@@ -739,6 +766,7 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
     "seed": (0, 2**32 - 1, False),
     "torch_threads": (1, 1024, False),
     "eval_episodes": (1, 10**6, False),
+    "checkpoint_every": (1, 10**9, False),
     "total_timesteps": (1, 10**12, False),
     "batch_size": (1, 10**9, False),
     "num_envs": (1, 4096, False),
@@ -760,6 +788,7 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
 }
 CHOICES = {"policy": ("gpt2", "mlp"), "llm_init": ("pretrained", "random"), "state_encoding": ("embed", "text")}
 EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads"}  # all that --eval-checkpoint takes
+RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads"}  # flags a resumed run may change
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
 
 
@@ -1009,6 +1038,185 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
     with SummaryWriter(f"runs/{run_name}") as writer:
         evaluate(policy.to(device), obs_rms, train["env_id"], args.eval_episodes, seed, device, writer, stop)
     return stop.exit_status
+
+
+def training_state(args, iteration, global_step, next_obs, policy, value_net, obs_rms, envs, episodes) -> dict:
+    """Everything a run needs to continue: flags, counters, weights, observation statistics, the episodes in progress
+    (`episodes`: their returns and lengths so far, and the last 20 returns), every random stream, the envs.
+
+    All of the policy's weights, the frozen ones too, so that a resumed run needs no model files (a tokenizer aside).
+    The value net's L-BFGS starts afresh at every fit: it has no state to keep."""
+    episode_return, episode_length, recent_returns = episodes
+    python_rng, numpy_rng = random.getstate(), np.random.get_state()
+    return {
+        "script": "trpo_gpt2_halfcheetah.py",
+        "args": asdict(args),
+        "iteration": iteration,
+        "global_step": global_step,
+        "next_obs": torch.from_numpy(next_obs.copy()),
+        "policy": policy.state_dict(),
+        "llm_config": policy.transformer.config.to_dict() if isinstance(policy, GPT2Policy) else None,
+        "value": value_net.state_dict(),
+        "obs_rms": {
+            "count": obs_rms.count,
+            "mean": torch.from_numpy(obs_rms.mean.copy()),
+            "m2": torch.from_numpy(obs_rms.m2.copy()),
+        },
+        "episode_return": torch.from_numpy(episode_return.copy()),
+        "episode_length": torch.from_numpy(episode_length.copy()),
+        "recent_returns": torch.tensor(list(recent_returns), dtype=torch.float64),
+        "python_rng": [python_rng[0], torch.tensor(python_rng[1]), python_rng[2]],
+        "numpy_rng": [torch.from_numpy(numpy_rng[1].copy()), *numpy_rng[2:]],
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
+        "envs": env_state(envs) if envs_continue_exactly(envs) else None,
+    }
+
+
+def restore_training_state(state: dict, policy, value_net, obs_rms, envs, episodes) -> tuple[int, int, np.ndarray]:
+    """Put a training state back into freshly made objects; (updates done, steps done, the current observation).
+
+    Envs whose state was not saved (Box2D) restart their episodes from a seed of the run's seed and the update; the
+    episodes they cut off are not logged."""
+    policy.load_state_dict(state["policy"])
+    value_net.load_state_dict(state["value"])
+    rms = state["obs_rms"]
+    obs_rms.count, obs_rms.mean, obs_rms.m2 = rms["count"], rms["mean"].numpy(), rms["m2"].numpy()
+    episode_return, episode_length, recent_returns = episodes
+    episode_return[:], episode_length[:] = state["episode_return"].numpy(), state["episode_length"].numpy()
+    recent_returns.clear()
+    recent_returns.extend(state["recent_returns"].tolist())
+    version, keys, gauss = state["python_rng"]
+    random.setstate((version, tuple(keys.tolist()), gauss))
+    keys, *rest = state["numpy_rng"]
+    np.random.set_state(("MT19937", keys.numpy(), *rest))
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng"])
+    if state["envs"] is not None:
+        restore_env_state(envs, state["envs"])
+        return state["iteration"], state["global_step"], state["next_obs"].numpy()
+    seed = np.random.SeedSequence([state["args"]["seed"], state["iteration"]]).generate_state(1)[0]
+    raw_obs = envs.reset(seed=int(seed))[0]
+    obs_rms.update(raw_obs)
+    episode_return[:], episode_length[:] = 0.0, 0
+    return state["iteration"], state["global_step"], obs_rms.normalize(raw_obs)
+
+
+def envs_continue_exactly(envs) -> bool:
+    """Whether env_state holds the envs' whole state: classic-control envs (plain attributes) and MuJoCo envs (their
+    data). Others, such as Box2D's LunarLander and BipedalWalker, keep theirs in objects it cannot save."""
+    env = envs.envs[0].unwrapped
+    mujoco = type(getattr(env, "data", None)).__name__ == "MjData"
+    return mujoco or type(env).__module__.startswith("gymnasium.envs.classic_control")
+
+
+def env_layers(envs) -> list:
+    """The vector env and each copy's wrappers down to the env itself."""
+    layers = [envs]
+    for env in envs.envs:
+        layers.append(env)
+        while hasattr(layers[-1], "env"):
+            layers.append(layers[-1].env)
+    return layers
+
+
+def env_state(envs) -> list[dict]:
+    """The plain attributes (numbers, arrays, random generators) of every layer of the envs, and MuJoCo's data."""
+    saved = []
+    for layer in env_layers(envs):
+        plain = {}
+        for key, value in vars(layer).items():
+            if isinstance(value, np.random.Generator):
+                plain[key] = {"generator": value.bit_generator.state}
+            elif isinstance(value, np.ndarray) and value.dtype != object:
+                plain[key] = torch.from_numpy(value.copy())
+            elif isinstance(value, np.generic):  # a numpy number, such as Pendulum's last action
+                plain[key] = {"scalar": torch.from_numpy(np.array(value))}
+            elif type(value).__name__ == "MjData":
+                plain[key] = {"mujoco": mujoco_state(layer.model, value)}
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                plain[key] = value
+        saved.append(plain)
+    return saved
+
+
+def restore_env_state(envs, saved: list[dict]) -> None:
+    layers = env_layers(envs)
+    if len(layers) != len(saved):
+        raise UserError("the saved environments do not match this script's")
+    for layer, plain in zip(layers, saved):
+        for key, value in plain.items():
+            if isinstance(value, dict) and "generator" in value:
+                generator = np.random.default_rng()
+                generator.bit_generator.state = value["generator"]
+                setattr(layer, key, generator)
+            elif isinstance(value, dict) and "scalar" in value:
+                setattr(layer, key, value["scalar"].numpy()[()])
+            elif isinstance(value, dict) and "mujoco" in value:
+                restore_mujoco_state(layer.model, getattr(layer, key), value["mujoco"])
+            elif torch.is_tensor(value):
+                setattr(layer, key, value.numpy())
+            else:
+                setattr(layer, key, value)
+
+
+def mujoco_state(model, data) -> dict:
+    """MuJoCo's integration state (mj_getState) and what its last step computed from the state before (positions,
+    velocities, forces), which some envs read before their next step (Ant, Humanoid)."""
+    import mujoco
+
+    integration = np.empty(mujoco.mj_stateSize(model, mujoco.mjtState.mjSTATE_INTEGRATION))
+    mujoco.mj_getState(model, data, integration, mujoco.mjtState.mjSTATE_INTEGRATION)
+    fresh = mujoco.MjData(model)  # no contacts, constraints or islands yet: only arrays of the model's sizes exist
+    derived = {}
+    for name in (n for n in dir(data) if not n.startswith("_")):
+        value, other = getattr(data, name), getattr(fresh, name)
+        if mujoco_array(value) and mujoco_array(other) and value.shape == other.shape:
+            derived[name] = torch.from_numpy(value.copy())
+    return {"integration": torch.from_numpy(integration), "derived": derived}
+
+
+def mujoco_array(value) -> bool:
+    """Whether `value` is a float array in an MjData's memory (for an array not allocated, the binding gives a copy)."""
+    return isinstance(value, np.ndarray) and value.dtype == np.float64 and value.size > 0 and not value.flags.owndata
+
+
+def restore_mujoco_state(model, data, saved: dict) -> None:
+    import mujoco
+
+    for name, value in saved["derived"].items():
+        getattr(data, name)[...] = value.numpy()
+    mujoco.mj_setState(model, data, saved["integration"].numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+
+
+def load_training_state(args: Args) -> tuple[Args, dict]:
+    """The flags and training state of the run folder `args.resume`; UserError when it cannot be continued."""
+    path = os.path.join(args.resume, "training_state.pt")
+    if not os.path.isdir(args.resume):
+        raise UserError(f"--resume {args.resume} is not a run folder")
+    if not os.path.exists(path):
+        raise UserError(f"--resume {args.resume} holds no training_state.pt (it stopped before its first checkpoint)")
+    state = load_checkpoint(path)
+    saved = state.get("args")
+    if (
+        state.get("script") != "trpo_gpt2_halfcheetah.py"
+        or not isinstance(saved, dict)
+        or set(saved) != {f.name for f in fields(Args)}
+    ):
+        raise UserError(f"'{path}' is not a training state of this version of trpo_gpt2_halfcheetah.py")
+    for f in fields(Args):
+        value = getattr(args, f.name)
+        if f.name not in RESUME_FLAGS and value != f.default and value != saved[f.name]:
+            raise UserError(
+                f"--resume continues a run with its own flags, but {flag(f.name)} {value} differs from its "
+                f"{saved[f.name]}"
+            )
+    resumed = Args(**{**saved, **{name: getattr(args, name) for name in RESUME_FLAGS}})
+    updates = -(-resumed.total_timesteps // resumed.batch_size)
+    if state.get("iteration") == updates:
+        raise UserError(f"the run in {args.resume} is complete ({updates} of {updates} updates); nothing to resume")
+    return resumed, state
 
 
 def smollm2_folder() -> str:

@@ -1,10 +1,12 @@
 import glob
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import threading
+from collections import deque
 from dataclasses import fields
 from typing import Optional
 
@@ -406,6 +408,21 @@ def _checkpoint(folder, kind):
     return path
 
 
+def _training_state(folder, kind) -> str:
+    """A run folder holding the training state of an InvertedPendulum MLP run after its first update, good or spoiled
+    as `kind` says."""
+    os.makedirs(folder)
+    budget = 10 if kind == "complete" else 50
+    args = trpo.Args(policy="mlp", env_id="InvertedPendulum-v5", num_envs=2, batch_size=10, total_timesteps=budget)
+    objects = _objects(args)
+    obs = objects[3].reset(seed=1)[0].astype(np.float32)
+    state = trpo.training_state(args, 1, 10, obs, *objects)
+    if kind == "foreign":
+        state["script"] = "ppo_cartpole.py"
+    trpo.save_checkpoint(os.path.join(folder, "training_state.pt"), state)
+    return folder
+
+
 def _open_writer(fifo):
     try:
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO when no reader is waiting: nothing to do
@@ -511,6 +528,13 @@ MLP = ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2", 
             "takes no training flags, got --total-timesteps --policy",
         ),
         _bad(("--eval-checkpoint", "ckpt:good", "--exp-name", "x"), "takes no training flags, got --exp-name"),
+        # --resume: a folder that is not a run of this script with these flags, or a complete one
+        _bad(("--resume", "given"), "holds no training_state.pt (it stopped before its first checkpoint)"),
+        _bad(("--resume", "nowhere"), "--resume nowhere is not a run folder"),
+        _bad(("--resume", "resume:foreign"), "is not a training state of this version of trpo_gpt2_halfcheetah.py"),
+        _bad(("--resume", "resume:good", "--num-envs", "5"), "but --num-envs 5 differs from its 2"),
+        _bad(("--resume", "resume:complete"), "is complete (1 of 1 updates); nothing to resume"),
+        _bad(("--resume", "resume:good", "--eval-checkpoint", "x"), "takes no training flags, got --resume"),
         # a run folder that cannot be made (a file named runs stands where the folder would go)
         _bad((*MLP, "--total-timesteps", "10", "runs-is-a-file"), "cannot create the run folder"),
         _bad(("--eval-checkpoint", "ckpt:good", "runs-is-a-file"), "cannot create the run folder"),
@@ -532,7 +556,12 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(
         unblock.daemon = True
         unblock.start()
     places = {"given": given, "given/file": given / "file", "fifo": given / "fifo.pt", "TINY": tiny_gpt2_dir}
-    flags = [_checkpoint(str(given), f[5:]) if f.startswith("ckpt:") else str(places.get(f, f)) for f in flags]
+    for f in flags:
+        if f.startswith("ckpt:"):
+            places[f] = _checkpoint(str(given), f[5:])
+        elif f.startswith("resume:"):
+            places[f] = _training_state(str(given / f[7:]), f[7:])
+    flags = [str(places.get(f, f)) for f in flags]
     before = sorted(os.listdir(tmp_path)), sorted(os.listdir(given))
 
     def no_training(*a, **kw):  # a row that got past the checks would train here: fail at once instead
@@ -607,8 +636,10 @@ def test_a_signal_stops_after_the_update_keeps_the_checkpoint_and_exits_with_one
         f"{signal.Signals(sig).name}: stopping at the next safe point (again: quit at once)"
     ]
     last = ("".join(lines) + out).strip().splitlines()[-1]
-    assert last.endswith("; interrupted") and "checkpoint saved to" in last
-    (ckpt,) = glob.glob(str(tmp_path / "runs" / "*" / "*.pt"))
+    run = os.path.relpath(only_run_dir(str(tmp_path)), tmp_path)
+    assert last.endswith(f"; interrupted (continue it: --resume {run})") and "checkpoint saved to" in last
+    assert trpo.load_checkpoint(os.path.join(tmp_path, run, "training_state.pt"))["iteration"] >= 1
+    (ckpt,) = glob.glob(str(tmp_path / "runs" / "*" / "trpo_gpt2_halfcheetah.pt"))
     policy, obs_rms, train = trpo.policy_from_checkpoint(ckpt)
     assert train["policy"] == "mlp" and train["total_timesteps"] == 10000000 and obs_rms.count > 0
     assert not glob.glob(str(tmp_path / "runs" / "*" / "*.tmp*"))
@@ -633,3 +664,177 @@ def test_offline_hub_id_fails_with_one_sentence(tmp_path):
 def test_run_folders_are_unique(tmp_path):
     names = {trpo.make_run_dir("InvertedPendulum-v5__trpo__1", root=str(tmp_path)) for _ in range(3)}
     assert len(names) == 3 and all(os.path.isdir(tmp_path / n) for n in names)
+
+
+# ------------------------------------------------------------------------------------------------
+# Stopping and resuming
+# ------------------------------------------------------------------------------------------------
+
+
+def _objects(args, config=None):
+    """(policy, value net, observation statistics, envs, episodes) made afresh as main() makes them, in the order
+    training_state and restore_training_state take them."""
+    obs_dim, act_dim = trpo.env_sizes(args.env_id)
+    envs = trpo.gym.vector.SyncVectorEnv(
+        [trpo.make_env(args.env_id)] * args.num_envs, autoreset_mode=trpo.gym.vector.AutoresetMode.SAME_STEP
+    )
+    episodes = (np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64), deque(maxlen=20))
+    policy = trpo.build_policy(args, obs_dim, act_dim, config)
+    return policy, trpo.ValueNet(obs_dim), trpo.RunningMeanStd(obs_dim), envs, episodes
+
+
+def _same(a, b) -> bool:
+    """Whether two training states are equal: tensors element by element, everything else by value."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("env_id", ["HalfCheetah-v5", "Ant-v5", "InvertedPendulum-v5", "Pendulum-v1"])
+def test_the_training_state_restores_exactly(tmp_path, tiny_gpt2_dir, env_id):
+    """Save a state with episodes in progress, put it into freshly made objects, and save again: every weight,
+    statistic, random stream, counter and env attribute comes back the same, MuJoCo's data included (Ant reads
+    positions MuJoCo derived during the last step), and both copies of the envs then step the same."""
+    args = trpo.Args(llm=tiny_gpt2_dir, env_id=env_id, num_envs=3, seed=7)
+    objects, rng = _objects(args), np.random.default_rng(0)
+    policy, value_net, obs_rms, envs, (episode_return, episode_length, recent_returns) = objects
+    raw = envs.reset(seed=7)[0]
+    for _ in range(30):  # InvertedPendulum's episodes end, the others are in progress
+        obs_rms.update(raw)
+        raw, reward, terminations, truncations, _ = envs.step(rng.uniform(-1, 1, envs.action_space.shape))
+        episode_return += reward
+        episode_length += 1
+        for i in np.flatnonzero(terminations | truncations):
+            recent_returns.append(episode_return[i])
+            episode_return[i], episode_length[i] = 0.0, 0
+    with torch.no_grad():  # weights that are no longer the initial ones, random streams that moved
+        for p in [*policy.parameters(), *value_net.parameters()]:
+            p.add_(torch.randn_like(p))
+    random.random(), np.random.rand(), torch.rand(1)
+    path = str(tmp_path / "training_state.pt")
+    trpo.save_checkpoint(path, trpo.training_state(args, 5, 90, obs_rms.normalize(raw), *objects))
+    twin = _objects(args, trpo.load_checkpoint(path)["llm_config"])  # a language model from its saved config
+    twin[3].reset(seed=123)
+    iteration, step, twin_obs = trpo.restore_training_state(trpo.load_checkpoint(path), *twin)
+    assert (iteration, step) == (5, 90) and np.array_equal(twin_obs, obs_rms.normalize(raw))
+    again = trpo.training_state(args, 5, 90, twin_obs, *twin)
+    assert _same(again, trpo.load_checkpoint(path)) and again["envs"] is not None
+    for _ in range(200):  # and the two copies go on the same way, through resets drawn from the envs' generators
+        action = rng.uniform(-1, 1, envs.action_space.shape)
+        one, two = envs.step(action), twin[3].step(action)
+        assert all(np.array_equal(x, y) for x, y in zip(one[:4], two[:4]))
+
+
+def test_box2d_envs_restart_their_episodes_from_the_seed_and_the_update():
+    """LunarLander's state lives in Box2D objects: the training state keeps no envs, and every resume of it resets
+    them from the same seed (of the run's seed and the update), dropping the episodes they cut off."""
+    args = trpo.Args(policy="mlp", env_id="LunarLanderContinuous-v3", num_envs=2, seed=7)
+    objects = _objects(args)
+    raw = objects[3].reset(seed=7)[0]
+    objects[2].update(raw)
+    objects[4][0][:], objects[4][1][:] = (1.5, -2.0), (3, 4)
+    state = trpo.training_state(args, 5, 90, objects[2].normalize(raw), *objects)
+    assert state["envs"] is None
+    first, second = _objects(args), _objects(args)
+    seed = int(np.random.SeedSequence([7, 5]).generate_state(1)[0])
+    expected = objects[3].reset(seed=seed)[0]
+    for twin in (first, second):
+        iteration, step, obs = trpo.restore_training_state(state, *twin)
+        assert (iteration, step, twin[2].count) == (5, 90, 2 + 2)  # the restarted episodes' first observations
+        assert np.array_equal(obs, twin[2].normalize(expected)) and not twin[4][0].any() and not twin[4][1].any()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_stopped_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, monkeypatch, sig):
+    """SIGTERM saves the state at the update it stops after; SIGKILL lands an update or two after the checkpoint of
+    update 3, and the resumed run does those updates again, hiding what they logged the first time. Either way the
+    resumed run's TensorBoard series equal, bit for bit, those of a run that was never stopped (HalfCheetah's
+    episodes of 1000 steps are in progress at every checkpoint)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conftest import all_scalars
+
+    flags = ("--policy", "mlp", "--num-envs", "2", "--batch-size", "1000", "--total-timesteps", "8000")
+    flags += ("--seed", "4", "--checkpoint-every", "3", "--no-cuda")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    (tmp_path / "stopped").mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, SCRIPT), *flags],
+        cwd=tmp_path / "stopped",
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    while "update 4/8" not in proc.stdout.readline():
+        pass
+    proc.send_signal(sig)
+    proc.communicate(timeout=120)
+    run = only_run_dir(str(tmp_path / "stopped"))
+    assert proc.returncode == (143 if sig == signal.SIGTERM else -9)
+    assert _cli(["--resume", run], tmp_path / "stopped", monkeypatch) == 0
+    assert only_run_dir(str(tmp_path / "stopped")) == run
+    (tmp_path / "whole").mkdir()
+    assert _cli(flags, tmp_path / "whole", monkeypatch) == 0
+    resumed, whole = all_scalars(run), all_scalars(only_run_dir(str(tmp_path / "whole")))
+    assert len(whole["losses/kl"]) == 8 and whole["losses/kl"][-1][0] == 8000 and resumed == whole
+    texts = EventAccumulator(run, size_guidance={"tensors": 0})
+    texts.Reload()
+    assert len(texts.Tensors("hyperparameters/text_summary")) == 1  # not written again by the resumed run
+
+
+def _stop_in_update(monkeypatch, k: int) -> "trpo.StopSignal":
+    """A StopSignal that receives SIGTERM during update k (in its policy step)."""
+    stop, step, calls = trpo.StopSignal(), trpo.trpo_step, []
+
+    def trpo_step(*a, **kw):
+        calls.append(1)
+        if len(calls) == k:
+            stop.handle(signal.SIGTERM, None)
+        return step(*a, **kw)
+
+    monkeypatch.setattr(trpo, "trpo_step", trpo_step)
+    return stop
+
+
+def test_a_stopped_language_model_run_resumes_compiled_without_its_model_files(tmp_path, tiny_gpt2_dir, monkeypatch):
+    """The training state holds all of a language model's weights and its config: the resumed run builds the model
+    without its folder, compiles the rollout's forward again (--compile) and logs the numbers of an uninterrupted
+    run."""
+    folder = shutil.copytree(tiny_gpt2_dir, str(tmp_path / "model"))
+    flags = ("--llm", folder, *TINY_LM, "--compile")  # 2 updates of 50 steps of 2 envs
+    calls = []
+
+    def spy_compile(module, mode):  # counts the compiled forward's calls; the numbers are the eager ones
+        return lambda obs: calls.append(obs.shape) or module(obs)
+
+    monkeypatch.setattr(trpo.torch, "compile", spy_compile)
+    for name in ("whole", "stopped"):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        stop = _stop_in_update(monkeypatch, 1) if name == "stopped" else trpo.StopSignal()
+        assert trpo.main(tyro.cli(trpo.Args, args=list(flags)), stop) == (143 if name == "stopped" else 0)
+    run = only_run_dir(str(tmp_path / "stopped"))
+    assert len(read_scalars(run, "losses/kl")) == 1 and len(calls) == 2 * 50 + 50
+    shutil.rmtree(folder)
+    assert _cli(["--resume", run], tmp_path / "stopped", monkeypatch) == 0
+    assert len(calls) == 2 * 50 + 2 * 50  # the resumed update's rollout ran through the compiled forward
+    assert _scalars(run) == _scalars(only_run_dir(str(tmp_path / "whole")))
+
+
+def test_a_box2d_run_resumes_to_its_budget_with_no_gap_and_no_repeat(tmp_path, monkeypatch):
+    """LunarLander's episodes restart on resume: not the numbers of an uninterrupted run, but every update once."""
+    flags = ("--policy", "mlp", "--env-id", "LunarLanderContinuous-v3", "--num-envs", "2", "--batch-size", "200")
+    flags += ("--total-timesteps", "800", "--no-cuda")
+    monkeypatch.chdir(tmp_path)
+    assert trpo.main(tyro.cli(trpo.Args, args=list(flags)), _stop_in_update(monkeypatch, 2)) == 143
+    run = only_run_dir(str(tmp_path))
+    assert _cli(["--resume", run], tmp_path, monkeypatch) == 0
+    for tag in ("losses/kl", "losses/value_loss", "charts/SPS"):
+        assert [step for step, _ in read_scalars(run, tag)] == [200, 400, 600, 800], tag
+    steps = [step for step, _ in read_scalars(run, "charts/episodic_return")]
+    assert steps == sorted(steps) and steps[-1] <= 800
