@@ -727,13 +727,14 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
             f"{mean_return_text(recent_returns)}, kl {stats['kl']:.4f}, {sps} steps/s",
             flush=True,
         )
-        if stop.requested or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
+        stopping = stop.requested  # read once: a signal after this line stops the run at the next update
+        if stopping or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
             log_value_fit(value_fit, writer, global_step)  # the value fit ends first: the state holds the fitted net
             value_fit = None
             episodes = (episode_return, episode_length, recent_returns)
             state = training_state(args, iteration, global_step, next_obs, policy, value_net, obs_rms, envs, episodes)
             save_checkpoint(os.path.join(run_dir, "training_state.pt"), state)
-        if stop.requested:  # Ctrl-C or SIGTERM: the training state above keeps what was done
+        if stopping:  # Ctrl-C or SIGTERM: the training state above keeps what was done
             break
 
     if pool is not None:
