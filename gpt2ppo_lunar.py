@@ -1003,6 +1003,10 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
     updates = -(-resumed.total_timesteps // resumed.steps_per_epoch)
     if state.get("iteration") == updates:
         raise UserError(f"the run in {args.resume} is complete ({updates} of {updates} updates); nothing to resume")
+    # TensorBoard reads a run's event files in name order, which starts with the second the file was made: the resumed
+    # run's file must not share its second with the stopped run's
+    made = [int(f.split(".")[3]) for f in os.listdir(args.resume) if re.fullmatch(r"events\.out\.tfevents\.\d+\..*", f)]
+    time.sleep(max(0.0, max(made, default=0) + 1 - time.time()))
     return resumed, state
 
 

@@ -677,6 +677,10 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
     steps = -(-resumed.total_timesteps // (resumed.num_envs * resumed.num_steps))
     if state.get("iteration") == steps:
         raise UserError(f"the run in {args.resume} is complete ({steps} of {steps} updates); nothing to resume")
+    # TensorBoard reads a run's event files in name order, which starts with the second the file was made: the resumed
+    # run's file must not share its second with the stopped run's
+    made = [int(f.split(".")[3]) for f in os.listdir(args.resume) if re.fullmatch(r"events\.out\.tfevents\.\d+\..*", f)]
+    time.sleep(max(0.0, max(made, default=0) + 1 - time.time()))
     return resumed, state
 
 

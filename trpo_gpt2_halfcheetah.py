@@ -133,8 +133,8 @@ class RunningMeanStd:
         x = np.asarray(x, dtype=np.float64).reshape(-1, *self.mean.shape)
         n_b, mean_b = x.shape[0], x.mean(0)
         n, delta = self.count + n_b, mean_b - self.mean
-        self.mean = self.mean + delta * n_b / n
-        self.m2 = self.m2 + ((x - mean_b) ** 2).sum(0) + delta**2 * self.count * n_b / n
+        self.mean += delta * n_b / n
+        self.m2 += ((x - mean_b) ** 2).sum(0) + delta**2 * self.count * n_b / n
         self.count = n
 
     @property
@@ -656,7 +656,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     for iteration in range(start_iteration + 1, num_iterations + 1):
         rollout_start = time.time()
         with torch.no_grad():
-            log_std = policy.action_log_std.detach().float().cpu().numpy()[0]
+            std = np.exp(policy.action_log_std.detach().float().cpu().numpy()[0])
             np_layers = None  # the parameters are fixed during the rollout
             if isinstance(policy, MLPPolicy) and device.type == "cpu":
                 np_layers = [(m.weight.detach().numpy(), m.bias.detach().numpy()) for m in mlp_policy_layers(policy)]
@@ -668,7 +668,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
                 else:
                     mean = act(torch.from_numpy(next_obs).to(device=device, dtype=dtype)).float().cpu().numpy()
                 noise = torch.randn(mean.shape, dtype=torch.float64).numpy()
-                action = (mean + np.exp(log_std) * noise).astype(np.float32)
+                action = (mean + std * noise).astype(np.float32)
                 actions_buf[step] = action  # the unclipped sample (its log-density is what TRPO uses)
                 raw_obs, reward, terminations, truncations, infos = envs.step(np.clip(action, low, high))
                 dones = np.logical_or(terminations, truncations)
@@ -1217,6 +1217,10 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
     updates = -(-resumed.total_timesteps // resumed.batch_size)
     if state.get("iteration") == updates:
         raise UserError(f"the run in {args.resume} is complete ({updates} of {updates} updates); nothing to resume")
+    # TensorBoard reads a run's event files in name order, which starts with the second the file was made: the resumed
+    # run's file must not share its second with the stopped run's
+    made = [int(f.split(".")[3]) for f in os.listdir(args.resume) if re.fullmatch(r"events\.out\.tfevents\.\d+\..*", f)]
+    time.sleep(max(0.0, max(made, default=0) + 1 - time.time()))
     return resumed, state
 
 

@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict, fields
 from typing import Optional
 
@@ -516,3 +517,12 @@ def test_a_stopped_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, 
     run_script("ppo_cartpole.py", *flags, cwd=str(tmp_path / "whole"))
     resumed, whole = all_scalars(run), all_scalars(only_run_dir(str(tmp_path / "whole")))
     assert len(whole["losses/policy_loss"]) == 40 and resumed == whole
+
+
+def test_a_resumed_run_starts_its_event_file_in_a_later_second(tmp_path):
+    """TensorBoard orders a run's event files by name, which starts with the second they were made in."""
+    _training_state(tmp_path / "run", "good")
+    made = int(time.time())
+    (tmp_path / "run" / f"events.out.tfevents.{made}.host.1.0").write_bytes(b"")
+    ppo.load_training_state(ppo.Args(resume=str(tmp_path / "run")))
+    assert time.time() >= made + 1
