@@ -625,6 +625,8 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
     args.results_md = os.path.abspath(args.results_md or os.path.join(base, "results.md"))
     args.plots_dir = os.path.abspath(args.plots_dir or os.path.join(base, "plots"))
     harness_command = "python benchmark/run.py " + shlex.join(map(shown, argv))
+    if args.peer_dir:  # a folder of this machine's: stored as what it is
+        harness_command = harness_command.replace(shlex.quote(args.peer_dir), "<checkout of the peer's repository>")
     selected, failed = select(args, registry), []
     if args.mode == "list":
         for s in selected:
