@@ -10,7 +10,7 @@
 Every (setting, seed) is one process in its own folder (`run_folder`) running `job_command` with one thread, at most
 `--workers` at a time (`run_job`; a Slurm array task can call it for one job). Its output goes to run.log, and a run
 that exits 0 gets a marker done.json: a run whose marker holds the same command is complete and is skipped, a folder
-without one is cleared and run again. Collecting reads the runs' TensorBoard event files (tbparse) into the results
+without one is cleared and run again. Collecting reads the runs' TensorBoard event files (TensorBoard's reader) into the results
 store (benchmark/results/, a JSON file per setting with every seed's episode series); report.py renders from it.
 """
 
