@@ -8,10 +8,11 @@
     python benchmark/run.py --mode speed --speed gpt2ppo-lunar-strided       # seconds per update of configurations
 
 Every (setting, seed) is one process in its own folder (`run_folder`) running `job_command` with one thread, at most
-`--workers` at a time (`run_job`; a Slurm array task can call it for one job). Its output goes to run.log, and a run
-that exits 0 gets a marker done.json: a run whose marker holds the same command is complete and is skipped, a folder
-without one is cleared and run again. Collecting reads the runs' TensorBoard event files (TensorBoard's reader) into the results
-store (benchmark/results/, a JSON file per setting with every seed's episode series); report.py renders from it.
+`--workers` at a time, or as a task of one Slurm job array (`--slurm`). Its output goes to run.log, and a run that
+exits 0 gets a marker done.json: a run whose marker holds the same command is complete and is skipped; a stopped run
+that left its script's training state continues with `--resume`; any other folder is cleared and run again.
+Collecting reads the runs' TensorBoard event files into the results store (benchmark/results/, a JSON file per
+setting with every seed's episode series); report.py renders from it.
 """
 
 from __future__ import annotations
