@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import ROOT, all_scalars
 from slurm_cluster import wait_for_jobs
 
@@ -103,44 +105,38 @@ def test_a_run_killed_after_its_last_update_starts_again(tmp_path):
     _check_whole(folder, 4)
 
 
+def _submit(tmp_path, env, **kw) -> str:
+    """`--slurm`: the harness submits the runs and returns at once; its output."""
+    proc = subprocess.run(_harness(tmp_path, "--slurm", **kw), env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 def test_slurm_array_stores_two_runs(slurm_cluster, tmp_path):
-    submit = subprocess.run(
-        _harness(tmp_path, "--slurm", steps=2048, seeds=("1", "2")),
-        env=slurm_cluster,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert submit.returncode == 0, submit.stdout + submit.stderr
-    array, collect = [w.strip("(),") for w in submit.stdout.split() if w.strip("(),").isdigit()][:2]
+    out = _submit(tmp_path, slurm_cluster, steps=2048, seeds=("1", "2"))
+    array, collect = [w.strip("(),") for w in out.split() if w.strip("(),").isdigit()][:2]
     wait_for_jobs(slurm_cluster, array, timeout=600)
     wait_for_jobs(slurm_cluster, collect, timeout=300)
     row = _stored(tmp_path)
     assert row["seeds"] == [1, 2] and all(len(row["series"][k]["values"]) > 20 for k in ("1", "2"))
     assert os.path.isfile(tmp_path / "out" / "results.md")
     # submitting again submits nothing: both runs are complete
-    again = subprocess.run(
-        _harness(tmp_path, "--slurm", steps=2048, seeds=("1", "2")),
-        env=slurm_cluster,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert "nothing to submit" in again.stdout
+    assert "nothing to submit" in _submit(tmp_path, slurm_cluster, steps=2048, seeds=("1", "2"))
 
 
-def test_a_slurm_task_stopped_by_a_requeue_resumes(slurm_cluster, tmp_path):
-    submit = subprocess.run(
-        _harness(tmp_path, "--slurm", steps=40960), env=slurm_cluster, capture_output=True, text=True, timeout=120
-    )
-    assert submit.returncode == 0, submit.stdout + submit.stderr
-    array = next(w for w in submit.stdout.split() if w.isdigit())
+@pytest.mark.parametrize(
+    "stop",
+    [["scontrol", "requeue"], ["scancel", "--full", "--signal=TERM"]],
+    ids=["requeued by Slurm", "SIGTERM as at the time limit: the task requeues itself"],
+)
+def test_a_slurm_task_stopped_resumes(slurm_cluster, tmp_path, stop):
+    array = next(w for w in _submit(tmp_path, slurm_cluster, steps=40960).split() if w.isdigit())
     state = _wait_for(str(tmp_path / "runs" / "*" / "runs" / "*" / "training_state.pt"))
     task = subprocess.run(
         ["squeue", "-h", "-o", "%A", "-j", array], env=slurm_cluster, capture_output=True, text=True
     ).stdout.split()[0]
-    requeue = subprocess.run(["scontrol", "requeue", task], env=slurm_cluster, capture_output=True, text=True)
-    assert requeue.returncode == 0, requeue.stderr
+    stopped = subprocess.run([*stop, task], env=slurm_cluster, capture_output=True, text=True)
+    assert stopped.returncode == 0, stopped.stderr
     deadline = time.time() + 300
     while subprocess.run(["squeue", "-h", "-j", array], env=slurm_cluster, capture_output=True, text=True).stdout:
         # a requeued job waits before it may start again; let it start now
