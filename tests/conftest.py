@@ -15,16 +15,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def run_script(script: str, *flags: str, cwd: str, timeout: float = 300, check: bool = True):
-    """Run `python script flags...` in `cwd` (so its runs/ folder lands there)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+SCRIPT_ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def run_script(script: str, *flags: str, cwd: str, timeout: float = 600, check: bool = True):
+    """Run `python script flags...` in `cwd` (so its runs/ folder lands there); `script` may be a path."""
+    path = script if os.path.isabs(script) else os.path.join(ROOT, script)
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, script), *flags],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        [sys.executable, path, *flags], cwd=cwd, env=SCRIPT_ENV, capture_output=True, text=True, timeout=timeout
     )
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -35,17 +33,36 @@ def run_script(script: str, *flags: str, cwd: str, timeout: float = 300, check: 
 
 def read_scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
     """All (step, value) events of `tag` in the event files of `run_dir`, in write order."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    if tag not in acc.Tags()["scalars"]:
-        return []
-    return [(e.step, e.value) for e in acc.Scalars(tag)]
+    return all_scalars(run_dir, ignore=()).get(tag, [])
 
 
-def only_run_dir(cwd: str, pattern: str = "*") -> str:
-    dirs = sorted(glob.glob(os.path.join(cwd, "runs", pattern)))
+def stop_when_printed(script: str, *flags: str, cwd, line: str, sig: int) -> subprocess.Popen:
+    """Start `python script flags...` in `cwd`, send `sig` once it prints a line containing `line`, and wait for it;
+    fails (instead of waiting forever) when the script ends without printing that line."""
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, script), *flags],
+        cwd=cwd,
+        env=SCRIPT_ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    for out in proc.stdout:
+        if line in out:
+            proc.send_signal(sig)
+            break
+    else:
+        proc.wait(timeout=60)
+        pytest.fail(
+            f"{script} {' '.join(flags)} ended ({proc.returncode}) without printing {line!r}: {proc.stderr.read()}"
+        )
+    proc.stdout.read()
+    proc.wait(timeout=300)
+    return proc
+
+
+def only_run_dir(cwd: str) -> str:
+    dirs = sorted(glob.glob(os.path.join(cwd, "runs", "*")))
     assert len(dirs) == 1, f"expected one run folder, found {dirs}"
     return dirs[0]
 
@@ -79,25 +96,19 @@ def all_scalars(run_dir: str, ignore: tuple[str, ...] = UNTIMED) -> dict[str, li
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"] if not t.startswith(ignore)}
 
 
-def same_numbers(
-    script: str, *flags: str, tmp_path, ignore: tuple[str, ...] = UNTIMED, baseline_flags=None, timeout: float = 600
-) -> tuple[str, str]:
+def same_numbers(script: str, *flags: str, tmp_path, baseline_flags=None) -> tuple[str, str]:
     """Run the BASELINE version of `script` and the working tree's with the same flags (`baseline_flags` where the
     old spelling differs), each in its own folder, and assert that every scalar the baseline logged (tags under
-    `ignore` aside) is logged by the current script with the same steps and values, bit for bit. Returns the two
+    `UNTIMED` aside) is logged by the current script with the same steps and values, bit for bit. Returns the two
     run folders (baseline, current) for further checks (checkpoints, say)."""
     old = baseline_script(script, str(tmp_path / "baseline_code"))
     folders = []
     for name, path, fl in (("baseline", old, baseline_flags or flags), ("current", os.path.join(ROOT, script), flags)):
         cwd = tmp_path / name
         cwd.mkdir()
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        proc = subprocess.run(
-            [sys.executable, path, *fl], cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout
-        )
-        assert proc.returncode == 0, f"{name} {script} {' '.join(fl)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        run_script(path, *fl, cwd=str(cwd))
         folders.append(only_run_dir(str(cwd)))
-    old_scalars, new_scalars = all_scalars(folders[0], ignore), all_scalars(folders[1], ignore)
+    old_scalars, new_scalars = all_scalars(folders[0]), all_scalars(folders[1])
     assert old_scalars, f"the baseline run logged no scalars in {folders[0]}"
     for tag, points in old_scalars.items():
         assert new_scalars.get(tag) == points, f"{script} {' '.join(flags)}: '{tag}' differs from {BASELINE}"
@@ -124,11 +135,6 @@ def explicit_fisher(policy, params, obs):
             F[i : i + n, i : i + n] += 2 * torch.eye(n, dtype=F.dtype)
         i += n
     return F
-
-
-@pytest.fixture
-def workdir(tmp_path):
-    return str(tmp_path)
 
 
 def train_tiny_tokenizer(corpus: list[str], vocab_size: int, bos: str, eos: str):
