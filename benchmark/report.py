@@ -218,6 +218,9 @@ def pivot_table(data: dict, script: str, settings: list[str], envs: str) -> str:
     pairs = list(zip(envs.split()[::2], map(int, envs.split()[1::2])))
     have = {(r["env"], r["steps"], r["setting"]): r for r in data["rows"] if r["script"] == script}
     found = [have[(e, n, s)] for s in settings for e, n in pairs if (e, n, s) in have]
+    missing = [s for s in settings if not any(r["setting"] == s for r in found)]
+    if missing:
+        raise KeyError(f"no stored row of {script} {missing[0]}: run it (benchmark/run.py) or take it off the page")
     records = [{"setting": f"`{s}`", "flags": flags(next(r for r in found if r["setting"] == s))} for s in settings]
     for rec, s in zip(records, settings):
         rec.update({f"{e} ({n})": pm(have[(e, n, s)]) if (e, n, s) in have else "" for e, n in pairs})
@@ -452,9 +455,11 @@ def plot(rows: list[dict], plots_dir: str, points: int = 200) -> list[str]:
             here = [r for r in mine if (r["env"], r["steps"]) == (env, steps)]
             for r in here:
                 grid, ys = np.linspace(0, r["steps"], points), []
-                for s in r["series"].values():
+                for s in (s for s in r["series"].values() if s["steps"]):  # a seed with no episode draws nothing
                     run = pd.Series(s["values"], dtype=float).rolling(r["last_n"], min_periods=1).mean()
                     ys.append(np.interp(grid, s["steps"], run, left=np.nan, right=np.nan))
+                if not ys:
+                    continue
                 with warnings.catch_warnings():  # grid points before any seed's first episode
                     warnings.simplefilter("ignore", RuntimeWarning)
                     mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)

@@ -17,8 +17,10 @@ setting with every seed's episode series); report.py renders from it.
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
+import math
 import os
 import platform
 import re
@@ -41,7 +43,9 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import report  # noqa: E402
 
-MARKER, TRAIN_TAG = "done.json", "charts/episodic_return"
+MARKER = "done.json"
+RUNNING: set = set()  # the scripts running now (train mode), which a signal to the harness is passed on to
+STOPPING: list[int] = []  # the signal that asked the harness to stop, if any
 
 
 # ----------------------------------------------------------------------------------------------- registry
@@ -61,7 +65,6 @@ class Script:
     y_label: str = "episodic return"
     quick_steps: int = 2048  # --quick: the tiny budget, with these extra flags
     quick_flags: str = ""
-    throughput_steps: int = 50_000
 
 
 @dataclass(frozen=True)
@@ -195,33 +198,40 @@ def resumable(folder: str, cmd: list[str]) -> Optional[str]:
     )
 
 
-def run_job(s: S, seed: int, runs_dir: str, harness_command: str = "", nice: int = 0, timeout=None) -> int:
+def run_job(
+    s: S, seed: int, runs_dir: str, harness_command: str = "", nice: int = 0, timeout=None, slurm: bool = False
+) -> int:
     """Run one (setting, seed) in its run folder: a stopped run that left a training state continues (`--resume`),
-    anything else starts in a fresh folder; write the marker when it exits 0. Returns the exit code."""
+    anything else starts in a fresh folder; write the marker when it exits 0. Returns the exit code (75: another
+    process runs it now)."""
     folder, cmd, file = run_folder(runs_dir, s, seed), job_command(s, seed), SCRIPTS[s.script].file
-    resume = resumable(folder, cmd)
-    blob, commit = git("hash-object", os.path.join(ROOT, file))[:12], git("rev-parse", "--short", "HEAD")
-    rc = attempt(folder, cmd, resume, nice, timeout)
-    if resume is not None and rc == 2:  # the script refused to continue (a run killed after its last update, say)
-        with open(os.path.join(folder, "run.log")) as f:
-            why = f.read().strip().splitlines()[-1]
-        print(f"{os.path.basename(folder)}: could not be continued ({why}); starting it again", flush=True)
-        resume, rc = None, attempt(folder, cmd, None, nice, timeout)
-    if rc == 0:
-        with open(os.path.join(folder, "attempts.log")) as f:
-            seconds = sum(float(line.split()[0]) for line in f)
-        marker = {"command": display(cmd), "seconds": seconds, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
-        marker.update(machine=machine(), versions=versions(), nice=os.nice(0) + nice)
-        marker.update(code=f"{file} blob {blob} on {commit}", resumed=resume is not None)
-        marker.update(harness_command=harness_command, load=round(os.getloadavg()[0], 2))
-        with open(os.path.join(folder, MARKER), "w") as f:
-            json.dump(marker, f, indent=1)
+    if STOPPING:  # the harness was asked to stop: start nothing more
+        return 128 + STOPPING[0]
+    os.makedirs(runs_dir, exist_ok=True)
+    with open(folder + ".lock", "w") as lock:
+        try:  # one process per run folder: a second harness (or Slurm task) on the same run leaves it alone
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"skip (another process runs it now): {os.path.basename(folder)}", flush=True)
+            return 75
+        resume = resumable(folder, cmd)
+        blob, commit = git("hash-object", os.path.join(ROOT, file))[:12], git("rev-parse", "--short", "HEAD")
+        rc = attempt(folder, cmd, resume, nice, timeout, slurm)
+        if rc == 0:
+            with open(os.path.join(folder, "attempts.log")) as f:
+                seconds = sum(float(line.split()[0]) for line in f)
+            marker = {"command": display(cmd), "seconds": seconds, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+            marker.update(machine=machine(), versions=versions(), nice=os.nice(0) + nice)
+            marker.update(code=f"{file} blob {blob} on {commit}", resumed=resume is not None)
+            marker.update(harness_command=harness_command, load=round(os.getloadavg()[0], 2))
+            with open(os.path.join(folder, MARKER), "w") as f:
+                json.dump(marker, f, indent=1)
     return rc
 
 
-def attempt(folder: str, cmd: list[str], resume: Optional[str], nice: int, timeout) -> int:
+def attempt(folder: str, cmd: list[str], resume: Optional[str], nice: int, timeout, slurm: bool = False) -> int:
     """One attempt at a run: `cmd` in a fresh folder, or `cmd --resume RUN` in the folder it stopped in; its output
-    appended to run.log and its wall time to attempts.log. Returns the exit code."""
+    appended to run.log and its wall time to attempts.log. Returns the exit code (-9: killed at the timeout)."""
     if resume is None:
         shutil.rmtree(folder, ignore_errors=True)  # an interrupted or outdated run starts clean
         os.makedirs(folder)
@@ -229,14 +239,30 @@ def attempt(folder: str, cmd: list[str], resume: Optional[str], nice: int, timeo
     with open(os.path.join(folder, "run.log"), "a") as log:
         full = cmd if resume is None else cmd + ["--resume", os.path.relpath(resume, folder)]
         print(display(full) if resume is None else f"resumed: {display(full)}", file=log, flush=True)
+        # here, its own session: Ctrl-C at the terminal reaches the harness alone, which passes it on once (stop_runs);
+        # in a Slurm task, the task's session, which Slurm signals as a whole
+        kw = dict(cwd=folder, env=thread_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(["nice", "-n", str(nice), *full] if nice else full, start_new_session=not slurm, **kw)
+        RUNNING.add(proc)
         try:
-            kw = dict(cwd=folder, env=thread_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            rc = subprocess.run(full, timeout=timeout, preexec_fn=lambda: os.nice(nice), **kw).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            rc = -9
+            proc.kill()
+            rc = proc.wait()
+        finally:
+            RUNNING.discard(proc)
     with open(os.path.join(folder, "attempts.log"), "a") as f:  # the wall time of every attempt, resumed or not
         print(f"{time.time() - t0:.3f} {rc}", file=f)
     return rc
+
+
+def stop_runs(signum, frame) -> None:
+    """SIGINT or SIGTERM to the harness: pass it on to the running scripts (which save their training state and stop;
+    a second signal makes them quit at once) and start no more."""
+    STOPPING.append(signum)
+    print(f"\n{signal.Signals(signum).name}: passed on to {len(RUNNING)} running scripts", file=sys.stderr, flush=True)
+    for proc in list(RUNNING):
+        proc.send_signal(signum)
 
 
 # ----------------------------------------------------------------------------------------------- Slurm
@@ -248,7 +274,7 @@ SBATCH = """#!/bin/bash
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output={runs_dir}/slurm-%A_%a.log
-#SBATCH --cpus-per-task={cpus}
+#SBATCH --cpus-per-task=1
 #SBATCH --time={time}
 {extra}
 exec {python} {run_py} --mode slurm-task --jobs-file {jobs_file}
@@ -268,9 +294,8 @@ def submit_slurm(args: "Args", selected: list[S], harness_command: str) -> int:
         print("nothing to submit: every run is complete", flush=True)
         return 0
     os.makedirs(args.runs_dir, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    jobs_file = os.path.join(args.runs_dir, f"slurm-jobs-{stamp}.json")
-    with open(jobs_file, "w") as f:
+    handle, jobs_file = tempfile.mkstemp(prefix="slurm-jobs-", suffix=".json", dir=args.runs_dir)
+    with os.fdopen(handle, "w") as f:
         json.dump(
             {
                 "runs_dir": args.runs_dir,
@@ -286,7 +311,6 @@ def submit_slurm(args: "Args", selected: list[S], harness_command: str) -> int:
     script = SBATCH.format(
         last=len(jobs) - 1,
         runs_dir=args.runs_dir,
-        cpus=args.slurm_cpus_per_task,
         time=args.slurm_time,
         extra="\n".join(extra),
         python=sys.executable,
@@ -321,7 +345,7 @@ def slurm_task(jobs_file: str) -> int:
     so that the next attempt resumes."""
     with open(jobs_file) as f:
         spec = json.load(f)
-    job = spec["jobs"][int(os.environ["SLURM_ARRAY_TASK_ID"])]
+    job = spec["jobs"][int(os.environ["SLURM_ARRAY_TASK_ID"])]  # check_args made sure both are there
     s = S(
         **{
             **job["setting"],
@@ -331,10 +355,13 @@ def slurm_task(jobs_file: str) -> int:
         }
     )
     stopped = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))  # the script gets it too and saves
-    rc = run_job(s, job["seed"], spec["runs_dir"], spec["harness_command"], spec["nice"])
+    # Slurm signals every process of the task, the script too, which saves and stops: not passed on here (twice would
+    # make the script quit at once)
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))
+    rc = run_job(s, job["seed"], spec["runs_dir"], spec["harness_command"], spec["nice"], slurm=True)
     if rc != 0 and stopped:
-        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], capture_output=True)
+        requeue = subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], capture_output=True, text=True)
+        print(f"stopped by Slurm; requeue: {requeue.stderr.strip() or 'done'}", flush=True)
     return rc
 
 
@@ -368,9 +395,10 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
     that these runs lack and the registry still lists (`wanted`) are kept (same flags and metric). None: no run."""
     info, fresh = SCRIPTS[s.script], {}
     for seed in s.seeds:
-        if os.path.isfile(path := os.path.join(run_folder(runs_dir, s, seed), MARKER)):
-            with open(path) as f:
-                fresh[str(seed)] = (read_run(os.path.dirname(path)), json.load(f))
+        folder = run_folder(runs_dir, s, seed)
+        if is_complete(folder, job_command(s, seed)):  # a run of this setting's command, not of older flags
+            with open(os.path.join(folder, MARKER)) as f:
+                fresh[str(seed)] = (read_run(folder), json.load(f))
     if not fresh:
         return None
     tag, dfs, markers = s.tag or info.tag, {k: df for k, (df, _) in fresh.items()}, [m for _, m in fresh.values()]
@@ -379,7 +407,7 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
     row.update(last_fraction=info.last_fraction, x_label=info.x_label, y_label=s.tag or info.y_label)
     row.update(refs=[asdict(r) for r in s.refs], source="harness", series={k: series(df, tag) for k, df in dfs.items()})
     if tag.startswith("eval/"):
-        row["train_series"] = {k: series(df, TRAIN_TAG) for k, df in dfs.items()}
+        row["train_series"] = {k: series(df, info.tag) for k, df in dfs.items()}
         row.update({"train_last_n": s.train_last_n} if s.train_last_n else {})
     logged = lambda t: {k: df.value[df.tag == t] for k, df in dfs.items() if (df.tag == t).any()}  # noqa: E731
     rollout, update = logged("time/rollout_seconds"), logged("time/update_seconds")
@@ -465,7 +493,7 @@ def speed(name: str, harness_command: str) -> dict:
     for _ in range(e.get("repeats", 1)):
         for config in e["configs"]:
             cmd = script_command(info.file, info, e["env"], e["steps_per_update"] * e["updates"], shlex.split(config))
-            df = timed_run(cmd, 0)[1]
+            df = timed_run(cmd, e["steps_per_update"] * e["updates"])[1]
             parts = [df.value[df.tag == f"time/{k}_seconds"].to_numpy() for k in ("rollout", "update")]
             per[config] += [round(float(r + u), 4) for r, u in zip(*parts)]
             print(f"{config}: {per[config][-len(parts[0]) :]} s per update", flush=True)
@@ -478,7 +506,7 @@ def breakdown(name: str, harness_command: str) -> dict:
     """Where a run's time goes ([speed.NAME] with `parts` in registry.toml): the script at its settings under
     pyinstrument's sampling profiler (main thread); each part's seconds per update inside `main` (the inclusive time of
     the functions it names), the rest of `main`, and the start-up before it."""
-    e, tree = SPEED[name], None
+    e = SPEED[name]
     info = SCRIPTS[e["script"]]
     cmd = script_command(info.file, info, e["env"], e["steps_per_update"] * e["updates"], shlex.split(e["flags"]))
     with tempfile.TemporaryDirectory() as cwd:
@@ -491,7 +519,6 @@ def breakdown(name: str, harness_command: str) -> dict:
         with open(prof) as f:
             tree = json.load(f)["root_frame"]
     seconds: dict[tuple[str, str], float] = {}
-
     script, main_s = os.path.basename(info.file), 0.0
 
     def walk(frame, inside_main: bool, above: frozenset) -> None:  # inclusive time, each function once per stack
@@ -526,33 +553,100 @@ class Args:
     mode: Literal["train", "collect", "report", "throughput", "speed", "list", "slurm-task"] = "train"
     """train: run what is missing, store it, report; collect: store the complete runs under --runs-dir, report;
     report: results.md, the plots and the pages' tables from the store (seconds); throughput: timed runs alternating
-    with the peer; speed: the speed entries named by --speed; list: the settings"""
-    scripts: tuple[str, ...] = ()  # scripts to include (e.g. ppo_cartpole); empty: all
-    envs: tuple[str, ...] = ()  # env ids to include; empty: all
-    settings: tuple[str, ...] = ()  # setting names to include; empty: all
-    seeds: tuple[int, ...] = ()  # override the registry's seeds
-    steps: Optional[int] = None  # override the registry's step budget
-    workers: int = os.cpu_count() or 1  # runs at a time (each with one thread)
-    nice: int = 0  # niceness added to every run (a shared machine: e.g. 10)
-    quick: bool = False  # every light setting at a tiny budget, under benchmark/out/quick (checks the harness)
-    runs_dir: Optional[str] = None  # run folders (default benchmark/out/runs, git-ignored)
-    results_dir: Optional[str] = None  # the store (default benchmark/results, the only one that writes the pages)
-    results_md: Optional[str] = None  # the report (default benchmark/results.md)
-    plots_dir: Optional[str] = None  # the plots (default benchmark/plots)
-    repeats: int = 3  # throughput: timed runs of each program
-    throughput_steps: Optional[int] = None  # throughput: steps per timed run (default: per script)
-    force: bool = False  # run again even when a run is complete
-    timeout: Optional[float] = None  # seconds after which a run is killed and counted as failed
-    speed: tuple[str, ...] = ()  # speed: the entries to measure ([speed.NAME] in registry.toml)
-    slurm: bool = (
-        False  # train: submit the runs to Slurm as one job array (a task per run) instead of running them here
+    with the peer; speed: the speed entries named by --speed; list: the settings; slurm-task: one task of a --slurm
+    array (Slurm starts it)"""
+    scripts: tuple[str, ...] = ()
+    """scripts to include (e.g. ppo_cartpole); empty: all"""
+    envs: tuple[str, ...] = ()
+    """env ids to include; empty: all"""
+    settings: tuple[str, ...] = ()
+    """setting names to include; empty: all"""
+    seeds: tuple[int, ...] = ()
+    """override the registry's seeds (a subset adds to the stored row; list new seeds in registry.toml to keep them)"""
+    steps: Optional[int] = None
+    """override the registry's step budget"""
+    workers: int = os.cpu_count() or 1
+    """runs at a time (each with one thread)"""
+    nice: int = 0
+    """niceness added to every run, 0-19 (a shared machine: e.g. 10)"""
+    quick: bool = False
+    """every light setting at a tiny budget, under benchmark/out/quick (checks the harness)"""
+    runs_dir: Optional[str] = None
+    """run folders (default benchmark/out/runs, git-ignored)"""
+    results_dir: Optional[str] = None
+    """the store (default benchmark/results, the only one that writes the pages)"""
+    results_md: Optional[str] = None
+    """the report (default benchmark/results.md)"""
+    plots_dir: Optional[str] = None
+    """the plots (default benchmark/plots)"""
+    repeats: int = 3
+    """throughput: timed runs of each program"""
+    throughput_steps: Optional[int] = None
+    """throughput: steps per timed run (default: the entry's)"""
+    force: bool = False
+    """run again even when a run is complete"""
+    timeout: Optional[float] = None
+    """seconds after which a run is killed and counted as failed"""
+    speed: tuple[str, ...] = ()
+    """speed: the entries to measure ([speed.NAME] in registry.toml)"""
+    slurm: bool = False
+    """train: submit the runs to Slurm as one job array (a task per run, one CPU each) instead of running them here"""
+    slurm_partition: Optional[str] = None
+    """--slurm: the partition (default: the cluster's)"""
+    slurm_time: str = "24:00:00"
+    """--slurm: each task's time limit; a task stopped by it is requeued and resumes"""
+    slurm_gpus_per_task: int = 0
+    """--slurm: GPUs per task"""
+    jobs_file: Optional[str] = None
+    """slurm-task: the array's job list (written by --slurm)"""
+    peer_dir: Optional[str] = None
+    """throughput: a checkout of a peer's repository (CleanRL's, for the PPO peer, run unmodified)"""
+
+
+def check_args(args: Args, registry: list[S]) -> None:
+    """One sentence and exit 2 for a flag the harness cannot use, before anything runs or is written."""
+    checks = [("script", args.scripts, {s.script for s in registry}), ("env", args.envs, {s.env for s in registry})]
+    checks += [("setting", args.settings, {s.name for s in registry}), ("speed entry", args.speed, set(SPEED))]
+    problems = [
+        f"unknown {what} '{bad[0]}'; the registry has: {', '.join(sorted(names))}"
+        for what, given, names in checks
+        if (bad := [x for x in given if x not in names])
+    ]
+    problems += ["--workers and --repeats must be at least 1"] * (args.workers < 1 or args.repeats < 1)
+    problems += [
+        f"--{k.replace('_', '-')} must be at least 1"
+        for k in ("steps", "throughput_steps")
+        if getattr(args, k) is not None and getattr(args, k) < 1
+    ]
+    problems += ["--timeout must be a positive number of seconds"] * (
+        args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0)
     )
-    slurm_partition: Optional[str] = None  # --slurm: the partition (default: the cluster's)
-    slurm_time: str = "24:00:00"  # --slurm: each task's time limit; a task stopped by it is requeued and resumes
-    slurm_cpus_per_task: int = 1  # --slurm: CPUs per task
-    slurm_gpus_per_task: int = 0  # --slurm: GPUs per task
-    jobs_file: Optional[str] = None  # slurm-task: the array's job list (written by --slurm)
-    peer_dir: Optional[str] = None  # throughput: a checkout of a peer's repository (CleanRL: the PPO peer, unmodified)
+    problems += ["--nice must be in 0..19"] * (not 0 <= args.nice <= 19)
+    problems += ["--slurm-gpus-per-task must be at least 0"] * (args.slurm_gpus_per_task < 0)
+    problems += ["--slurm goes with --mode train"] * (args.slurm and args.mode != "train")
+    problems += ["--slurm needs Slurm's sbatch on the PATH"] * (args.slurm and not shutil.which("sbatch"))
+    if args.mode == "slurm-task":
+        problems += ["--mode slurm-task needs --jobs-file, the file --slurm wrote"] * (
+            not args.jobs_file or not os.path.isfile(args.jobs_file)
+        )
+        problems += ["--mode slurm-task runs inside a Slurm array task (SLURM_ARRAY_TASK_ID)"] * (
+            "SLURM_ARRAY_TASK_ID" not in os.environ
+        )
+    problems += ["--mode speed needs --speed NAME (registry.toml's [speed.NAME])"] * (
+        args.mode == "speed" and not args.speed
+    )
+    if args.mode == "throughput":
+        entries = [p for p in THROUGHPUT if not args.scripts or p["script"] in args.scripts]
+        problems += [f"no throughput entry for {' '.join(args.scripts)}"] * (not entries)
+        problems += ["--peer-dir applies to a peer from another repository, and no selected entry has one"] * bool(
+            args.peer_dir and not any(p.get("peer_repo") for p in entries)
+        )
+    problems += [f"--runs-dir {args.runs_dir} is not a folder"] * bool(
+        args.mode == "collect" and args.runs_dir and not os.path.isdir(args.runs_dir)
+    )
+    if problems:
+        print(f"error: {problems[0]}.", file=sys.stderr)
+        sys.exit(2)
 
 
 def write_report(args: Args, registry: list[S]) -> None:
@@ -578,7 +672,7 @@ def select(args: Args, registry: list[S]) -> list[S]:
         if args.quick:
             info = SCRIPTS[s.script]
             s = replace(s, steps=info.quick_steps, seeds=s.seeds[:2], flags=s.flags + tuple(info.quick_flags.split()))
-        s = replace(s, steps=args.steps or s.steps, seeds=tuple(args.seeds) or s.seeds)
+        s = replace(s, steps=s.steps if args.steps is None else args.steps, seeds=tuple(args.seeds) or s.seeds)
         out.setdefault((s.script, s.env, s.name, s.steps), s)
     return list(out.values())
 
@@ -603,9 +697,13 @@ def train(args: Args, selected: list[S], harness_command: str) -> list[str]:
     for s, seed in done:
         print(f"skip (complete): {s.script} {s.env} {s.name} {s.steps} steps seed {seed}", flush=True)
     print(f"running {len(jobs)} runs, {min(args.workers, len(jobs))} at a time, under {args.runs_dir}", flush=True)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop_runs)
     with ThreadPoolExecutor(args.workers) as pool:
-        rcs = pool.map(lambda j: run_job(*j, args.runs_dir, harness_command, args.nice, args.timeout), jobs)
-        return [f"{run_folder(args.runs_dir, s, seed)}/run.log" for (s, seed), rc in zip(jobs, list(rcs)) if rc]
+        rcs = list(pool.map(lambda j: run_job(*j, args.runs_dir, harness_command, args.nice, args.timeout), jobs))
+    if STOPPING:
+        print("stopped: the same command continues the stopped runs where they saved their state", file=sys.stderr)
+    return [f"{run_folder(args.runs_dir, s, seed)}/run.log" for (s, seed), rc in zip(jobs, rcs) if rc]
 
 
 def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -> int:
@@ -613,13 +711,7 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
     args = tyro.cli(Args, args=argv, description=__doc__.split("\n\n")[0])
     registry = SETTINGS if registry is None else registry
     args.scripts = tuple(x.removesuffix(".py") for x in args.scripts)
-    checks = [("script", args.scripts, {s.script for s in registry}), ("env", args.envs, {s.env for s in registry})]
-    checks += [("setting", args.settings, {s.name for s in registry}), ("speed entry", args.speed, set(SPEED))]
-    for what, given, names in checks:
-        if bad := [x for x in given if x not in names]:
-            sys.exit(f"error: unknown {what} '{bad[0]}'; the registry has: {', '.join(sorted(names))}.")
-    if args.workers < 1 or args.repeats < 1:
-        sys.exit("error: --workers and --repeats must be at least 1.")
+    check_args(args, registry)
     base = os.path.join(HERE, "out", "quick") if args.quick else HERE
     args.runs_dir = os.path.abspath(args.runs_dir or os.path.join(HERE, "out", "quick" * args.quick, "runs"))
     args.results_dir = os.path.abspath(args.results_dir or os.path.join(base, "results"))
@@ -636,7 +728,7 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
     if args.mode == "throughput":
         for p in (p for p in THROUGHPUT if not args.scripts or p["script"] in args.scripts):
             info = SCRIPTS[p["script"]]
-            steps = args.throughput_steps or (info.quick_steps if args.quick else p.get("steps", info.throughput_steps))
+            steps = args.throughput_steps or (info.quick_steps if args.quick else p["steps"])
             t = throughput(p, steps, args.repeats, harness_command, args.peer_dir)
             cpu = t["machine"].split("(")[0].split(",")[0].strip()
             name = re.sub(
@@ -658,11 +750,21 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
             wanted = next(r.seeds for r in registry if (r.script, r.env, r.name) == (s.script, s.env, s.name))
             if row := collect(s, args.runs_dir, args.results_dir, wanted):
                 print(f"{s.script} {s.env} {s.name} {s.steps:,} steps, seeds {row['seeds']}: {report.pm(row)}")
-    write_report(args, registry)
+    try:
+        write_report(args, registry)
+    except KeyError as e:  # a page shows a row the store does not hold
+        print(f"error: {e.args[0]}.", file=sys.stderr)
+        return 1
+    if STOPPING:
+        return 128 + STOPPING[0]
     if failed:
         print("error: failed runs, see " + "; ".join(failed), file=sys.stderr)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except RuntimeError as e:  # a timed run that failed (throughput, speed)
+        print(f"error: {e}.", file=sys.stderr)
+        sys.exit(1)

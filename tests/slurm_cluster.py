@@ -49,7 +49,11 @@ def free_port() -> int:
 
 def why_not() -> str:
     """Why a Slurm cluster cannot be started here, or '' when it can."""
-    missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol") if not shutil.which(b)]
+    missing = [
+        b
+        for b in ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
+        if not shutil.which(b)
+    ]
     if missing:
         return (
             f"Slurm is not installed here ({', '.join(missing)} missing; .ci/run installs Debian's slurmctld, "

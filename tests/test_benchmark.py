@@ -1,7 +1,7 @@
 """The benchmark harness (benchmark/run.py, benchmark/report.py): runs stored and read back with hand-computed numbers,
 the report and every results table of the pages regenerated from the committed store (a hand-edited cell fails),
-the statistics, the runner end to end on ppo_cartpole.py with resume, throughput and speed, and the repository's
-references."""
+the statistics, the runner end to end on ppo_cartpole.py (resumed runs: test_harness_resume.py), throughput and
+speed, and the repository's references."""
 
 import importlib.util
 import json
@@ -84,12 +84,7 @@ def test_regret_of_the_last_quarter_an_evaluation_row_and_a_subset_of_seeds_merg
     runs = str(tmp_path / "runs")
     _finished_run(runs, oracle, 1, [1.0] * 6 + [0.5] * 3, steps=[10, 20, 30, 40, 50, 60, 70, 80, 85])
     _finished_run(runs, oracle, 2, [0.1, 0.3], steps=[70, 80])
-    assert (
-        bench.main(
-            ["--mode", "collect", "--settings", "oracle", "--envs", "chain", "--runs-dir", runs, *_out(tmp_path)]
-        )
-        == 0
-    )
+    assert _collect(runs, tmp_path, "--settings", "oracle", "--envs", "chain") == 0
     (row,) = report.load(str(tmp_path / "res"))["rows"]
     assert row["per_seed"] == {"1": 0.5, "2": pytest.approx(0.2)} and row["mean"] == pytest.approx(0.35)
     assert row["extra"]["first"]["per_seed"]["1"] == 1.0  # the first quarter: steps < 21.25
@@ -118,20 +113,34 @@ def test_regret_of_the_last_quarter_an_evaluation_row_and_a_subset_of_seeds_merg
         ]
         _finished_run(str(tmp_path / runs), s, seed, evals, extra=parts)
     for runs, seeds in (("a", []), ("b", ["--seeds", "1", "2"])):
-        assert bench.main(["--mode", "collect", "--runs-dir", str(tmp_path / runs), *seeds, *_out(tmp_path)], [s]) == 0
+        assert _collect(str(tmp_path / runs), tmp_path, *seeds, registry=[s]) == 0
     row = next(r for r in report.load(str(tmp_path / "res"))["rows"] if r["setting"] == "e")
     assert row["seeds"] == [1, 2, 543] and row["per_seed"] == {"1": 40.0, "2": 1.0, "543": 15.0}
     assert row["extra"]["train"]["per_seed"] == {"1": 6.0, "2": 4.0, "543": 2.5}
     assert row["extra"]["update_s"]["per_seed"] == {"1": 4.0, "2": 4.0, "543": 4.0}
+    # runs made with other flags are not this setting's: collecting them stores nothing
+    other = bench.replace(s, flags=("--other",))
+    assert _collect(str(tmp_path / "b"), tmp_path, registry=[other]) == 0
+    assert [r["seeds"] for r in report.load(str(tmp_path / "res"))["rows"] if r["setting"] == "e"] == [[1, 2, 543]]
     # a row of other flags is replaced, not merged
-    assert (
-        bench.main(
-            ["--mode", "collect", "--runs-dir", str(tmp_path / "b"), *_out(tmp_path)],
-            [bench.replace(s, flags=("--other",))],
-        )
-        == 0
-    )
+    for seed in (1, 2):
+        _finished_run(str(tmp_path / "c"), other, seed, [1.0, 2.0])
+    assert _collect(str(tmp_path / "c"), tmp_path, registry=[other]) == 0
     assert [r["seeds"] for r in report.load(str(tmp_path / "res"))["rows"] if r["setting"] == "e"] == [[1, 2]]
+
+
+def _collect(runs_dir, tmp_path, *flags, registry=None) -> int:
+    return bench.main(["--mode", "collect", "--runs-dir", runs_dir, *flags, *_out(tmp_path)], registry=registry)
+
+
+def test_a_seed_that_finished_no_episode_is_stored_and_drawn_without_it(tmp_path):
+    s = bench.S("ppo_cartpole", "CartPole-v1", "t", 1000, (1, 2))
+    runs = str(tmp_path / "runs")
+    _finished_run(runs, s, 1, [5.0, 7.0])
+    _finished_run(runs, s, 2, [])
+    assert _collect(runs, tmp_path, registry=[s]) == 0
+    (row,) = report.load(str(tmp_path / "res"))["rows"]
+    assert row["per_seed"]["1"] == 6.0 and os.path.isfile(tmp_path / "plots" / "ppo_cartpole.png")
 
 
 def test_the_committed_report_plots_and_page_tables_are_what_the_store_gives(tmp_path):
@@ -191,7 +200,7 @@ def test_statistics_of_a_comparison():
     assert report.mean_std([float("nan"), 2.0, 4.0]) == (3.0, 1.0)  # a seed without a value is left out
 
 
-def test_runner_end_to_end_on_ppo_cartpole_with_resume(tmp_path):
+def test_runner_end_to_end_on_ppo_cartpole_clears_a_stale_folder_and_skips_complete_runs(tmp_path):
     runs, out = str(tmp_path / "runs"), _out(tmp_path)
     s = bench.S("ppo_cartpole", "CartPole-v1", "default", 2048, (1,))
     stale = bench.run_folder(runs, s, 1)  # an interrupted earlier run (events, no marker): cleared, not mixed in
@@ -277,17 +286,54 @@ def test_a_time_breakdown_splits_main_into_its_parts(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (("--scripts", "nope"), "error: unknown script 'nope'"),
-        (("--envs", "NoSuchEnv-v0"), "error: unknown env 'NoSuchEnv-v0'"),
-        (("--settings", "nope"), "error: unknown setting 'nope'"),
-        (("--mode", "speed", "--speed", "nope"), "error: unknown speed entry 'nope'"),
-        (("--workers", "0"), "error: --workers and --repeats must be at least 1"),
+        (("--scripts", "nope"), "unknown script 'nope'"),
+        (("--envs", "NoSuchEnv-v0"), "unknown env 'NoSuchEnv-v0'"),
+        (("--settings", "nope"), "unknown setting 'nope'"),
+        (("--mode", "speed", "--speed", "nope"), "unknown speed entry 'nope'"),
+        (("--mode", "speed"), "--mode speed needs --speed NAME"),
+        (("--workers", "0"), "--workers and --repeats must be at least 1"),
+        (("--mode", "list", "--steps", "0"), "--steps must be at least 1"),
+        (("--mode", "throughput", "--throughput-steps", "-5"), "--throughput-steps must be at least 1"),
+        (("--timeout", "0"), "--timeout must be a positive number of seconds"),
+        (("--timeout", "nan"), "--timeout must be a positive number of seconds"),
+        (("--nice", "-5"), "--nice must be in 0..19"),
+        (("--mode", "collect", "--slurm"), "--slurm goes with --mode train"),
+        (("--slurm", "no-sbatch"), "--slurm needs Slurm's sbatch on the PATH"),
+        (("--mode", "slurm-task"), "--mode slurm-task needs --jobs-file"),
+        (("--mode", "slurm-task", "--jobs-file", "jobs.json"), "runs inside a Slurm array task"),
+        (("--mode", "throughput", "--scripts", "icpi_chain"), "no throughput entry for icpi_chain"),
+        (("--mode", "throughput", "--scripts", "trpo_gpt2_halfcheetah", "--peer-dir", "x"), "--peer-dir applies"),
+        (("--mode", "collect", "--runs-dir", "nowhere"), "--runs-dir"),
     ],
+    ids=lambda x: " ".join(x) if isinstance(x, tuple) else None,
 )
-def test_bad_input_one_clear_sentence(tmp_path, flags, message):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmark", "run.py"), *flags, "--runs-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_input_one_clear_sentence_and_nothing_written(tmp_path, monkeypatch, capsys, flags, message):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    (tmp_path / "jobs.json").write_text("{}")
+    if "no-sbatch" in flags:
+        monkeypatch.setenv("PATH", str(tmp_path))
+        flags = tuple(f for f in flags if f != "no-sbatch")
+    flags = [str(tmp_path / f) if f == "nowhere" else f for f in flags]
+    with pytest.raises(SystemExit) as stop:
+        bench.main([*flags, *_out(tmp_path)] + ["--runs-dir", str(tmp_path / "runs")] * ("--runs-dir" not in flags))
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert message in err, err
+    assert os.listdir(tmp_path) == ["jobs.json"]
+
+
+def test_a_second_harness_leaves_a_run_that_another_process_runs_alone(tmp_path, capsys):
+    import fcntl
+
+    s = bench.S("ppo_cartpole", "CartPole-v1", "t", 512, (1,))
+    runs = str(tmp_path / "runs")
+    os.makedirs(runs)
+    with open(bench.run_folder(runs, s, 1) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another harness holds the run
+        assert bench.run_job(s, 1, runs) == 75
+    assert "skip (another process runs it now)" in capsys.readouterr().out
+    assert not os.path.exists(bench.run_folder(runs, s, 1))
 
 
 def _committed_text_files():

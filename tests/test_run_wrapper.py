@@ -47,7 +47,7 @@ def _run(repo, *args):
     return subprocess.run([str(repo / "run"), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
 
 
-def test_main_job_learns_on_inverted_pendulum_then_says_where_to_look(repo):
+def test_main_job_runs_its_command_then_says_where_to_look(repo):
     proc = _run(repo)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == (

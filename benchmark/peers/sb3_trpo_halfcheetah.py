@@ -28,6 +28,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import gymnasium as gym
 import numpy as np
@@ -43,7 +44,7 @@ class Args:
     """total environment steps"""
     seed: int = 1
     """seed of SB3 (envs, torch, numpy)"""
-    hyperparams: str = "same"
+    hyperparams: Literal["same", "zoo"] = "same"
     """`same` (the settings of trpo_gpt2_halfcheetah.py --policy mlp) or `zoo` (rl-baselines3-zoo's HalfCheetah)"""
     torch_threads: int = 1
     """torch intra-op threads"""
@@ -92,8 +93,12 @@ def settings(name: str) -> tuple[int, dict, dict]:
 
 
 def main(args: Args) -> None:
-    if args.hyperparams not in ("same", "zoo"):
-        sys.exit(f"error: --hyperparams must be 'same' or 'zoo', not '{args.hyperparams}'.")
+    if args.total_timesteps < 1 or args.torch_threads < 1 or args.eval_episodes < 0:
+        sys.exit("error: --total-timesteps and --torch-threads must be at least 1, --eval-episodes at least 0.")
+    try:
+        gym.make(args.env_id).close()
+    except Exception as e:
+        sys.exit(f"error: cannot make env '{args.env_id}': {(str(e).splitlines() or [type(e).__name__])[0]}")
     try:
         from sb3_contrib import TRPO
         from stable_baselines3.common.callbacks import BaseCallback
