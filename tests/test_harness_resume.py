@@ -90,9 +90,9 @@ def test_a_stopped_run_resumes_on_the_next_call(tmp_path):
     assert _stored(tmp_path)["seeds"] == [1]
 
 
-def test_a_run_killed_after_its_last_update_starts_again(tmp_path):
-    """The script refuses to continue a run whose training state is complete (it was killed before the harness wrote
-    its marker): the harness then runs it again from the start."""
+def test_a_run_killed_after_its_last_update_is_resumed(tmp_path):
+    """A run killed after its last update, before the harness wrote its marker: the script resumes the complete run,
+    runs no update and ends it (exit 0), so the harness keeps it instead of running it again."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     assert subprocess.run(_harness(tmp_path, steps=2048), env=env, capture_output=True, timeout=300).returncode == 0
     (marker,) = glob.glob(str(tmp_path / "runs" / "*" / "done.json"))
@@ -100,8 +100,8 @@ def test_a_run_killed_after_its_last_update_starts_again(tmp_path):
     again = subprocess.run(_harness(tmp_path, steps=2048), env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     folder = os.path.dirname(marker)
-    assert "could not be continued (error: the run in runs/" in again.stdout and "nothing to resume" in again.stdout
-    assert not json.load(open(marker))["resumed"]
+    assert "could not be continued" not in again.stdout and json.load(open(marker))["resumed"]
+    assert "resumed: python ppo_cartpole.py" in open(os.path.join(folder, "run.log")).read()
     _check_whole(folder, 4)
 
 
