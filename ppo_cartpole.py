@@ -6,10 +6,11 @@ softmax, the critic a separate tanh MLP. Every finished episode is logged (SAME_
 truncation bootstraps with V(final observation).
 
     python ppo_cartpole.py --seed 1 --save-model
+    python ppo_cartpole.py --resume runs/<run>
     python ppo_cartpole.py --eval-checkpoint runs/<run>/ppo_cartpole.pt
 
 The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it are the checks, signals,
-checkpoints and the evaluation-only mode.
+checkpoints, the training state that `--resume` continues from, and the evaluation-only mode.
 """
 
 import os
@@ -53,7 +54,10 @@ class Args:
     checkpoint_every: int = 10
     """save the training state (for `--resume`) every this many updates, and when the run ends or is stopped"""
     resume: Optional[str] = None
-    """a run folder to continue, with its own flags, to its original budget (in the same folder and log)"""
+    """a run folder to continue, with its own flags, to its original budget (in the same folder and log).
+    Flags given with --resume that differ from their defaults must equal the run's; the others come from the run.
+    Those that do not change the training may differ:
+    --no-cuda, --torch-threads, --checkpoint-every, --save-model, --eval-episodes."""
 
     env_id: str = "CartPole-v1"
     """the id of the environment (flat Box observation, Discrete actions)"""
@@ -160,7 +164,7 @@ def compute_gae(rewards, values, next_values, terminations, dones, gamma, gae_la
     """
     deltas = rewards + gamma * next_values * (1.0 - terminations) - values  # the TD errors, all at once
     decay = gamma * gae_lambda * (1.0 - dones)
-    advantages, last = rewards * 0.0, 0.0
+    advantages, last = rewards * 0.0, 0.0  # zeros of the rewards' type: numpy arrays and torch tensors alike
     for t in reversed(range(rewards.shape[0])):
         advantages[t] = last = deltas[t] + decay[t] * last
     return advantages, advantages + values
@@ -194,9 +198,9 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     torch.set_num_threads(args.torch_threads)
     if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, stop)
-    state = None
+    resumed = None
     if args.resume is not None:  # the run's own flags and its training state at its last checkpoint
-        args, state = load_training_state(args)
+        args, resumed = load_training_state(args)
     obs_dim, n_actions = env_sizes(args.env_id)
     check_memory(args, obs_dim)
     args.seed = 1 if args.seed is None else args.seed
@@ -204,19 +208,11 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     batch_size, minibatch_size = N * T, N * T // args.num_minibatches
     num_iterations = -(-args.total_timesteps // batch_size)  # whole rollouts, rounded up
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    if state is None:
+    if resumed is None:
         run_dir = os.path.join("runs", make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}"))
     else:
         run_dir = args.resume
-    run_name = os.path.basename(os.path.normpath(run_dir))
-    print(f"device: {device}, logging to {run_dir}", flush=True)
-    from torch.utils.tensorboard import SummaryWriter
-
-    # a resumed run hides what was logged after its last checkpoint, so no step appears twice
-    writer = SummaryWriter(run_dir, purge_step=None if state is None else state["global_step"] + 1)
-    if state is None:
-        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    run_name, state_path = os.path.basename(os.path.abspath(run_dir)), os.path.join(run_dir, "training_state.pt")
 
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -239,9 +235,24 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     dones_buf = np.zeros((T, N), dtype=np.float32)
     global_step, start_iteration = 0, 0
     next_obs = envs.reset(seed=args.seed)[0].astype(np.float32)
-    if state is not None:  # continue exactly where the run stopped: weights, optimizer, random streams, envs
-        start_iteration, global_step, next_obs = restore_training_state(state, agent, optimizer, envs, action_rng)
-    first_step, start_time = global_step, time.time()
+    if resumed is not None:  # continue where the run stopped: weights, optimizer, random streams, envs
+        start_iteration, global_step, next_obs = restore_training_state(
+            state_path, resumed, agent, optimizer, envs, action_rng
+        )
+    print(f"device: {device}, logging to {run_dir}", flush=True)
+    # imported here, not at the top: tensorboard is slow to import, and neither importing this file nor a refused run
+    # should wait for it
+    from torch.utils.tensorboard import SummaryWriter
+
+    # TensorBoard reads a run's event files in name order, which begins with the second each was made in
+    if resumed is not None:
+        wait_for_a_new_second(run_dir)
+    # a resumed run hides what was logged after its last checkpoint, so no step appears twice
+    writer = SummaryWriter(run_dir, purge_step=None if resumed is None else resumed["global_step"] + 1)
+    if resumed is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    first_step, start_time, unfinished = global_step, time.time(), False
     for iteration in range(start_iteration + 1, num_iterations + 1):
         if args.anneal_lr:
             optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
@@ -262,11 +273,11 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
                 writer.add_scalar("charts/episodic_length", infos["episode"]["l"][i], global_step)
 
         with torch.inference_mode():  # values and behaviour log-probabilities of the whole rollout in one pass
-            b_obs_t = torch.from_numpy(obs_buf).to(device)
-            actions_t = torch.from_numpy(actions_buf).to(device)
-            values = agent.get_value(b_obs_t)
+            rollout_obs = torch.from_numpy(obs_buf).to(device)
+            rollout_actions = torch.from_numpy(actions_buf).to(device)
+            values = agent.get_value(rollout_obs)
             next_values = agent.get_value(torch.from_numpy(next_obs_buf).to(device))
-            logprobs = agent.log_probs(b_obs_t).gather(-1, actions_t.unsqueeze(-1)).squeeze(-1)
+            logprobs = agent.log_probs(rollout_obs).gather(-1, rollout_actions.unsqueeze(-1)).squeeze(-1)
         advantages, returns = compute_gae(
             rewards_buf,
             values.cpu().numpy(),
@@ -279,8 +290,8 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         rollout_time, update_start = time.time() - rollout_start, time.time()
 
         # flatten the batch (clones out of inference mode, so that autograd may use them)
-        b_obs = b_obs_t.reshape(-1, obs_dim).clone()
-        b_actions = actions_t.reshape(-1).clone()
+        b_obs = rollout_obs.reshape(-1, obs_dim).clone()
+        b_actions = rollout_actions.reshape(-1).clone()
         b_logprobs = logprobs.reshape(-1).clone()
         b_values = values.reshape(-1).clone()
         b_advantages = torch.from_numpy(advantages.reshape(-1)).to(device)
@@ -329,9 +340,12 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         writer.add_scalar("time/update_seconds", time.time() - update_start, global_step)
         stopping = stop.requested  # read once: a signal after this line stops the run at the next update
         if stopping or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
-            state = training_state(args, iteration, global_step, next_obs, agent, optimizer, envs, action_rng)
-            save_checkpoint(os.path.join(run_dir, "training_state.pt"), state)
+            writer.flush()  # the logged events of the updates the state holds are on disk before it
+            save_checkpoint(
+                state_path, training_state(args, iteration, global_step, next_obs, agent, optimizer, envs, action_rng)
+            )
         if stopping:  # Ctrl-C or SIGTERM: the training state above keeps what was done
+            unfinished = iteration < num_iterations  # after the last update the run is complete
             break
         if iteration % max(1, num_iterations // 10) == 0 and iteration < num_iterations:
             print(f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, {sps} steps/s", flush=True)
@@ -348,7 +362,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         f"{run_name}: {global_step} of {num_iterations * batch_size} steps, mean return of the last "
         f"{len(envs.return_queue)} episodes {mean_return:.2f}, "
         f"{int((global_step - first_step) / (time.time() - start_time))} "
-        f"steps/s; {saved}" + (f"; interrupted (continue it: --resume {run_dir})" if stop.requested else ""),
+        f"steps/s; {saved}" + (f"; interrupted (continue it: --resume {run_dir})" if unfinished else ""),
         flush=True,
     )
     if args.save_model and not stop.requested:
@@ -357,8 +371,9 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     return stop.exit_status
 
 
-# ---- Run machinery: what a run needs around the algorithm (checks, signals, checkpoints, run folders, the
-# evaluation-only mode, the command line). The algorithm is complete above this line.
+# ---- Run machinery: what a run needs around the algorithm (checks, signals, checkpoints, the training state that
+# --resume continues from, run folders, the evaluation-only mode, the command line). The algorithm is complete above
+# this line.
 
 
 class UserError(Exception):
@@ -385,7 +400,8 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
     "target_kl": (0, 1e6, True),
 }
 EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads"}  # all that --eval-checkpoint takes
-RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads"}  # flags a resumed run may change
+# flags a resumed run may change: they do not change its training
+RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes"}
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
 
 
@@ -399,13 +415,20 @@ def check_args(args: Args) -> None:
         value = getattr(args, name)
         if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
             raise UserError(f"{flag(name)} must be in {'(' if low_excluded else '['}{low}, {high}], got {value}")
-    if (args.num_envs * args.num_steps) % args.num_minibatches:
-        rollout = args.num_envs * args.num_steps
+    rollout = args.num_envs * args.num_steps
+    if rollout % args.num_minibatches:
         raise UserError(f"--num-minibatches {args.num_minibatches} must divide the rollout of {rollout} samples")
+    if args.norm_adv and rollout // args.num_minibatches < 2:  # one advantage's std is nan, and so every weight
+        raise UserError(
+            f"--norm-adv needs minibatches of 2 samples or more, but {args.num_minibatches} minibatches of a rollout "
+            f"of {rollout} samples hold {rollout // args.num_minibatches} each; use fewer minibatches or --no-norm-adv"
+        )
     if not PLAIN_NAME.fullmatch(args.exp_name):
         raise UserError(
             f"--exp-name must be a plain name of up to 200 letters, digits, '.', '_' or '-', got {args.exp_name!r}"
         )
+    if args.exp_name == "training_state":  # the --save-model file, {exp_name}.pt, would overwrite it
+        raise UserError("--exp-name training_state is the name of the run's training state; choose another")
     given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
     if args.eval_checkpoint is not None and given:
         raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
@@ -416,7 +439,7 @@ def env_sizes(env_id: str) -> tuple[int, int]:
     try:
         env = gym.make(env_id)
     except Exception as e:
-        raise UserError(f"cannot make env '{env_id}': {(str(e).splitlines() or [type(e).__name__])[0].rstrip('.')}")
+        raise UserError(f"cannot make env '{env_id}': {(str(e).splitlines() or [type(e).__name__])[0].rstrip('.?!')}")
     obs, act = env.observation_space, env.action_space
     env.close()
     if not isinstance(act, gym.spaces.Discrete) or not isinstance(obs, gym.spaces.Box) or len(obs.shape) != 1:
@@ -582,16 +605,31 @@ def training_state(args, iteration, global_step, next_obs, agent, optimizer, env
     }
 
 
-def restore_training_state(state: dict, agent, optimizer, envs, action_rng) -> tuple[int, int, np.ndarray]:
-    """Put a training state back into freshly made objects; (updates done, steps done, the current observation)."""
-    agent.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["torch_rng"])
-    keys, *rest = state["numpy_rng"]
-    np.random.set_state(("MT19937", keys.numpy(), *rest))
-    action_rng.bit_generator.state = state["action_rng"]
-    restore_env_state(envs, state["envs"])
-    return state["iteration"], state["global_step"], state["next_obs"].numpy()
+def restore_training_state(path: str, state: dict, agent, optimizer, envs, action_rng) -> tuple[int, int, np.ndarray]:
+    """Put the training state read from `path` back into freshly made objects; (updates done, steps done, the current
+    observation). UserError when it does not fit them.
+
+    Envs whose state was not saved (Box2D's LunarLander, MuJoCo) start new episodes, seeded by the run's seed and the
+    update: the episodes in progress are cut off, unlogged."""
+    try:
+        agent.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        keys, *rest = state["numpy_rng"]
+        np.random.set_state(("MT19937", keys.numpy(), *rest))
+        action_rng.bit_generator.state = state["action_rng"]
+        updates, steps = state["iteration"], state["global_step"]
+        if state["envs"] is None:  # new episodes, the same in every resume of this state
+            next_obs = envs.reset(seed=state["args"]["seed"] + envs.num_envs * updates)[0]
+        else:
+            restore_env_state(envs, state["envs"])
+            next_obs = state["next_obs"].numpy()
+        if next_obs.shape != envs.observation_space.shape:
+            raise ValueError(f"an observation of shape {tuple(next_obs.shape)} for {envs.num_envs} envs")
+        return updates, steps, next_obs.astype(np.float32)
+    except (KeyError, ValueError, RuntimeError, TypeError, IndexError) as e:
+        why = f"no {e}" if isinstance(e, KeyError) else " ".join(str(e).split()) or type(e).__name__
+        raise UserError(f"'{path}' is a damaged training state ({why[:200].rstrip('.')})")
 
 
 def env_layers(envs) -> list:
@@ -606,10 +644,12 @@ def env_layers(envs) -> list:
     return layers
 
 
-def env_state(envs) -> list[dict]:
-    """The plain attributes (numbers, arrays, random generators, episode queues) of every layer of the envs.
+def env_state(envs) -> Optional[list[dict]]:
+    """The plain attributes (numbers, arrays, random generators, episode queues) of every layer of the envs, or None
+    when an env keeps its state in other objects (Box2D's world: LunarLander; MuJoCo's data).
 
-    For classic-control envs this is their whole state: an episode in progress continues where it stopped.
+    For classic-control envs (CartPole, Acrobot, MountainCar) this is their whole state: an episode in progress
+    continues where it stopped.
     """
     saved = []
     for layer in env_layers(envs):
@@ -625,6 +665,9 @@ def env_state(envs) -> list[dict]:
                 plain[key] = {"deque": torch.from_numpy(np.array(value))}
             elif value is None or isinstance(value, (bool, int, float, str)):
                 plain[key] = value
+            elif isinstance(layer, gym.Env) and not isinstance(layer, gym.Wrapper):  # the env itself
+                if not isinstance(value, (gym.Space, gym.envs.registration.EnvSpec)):
+                    return None  # a simulator's object: the plain attributes are not the whole state
         saved.append(plain)
     return saved
 
@@ -632,7 +675,7 @@ def env_state(envs) -> list[dict]:
 def restore_env_state(envs, saved: list[dict]) -> None:
     layers = env_layers(envs)
     if len(layers) != len(saved):
-        raise UserError("the saved environments do not match this script's")
+        raise ValueError(f"{len(saved)} env layers saved where the run's flags make {len(layers)}")
     for layer, plain in zip(layers, saved):
         for key, value in plain.items():
             if isinstance(value, dict) and "generator" in value:
@@ -666,22 +709,25 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
         or set(saved) != {f.name for f in fields(Args)}
     ):
         raise UserError(f"'{path}' is not a training state of this version of ppo_cartpole.py")
-    for f in fields(Args):
-        value = getattr(args, f.name)
-        if f.name not in RESUME_FLAGS and value != f.default and value != saved[f.name]:
+    given = {f.name: getattr(args, f.name) for f in fields(Args) if getattr(args, f.name) != f.default}
+    for name, value in given.items():
+        if name not in RESUME_FLAGS and value != saved[name]:
             raise UserError(
-                f"--resume continues a run with its own flags, but {flag(f.name)} {value} differs from its "
-                f"{saved[f.name]}"
+                f"--resume continues a run with its own flags, but {flag(name)} {value} differs from its {saved[name]}"
             )
-    resumed = Args(**{**saved, **{name: getattr(args, name) for name in RESUME_FLAGS}})
-    steps = -(-resumed.total_timesteps // (resumed.num_envs * resumed.num_steps))
-    if state.get("iteration") == steps:
-        raise UserError(f"the run in {args.resume} is complete ({steps} of {steps} updates); nothing to resume")
-    # TensorBoard reads a run's event files in name order, which starts with the second the file was made: the resumed
-    # run's file must not share its second with the stopped run's
-    made = [int(f.split(".")[3]) for f in os.listdir(args.resume) if re.fullmatch(r"events\.out\.tfevents\.\d+\..*", f)]
-    time.sleep(max(0.0, max(made, default=0) + 1 - time.time()))
+    resumed = Args(**{**saved, **given})  # the flags given may only change those in RESUME_FLAGS
+    try:  # the flags given were checked: what fails here is the file's
+        check_args(resumed)
+    except (UserError, TypeError) as e:
+        raise UserError(f"'{path}' is a damaged training state ({' '.join(str(e).split())[:200]})")
     return resumed, state
+
+
+def wait_for_a_new_second(run_dir: str) -> None:
+    """Wait until the clock is past the second of the newest event file in `run_dir` (2 s at most: a file stamped in
+    the future, by a clock that was set back, must not stall the run)."""
+    made = [int(f.split(".")[3]) for f in os.listdir(run_dir) if re.fullmatch(r"events\.out\.tfevents\.\d+\..*", f)]
+    time.sleep(min(2.0, max(0.0, max(made, default=0) + 1 - time.time())))
 
 
 def make_run_dir(base: str, root: str = "runs") -> str:

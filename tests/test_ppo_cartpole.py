@@ -1,8 +1,6 @@
 import glob
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import asdict, fields
 from typing import Optional
@@ -12,10 +10,7 @@ import pytest
 import torch
 
 import ppo_cartpole as ppo
-from conftest import ROOT, only_run_dir, read_scalars, run_script, same_numbers
-
-SCRIPT = os.path.join(ROOT, "ppo_cartpole.py")
-
+from conftest import all_scalars, only_run_dir, read_scalars, run_script, same_numbers, stop_when_printed
 
 # ---------------------------------------------------------------------------------------------
 # The math
@@ -176,7 +171,7 @@ def test_save_model_eval_equals_eval_checkpoint(tmp_path):
     ).stdout
     run = only_run_dir(cwd)
     ckpt = os.path.join(run, "ppo_cartpole.pt")
-    assert "checkpoint saved to" in out and os.listdir(run) != [] and not glob.glob(ckpt + ".tmp*")
+    assert "checkpoint saved to" in out and os.path.isfile(ckpt) and not glob.glob(ckpt + ".tmp*")
     in_run = out.split("eval: ")[1].split(" (")[0]
     out = run_script("ppo_cartpole.py", "--eval-checkpoint", ckpt, "--eval-episodes", "3", cwd=cwd).stdout
     assert out.split("eval: ")[1].split(" (")[0] == in_run and "seeds from 10006" in out
@@ -205,7 +200,6 @@ def test_every_numeric_flag_has_a_range_and_the_defaults_pass():
     numeric = {f.name for f in fields(ppo.Args) if f.type in (int, float, Optional[int], Optional[float])}
     assert numeric == set(ppo.RANGES)
     ppo.check_args(ppo.Args())
-    assert ppo.Args().cuda  # CUDA whenever torch sees a device; --no-cuda for the CPU
 
 
 def _checkpoint(folder, kind):
@@ -214,8 +208,6 @@ def _checkpoint(folder, kind):
     ckpt = {
         "model": ppo.Agent(4, 2).state_dict(),
         "args": asdict(ppo.Args(seed=1)),
-        "obs_dim": 4,
-        "n_actions": 2,
         "run_name": "CartPole-v1__ppo_cartpole__1__1",
     }
     if kind == "missing_model":
@@ -248,7 +240,7 @@ def _checkpoint(folder, kind):
 def _training_state(folder, kind):
     """A run folder holding a training state, good or spoiled as `kind` says."""
     folder.mkdir()
-    args = ppo.Args(seed=1, total_timesteps=512 if kind == "complete" else 5120)
+    args = ppo.Args(seed=1, total_timesteps=5120)
     envs = ppo.gym.wrappers.vector.RecordEpisodeStatistics(
         ppo.gym.vector.SyncVectorEnv(
             [ppo.make_env("CartPole-v1")] * 4, autoreset_mode=ppo.gym.vector.AutoresetMode.SAME_STEP
@@ -261,6 +253,14 @@ def _training_state(folder, kind):
     )
     if kind == "foreign":
         state["script"] = "another.py"
+    elif kind == "missing_key":
+        del state["optimizer"]
+    elif kind == "misshapen":
+        state["model"]["actor.0.weight"] = torch.zeros(3, 3)
+    elif kind == "other_num_envs":  # the flags say 8 envs, the envs saved are 4
+        state["args"]["num_envs"] = 8
+    elif kind == "out_of_range":
+        state["args"]["gamma"] = 2.0
     ppo.save_checkpoint(str(folder / "training_state.pt"), state)
 
 
@@ -278,6 +278,7 @@ def _bad(flags, message):
         _bad(("--update-epochs", "0"), "--update-epochs must be in [1, 10000], got 0"),
         _bad(("--num-minibatches", "0"), "--num-minibatches must be in [1, 10000000], got 0"),
         _bad(("--num-minibatches", "1000"), "--num-minibatches 1000 must divide the rollout of 512 samples"),
+        _bad(("--num-minibatches", "512"), "--norm-adv needs minibatches of 2 samples or more, but 512 minibatches"),
         _bad(("--total-timesteps", "0"), "--total-timesteps must be in [1, 1000000000000], got 0"),
         _bad(("--total-timesteps", str(10**30)), "--total-timesteps must be in [1, 1000000000000]"),
         _bad(("--learning-rate", "inf"), "--learning-rate must be in (0, 1], got inf"),
@@ -292,6 +293,7 @@ def _bad(flags, message):
         _bad(("--target-kl", "-inf"), "--target-kl must be in (0, 1000000.0], got -inf"),
         _bad(("--eval-episodes", "0"), "--eval-episodes must be in [1, 1000000], got 0"),
         _bad(("--torch-threads", "0"), "--torch-threads must be in [1, 1024], got 0"),
+        _bad(("--checkpoint-every", "0"), "--checkpoint-every must be in [1, 1000000000], got 0"),
         _bad(("--seed", "-1"), "--seed must be in [0, 4294967295], got -1"),
         _bad(("--seed", str(2**32)), "--seed must be in [0, 4294967295], got 4294967296"),
         _bad(("--num-envs", "1024", "--num-steps", "10000000"), "over half of this machine's memory"),
@@ -301,8 +303,10 @@ def _bad(flags, message):
         _bad(("--exp-name", ".."), "--exp-name must be a plain name"),
         _bad(("--exp-name", ""), "--exp-name must be a plain name"),
         _bad(("--exp-name", "x" * 201), "--exp-name must be a plain name"),
+        _bad(("--exp-name", "training_state"), "--exp-name training_state is the name of the run's training state"),
         # envs that do not exist or do not fit
         _bad(("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
+        _bad(("--env-id", "CartPol-v1"), "Did you mean: `CartPole`.\n"),  # gymnasium's question, one full stop
         _bad(("--env-id", "Pendulum-v1"), "needs a flat Box observation and Discrete actions"),
         # flags that are not (or no longer) flags: tyro's own message, exit 2
         _bad(("--batch-size", "3"), None),
@@ -332,7 +336,10 @@ def _bad(flags, message):
         _bad(("--resume", "nowhere"), "--resume nowhere is not a run folder"),
         _bad(("--resume", "resume:foreign"), "is not a training state of this version of ppo_cartpole.py"),
         _bad(("--resume", "resume:good", "--num-envs", "8"), "but --num-envs 8 differs from its 4"),
-        _bad(("--resume", "resume:complete"), "is complete (1 of 1 updates); nothing to resume"),
+        _bad(("--resume", "resume:missing_key"), "is a damaged training state (no 'optimizer')"),
+        _bad(("--resume", "resume:misshapen"), "is a damaged training state (Error(s) in loading state_dict"),
+        _bad(("--resume", "resume:other_num_envs"), "env layers saved where the run's flags make"),
+        _bad(("--resume", "resume:out_of_range"), "is a damaged training state (--gamma must be in [0, 1], got 2.0)"),
         _bad(("--resume", "resume:good", "--eval-checkpoint", "x"), "takes no training flags, got --resume"),
         # a run folder that cannot be made (a file named runs stands where the folder would go)
         _bad(("--total-timesteps", "512", "runs-is-a-file"), "cannot create the run folder"),
@@ -361,10 +368,10 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
     before = sorted(os.listdir(tmp_path)), sorted(os.listdir(given))
     monkeypatch.chdir(tmp_path)
 
-    def no_training(*a, **kw):  # a row that got past the checks would train here: fail at once instead
+    def no_training(*a, **kw):  # a row that got past the checks and the restore would log here: fail at once instead
         raise AssertionError("the run started")
 
-    monkeypatch.setattr(ppo.gym.vector, "SyncVectorEnv", no_training)
+    monkeypatch.setattr("torch.utils.tensorboard.SummaryWriter", no_training)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:  # the script's entry point, as its __main__ calls it (tyro's own errors exit 2 from inside it)
         code = ppo.cli(flags)
@@ -416,34 +423,71 @@ def test_a_signal_during_evaluation_stops_after_the_episode(capsys):
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_stops_after_the_update_keeps_the_checkpoint_and_exits_with_one_line(tmp_path, sig, code):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, SCRIPT, "--total-timesteps", "100000000", "--save-model"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    first = proc.stdout.readline()  # printed once the handler is in place and the run folder exists
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=120)
-    assert "logging to runs/" in first and proc.returncode == code and "Traceback" not in err, err
-    last = out.strip().splitlines()[-1]
-    assert "interrupted" in last and "checkpoint saved to" in last
+def test_a_signal_stops_after_the_update_keeps_the_checkpoint_and_exits_with_its_status(tmp_path, sig, code):
+    # the first line is printed once the handler is in place and the run folder exists
+    flags = ("--total-timesteps", "100000000", "--save-model")
+    proc = stop_when_printed("ppo_cartpole.py", *flags, cwd=tmp_path, line="logging to runs/", sig=sig)
+    err = proc.stderr.read()
+    assert proc.returncode == code and "Traceback" not in err and "stopping at the next safe point" in err, err
     run = only_run_dir(str(tmp_path))
-    assert os.listdir(run) and not glob.glob(os.path.join(run, "*.tmp*"))
+    assert os.path.isfile(os.path.join(run, "training_state.pt")) and not glob.glob(os.path.join(run, "*.tmp*"))
     agent, train, _ = ppo.agent_from_checkpoint(os.path.join(run, "ppo_cartpole.pt"))
     assert train["total_timesteps"] == 100000000 and len(read_scalars(run, "losses/policy_loss")) >= 1
 
 
-def test_run_folders_are_unique():
-    import tempfile
+@pytest.mark.parametrize("last", [False, True], ids=["updates-left", "during-the-last-update"])
+def test_the_stop_message_says_continue_only_when_updates_remain(tmp_path, monkeypatch, capsys, last):
+    """A signal during the last update stops a complete run: the exit status says a signal came, the summary line
+    offers no --resume; with updates left it does. Either way the --save-model evaluation is skipped."""
+    monkeypatch.chdir(tmp_path)
+    stop, gae, updates = ppo.StopSignal(), ppo.compute_gae, []
 
-    with tempfile.TemporaryDirectory() as root:
-        names = {ppo.make_run_dir("CartPole-v1__ppo_cartpole__1", root=root) for _ in range(3)}
-        assert len(names) == 3 and all(os.path.isdir(os.path.join(root, n)) for n in names)
+    def gae_then_signal(*a):  # the signal arrives during update 1 or during update 2, the last
+        updates.append(len(updates) + 1)
+        if updates[-1] == (2 if last else 1):
+            stop.handle(signal.SIGTERM, None)
+        return gae(*a)
+
+    monkeypatch.setattr(ppo, "compute_gae", gae_then_signal)
+    assert ppo.main(ppo.Args(total_timesteps=1024, save_model=True), stop) == 143
+    out = capsys.readouterr().out
+    summary = out.strip().splitlines()[-1]
+    assert ("1024 of 1024 steps" if last else "512 of 1024 steps") in summary and "checkpoint saved to" in summary
+    assert ("interrupted (continue it: --resume" in summary) != last and "eval:" not in out
+    run = only_run_dir(str(tmp_path))
+    assert torch.load(os.path.join(run, "training_state.pt"), weights_only=True)["iteration"] == len(updates)
+
+
+def test_the_logged_events_are_on_disk_before_each_training_state(tmp_path, monkeypatch):
+    """A SIGKILL after a training state is saved loses no event of the updates it holds: the event file is flushed
+    first (here its records reach the disk only when flushed, as a buffered file's do)."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    write, flush, held, on_disk = RecordWriter.write, RecordWriter.flush, [], []
+
+    def release(self):
+        for data in held:
+            write(self, data)
+        held.clear()
+        flush(self)
+
+    monkeypatch.setattr(RecordWriter, "write", lambda self, data: held.append(data))
+    monkeypatch.setattr(RecordWriter, "flush", release)
+    save = ppo.save_checkpoint
+
+    def count_then_save(path, checkpoint):
+        on_disk.append(len(read_scalars(os.path.dirname(path), "losses/policy_loss")))
+        save(path, checkpoint)
+
+    monkeypatch.setattr(ppo, "save_checkpoint", count_then_save)
+    monkeypatch.chdir(tmp_path)
+    ppo.main(ppo.Args(total_timesteps=1536, checkpoint_every=1))
+    assert on_disk == [1, 2, 3]
+
+
+def test_run_folders_are_unique(tmp_path):
+    names = {ppo.make_run_dir("CartPole-v1__ppo_cartpole__1", root=str(tmp_path)) for _ in range(3)}
+    assert len(names) == 3 and all(os.path.isdir(tmp_path / n) for n in names)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,19 +516,22 @@ def test_the_training_state_restores_exactly(tmp_path):
     np.random.rand(3)
     path = str(tmp_path / "state.pt")
     ppo.save_checkpoint(path, ppo.training_state(args, 5, 640, obs, agent, optimizer, envs, rng))
-    twin = fresh()
-    twin[0].reset(seed=123)
-    iteration, step, twin_obs = ppo.restore_training_state(ppo.load_checkpoint(path), *twin[1:3], twin[0], twin[3])
+    twin_envs, twin_agent, twin_optimizer, twin_rng = fresh()
+    twin_envs.reset(seed=123)
+    restored = ppo.restore_training_state(
+        path, ppo.load_checkpoint(path), twin_agent, twin_optimizer, twin_envs, twin_rng
+    )
+    iteration, step, twin_obs = restored
     assert (iteration, step) == (5, 640) and np.array_equal(twin_obs, obs)
     a = ppo.training_state(args, 5, 640, obs, agent, optimizer, envs, rng)
-    b = ppo.training_state(args, 5, 640, twin_obs, twin[1], twin[2], twin[0], twin[3])
+    b = ppo.training_state(args, 5, 640, twin_obs, twin_agent, twin_optimizer, twin_envs, twin_rng)
     assert repr(a) == repr(b)  # tensors, numbers and generator states alike
     for _ in range(40):  # and the two copies go on the same way
         action = rng.integers(0, 2, 3)
-        assert np.array_equal(twin[3].integers(0, 2, 3), action)
-        one, two = envs.step(action), twin[0].step(action)
+        assert np.array_equal(twin_rng.integers(0, 2, 3), action)
+        one, two = envs.step(action), twin_envs.step(action)
         assert all(np.array_equal(x, y) for x, y in zip(one[:4], two[:4]))
-    assert list(envs.return_queue) == list(twin[0].return_queue)
+    assert list(envs.return_queue) == list(twin_envs.return_queue)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
@@ -492,23 +539,9 @@ def test_a_stopped_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, 
     """SIGTERM saves the state at the update it stops after; SIGKILL loses the updates since the last checkpoint,
     which the resumed run does again, hiding their first logging. Either way the resumed run's TensorBoard series
     equal, bit for bit, those of a run that was never stopped."""
-    from conftest import all_scalars
-
     flags = ["--total-timesteps", "20480", "--seed", "4", "--checkpoint-every", "5"]  # the last one before 12: 10
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     (tmp_path / "stopped").mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, SCRIPT, *flags],
-        cwd=tmp_path / "stopped",
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    while "update 12/40" not in proc.stdout.readline():
-        pass
-    proc.send_signal(sig)
-    proc.communicate(timeout=120)
+    proc = stop_when_printed("ppo_cartpole.py", *flags, cwd=tmp_path / "stopped", line="update 12/40", sig=sig)
     run = only_run_dir(str(tmp_path / "stopped"))
     assert proc.returncode == (143 if sig == signal.SIGTERM else -9)
     out = run_script("ppo_cartpole.py", "--resume", run, cwd=str(tmp_path / "stopped")).stdout
@@ -519,10 +552,58 @@ def test_a_stopped_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, 
     assert len(whole["losses/policy_loss"]) == 40 and resumed == whole
 
 
+def test_resuming_a_complete_run_finishes_it_with_the_flags_that_do_not_change_training(tmp_path):
+    """A run killed after its last update is resumed, not refused: no update runs again, and --save-model given
+    with --resume (the run had none) saves and evaluates the model."""
+    cwd = str(tmp_path)
+    run_script("ppo_cartpole.py", "--total-timesteps", "1024", "--seed", "2", cwd=cwd)
+    run = only_run_dir(cwd)
+    out = run_script("ppo_cartpole.py", "--resume", run, "--save-model", "--eval-episodes", "2", cwd=cwd).stdout
+    assert "1024 of 1024 steps" in out and "checkpoint saved to" in out and "interrupted" not in out
+    assert [step for step, _ in read_scalars(run, "losses/policy_loss")] == [512, 1024]
+    assert os.path.isfile(os.path.join(run, "ppo_cartpole.pt")) and len(read_scalars(run, "eval/episodic_return")) == 2
+
+
+def test_resume_dot_from_inside_the_run_folder_keeps_the_run_name(tmp_path):
+    cwd = str(tmp_path)
+    run_script("ppo_cartpole.py", "--total-timesteps", "512", "--save-model", "--eval-episodes", "1", cwd=cwd)
+    run = only_run_dir(cwd)
+    out = run_script("ppo_cartpole.py", "--resume", ".", cwd=run).stdout
+    assert f"\n{os.path.basename(run)}: 512 of 512 steps" in out and "eval: " in out  # the run's --save-model
+    _, _, run_name = ppo.agent_from_checkpoint(os.path.join(run, "ppo_cartpole.pt"))
+    assert run_name == os.path.basename(run)
+    out = run_script("ppo_cartpole.py", "--eval-checkpoint", "ppo_cartpole.pt", "--eval-episodes", "1", cwd=run).stdout
+    assert f"logging to runs/{os.path.basename(run)}-eval__10001__" in out
+
+
+def test_an_env_whose_state_is_not_saved_restarts_its_episodes_on_resume(tmp_path):
+    """LunarLander's Box2D world is not in the training state: the resumed run resets its envs (seeded by the run's
+    seed and the update), logs no cut-off episode and no step twice, and reaches its budget."""
+    flags = ("--env-id", "LunarLander-v3", "--num-envs", "2", "--num-steps", "64", "--total-timesteps", "2560")
+    flags += ("--checkpoint-every", "2", "--seed", "3")  # 20 updates of 128 steps, a line every 2
+    proc = stop_when_printed("ppo_cartpole.py", *flags, cwd=tmp_path, line="update 2/20", sig=signal.SIGTERM)
+    run = only_run_dir(str(tmp_path))
+    state = torch.load(os.path.join(run, "training_state.pt"), weights_only=True)
+    assert proc.returncode == 143 and state["envs"] is None and state["iteration"] < 20
+    out = run_script("ppo_cartpole.py", "--resume", run, cwd=str(tmp_path)).stdout
+    assert "2560 of 2560 steps" in out
+    assert [step for step, _ in read_scalars(run, "losses/policy_loss")] == [128 * k for k in range(1, 21)]
+    lengths = read_scalars(run, "charts/episodic_length")
+    after = [(step, length) for step, length in lengths if step > state["global_step"]]
+    assert after and all(step - 2 * length >= state["global_step"] for step, length in after), after
+
+
 def test_a_resumed_run_starts_its_event_file_in_a_later_second(tmp_path):
     """TensorBoard orders a run's event files by name, which starts with the second they were made in."""
-    _training_state(tmp_path / "run", "good")
     made = int(time.time())
-    (tmp_path / "run" / f"events.out.tfevents.{made}.host.1.0").write_bytes(b"")
-    ppo.load_training_state(ppo.Args(resume=str(tmp_path / "run")))
+    (tmp_path / f"events.out.tfevents.{made}.host.1.0").write_bytes(b"")
+    ppo.wait_for_a_new_second(str(tmp_path))
     assert time.time() >= made + 1
+
+
+def test_an_event_file_from_the_future_delays_a_resume_by_2_seconds_at_most(tmp_path, monkeypatch):
+    (tmp_path / f"events.out.tfevents.{int(time.time()) + 3600}.host.1.0").write_bytes(b"")
+    slept = []
+    monkeypatch.setattr(ppo.time, "sleep", slept.append)
+    ppo.wait_for_a_new_second(str(tmp_path))
+    assert slept == [2.0]
