@@ -10,9 +10,10 @@ that episode's history. `--value-stride S`: windows start only every S steps (th
 
     python gpt2ppo_lunar.py --value-stride 64 --dropout 0.1 --save-model
     python gpt2ppo_lunar.py --eval-checkpoint runs/<run>/gpt2ppo_lunar.pt
+    python gpt2ppo_lunar.py --resume runs/<run>
 
 The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it are the checks, signals,
-checkpoints and the evaluation-only mode.
+checkpoints, the training state that `--resume` continues from and the evaluation-only mode.
 """
 
 import os
@@ -22,7 +23,6 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, not a traceback
     signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
 
-import random
 import re
 import stat
 import time
@@ -42,14 +42,15 @@ class Args:
     exp_name: str = "gpt2ppo_lunar"
     """the name of this experiment (up to 64 letters, digits, `.`, `_`, `-`; part of the run folder's name)"""
     seed: Optional[int] = None
-    """seed of envs, torch, numpy and python (default 123, Table I); with `--eval-checkpoint` it replaces the
+    """seed of envs, torch and numpy (default 123, Table I); with `--eval-checkpoint` it replaces the
     checkpoint's seed"""
     cuda: bool = True
     """use CUDA when torch sees a device (`--no-cuda`: the CPU)"""
     torch_threads: int = 1
     """torch intra-op threads"""
     save_model: bool = False
-    """save a checkpoint into the run folder at the end of training (or when stopped), then evaluate it"""
+    """save a checkpoint into the run folder when training ends or is stopped; a run that ends (not a stopped one)
+    then evaluates it"""
     eval_checkpoint: Optional[str] = None
     """path of a checkpoint whose actor is evaluated instead of training"""
     eval_episodes: int = 10
@@ -58,7 +59,9 @@ class Args:
     """save the training state (for `--resume`) every this many updates (rollout and update of steps_per_epoch
     steps), and when the run ends or is stopped"""
     resume: Optional[str] = None
-    """a run folder to continue, with its own flags, to its original budget (in the same folder and log)"""
+    """a run folder to continue to its original budget, in the same folder and log: flags given with --resume that
+    differ from their defaults must equal the run's; the others come from the run (but --no-cuda, --torch-threads,
+    --checkpoint-every, --save-model and --eval-episodes given with it replace the run's)"""
 
     env_id: str = "LunarLander-v3"
     """the id of the environment (flat Box observations, Discrete or flat Box actions, an episode limit)"""
@@ -248,11 +251,11 @@ class GPT2Critic(nn.Module):
         return self.head(h.last_hidden_state[:, 0::2]).squeeze(-1)  # (B, K): the value at every state token
 
 
-def make_critic(kind: str, obs_dim: int, act_dim: int, a: dict) -> nn.Module:
-    """The critic of `--critic kind` with the sizes in `a` (the run's args and the env's max_timestep)."""
+def make_critic(kind: str, obs_dim: int, act_dim: int, config: dict) -> nn.Module:
+    """The critic of `--critic kind` with the sizes in `config` (the run's args and the env's max_timestep)."""
     if kind == "mlp":
-        return MLPCritic(obs_dim, a["hidden_size"])
-    sizes = {k: a[k] for k in ("hidden_size", "context_len", "n_layer", "n_head", "dropout", "max_timestep")}
+        return MLPCritic(obs_dim, config["hidden_size"])
+    sizes = {k: config[k] for k in ("hidden_size", "context_len", "n_layer", "n_head", "dropout", "max_timestep")}
     return GPT2Critic(obs_dim, act_dim, **sizes)
 
 
@@ -284,7 +287,7 @@ class History:
     K-1+t rollout step t, K-1+T the state it ended in (numpy, with torch views of the same memory to gather)."""
 
     def __init__(self, num_envs: int, num_steps: int, context_len: int, value_stride: int, obs_dim: int, act_dim: int):
-        self.N, self.T, self.K, self.S = num_envs, num_steps, context_len, value_stride
+        self.T, self.K, self.S = num_steps, context_len, value_stride
         self.L = context_len + num_steps
         self.obs = np.zeros((num_envs, self.L, obs_dim), dtype=np.float32)
         self.act = np.zeros((num_envs, self.L, act_dim), dtype=np.float32)
@@ -393,37 +396,22 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     torch.set_num_threads(args.torch_threads)
     if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, stop)
-    state = None
+    resumed = None
     if args.resume is not None:  # the run's own flags and its training state at its last checkpoint
-        args, state = load_training_state(args)
+        args, resumed = load_training_state(args)
     max_timestep, obs_dim, act_dim, discrete = env_sizes(args.env_id)
     args.seed = 123 if args.seed is None else args.seed  # Table I
     T, N = args.steps_per_epoch // args.num_envs, args.num_envs  # steps per env per rollout, envs
     num_iterations = -(-args.total_timesteps // args.steps_per_epoch)  # whole rollouts, rounded up
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    schedule = "" if args.update_schedule == "shuffled" else f"-{args.update_schedule}-schedule"
-    if state is None:
-        base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__critic-{args.critic}{schedule}__{args.seed}"
+    schedule_suffix = "" if args.update_schedule == "shuffled" else f"-{args.update_schedule}-schedule"
+    if resumed is None:
+        base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__critic-{args.critic}{schedule_suffix}__{args.seed}"
         run_dir = os.path.join("runs", make_run_dir(base))
     else:
         run_dir = args.resume
-    run_name = os.path.basename(os.path.normpath(run_dir))
-    slow = device.type == "cpu" and args.critic == "gpt2" and args.value_stride == 1
-    print(
-        f"{run_name}: device {device}, {num_iterations} rollouts of {args.steps_per_epoch} steps"
-        + ("" if state is None else f", continued after update {state['iteration']}")
-        + ("; exact windows: minutes per update on a CPU (--value-stride 64: ~64x fewer passes)" if slow else ""),
-        flush=True,
-    )
-    from torch.utils.tensorboard import SummaryWriter
+    run_name = os.path.basename(os.path.abspath(run_dir))
 
-    # a resumed run hides what was logged after its last checkpoint, so no step appears twice
-    writer = SummaryWriter(run_dir, purge_step=None if state is None else state["global_step"] + 1)
-    if state is None:
-        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-
-    random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = True
@@ -434,7 +422,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     actor = Actor(obs_dim, act_dim, discrete, args.hidden_size).to(device)
     critic = make_critic(args.critic, obs_dim, act_dim, {**vars(args), "max_timestep": max_timestep}).to(device)
     actor_opt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr, eps=1e-5)
-    critic_params = [p for p in critic.parameters() if p.requires_grad]  # all of the GPT-2, embeddings and head
+    critic_params = [p for p in critic.parameters() if p.requires_grad]  # all but GPT-2's frozen wpe and wte
     critic_opt = torch.optim.Adam(critic_params, lr=args.critic_lr, eps=1e-5)
     shuffle_rng = np.random.default_rng(args.seed)
 
@@ -456,11 +444,29 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     next_obs = envs.reset(seed=args.seed)[0].astype(np.float32)
     models = {"actor": actor, "critic": critic, "actor_optimizer": actor_opt, "critic_optimizer": critic_opt}
     episodes = (episode_return, episode_length, recent_returns)  # carried from one rollout into the next
-    if state is not None:  # continue where the run stopped: weights, optimizers, random streams, history, envs
+    if resumed is not None:  # continue where the run stopped: weights, optimizers, random streams, history, envs
         start_iteration, global_step, next_obs = restore_training_state(
-            state, models, shuffle_rng, history, episodes, envs
+            run_dir, resumed, models, shuffle_rng, history, episodes, envs
         )
+    slow = device.type == "cpu" and args.critic == "gpt2" and args.value_stride == 1
+    print(
+        f"{run_name}: device {device}, {num_iterations} rollouts of {args.steps_per_epoch} steps"
+        + ("" if resumed is None else f", continued after update {start_iteration}")
+        + ("; exact windows: minutes per update on a CPU (--value-stride 64: ~64x fewer passes)" if slow else ""),
+        flush=True,
+    )
+    from torch.utils.tensorboard import SummaryWriter
+
+    if resumed is not None:  # TensorBoard reads event files in name order, which starts with the second of their making
+        wait_for_a_new_second(run_dir)
+    # a resumed run hides what was logged after its last checkpoint, so no step appears twice
+    writer = SummaryWriter(run_dir, purge_step=None if resumed is None else global_step + 1)
+    if resumed is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+
     first_step, start_time = global_step, time.time()
+    iteration = start_iteration  # the updates done so far (a complete run that is resumed does none)
     for iteration in range(start_iteration + 1, num_iterations + 1):
         rollout_start = time.time()
         actor.eval()
@@ -560,8 +566,11 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         writer.add_scalar("time/update_seconds", update_time, global_step)
         stopping = stop.requested  # read once: a signal after this line stops the run at the next update
         if stopping or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
-            state = training_state(args, iteration, global_step, next_obs, models, shuffle_rng, history, episodes, envs)
-            save_checkpoint(os.path.join(run_dir, "training_state.pt"), state)
+            writer.flush()  # what the updates in this state logged is on disk before the state is
+            save_checkpoint(
+                os.path.join(run_dir, "training_state.pt"),
+                training_state(args, iteration, global_step, next_obs, models, shuffle_rng, history, episodes, envs),
+            )
         if stopping:  # Ctrl-C or SIGTERM: the training state above keeps what was done
             break
         if iteration < num_iterations:
@@ -586,11 +595,12 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         }
         save_checkpoint(model_path, checkpoint)
     saved = f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"
-    stopped = f"stopped by {signal.Signals(stop.signum).name} after " if stop.requested else ""
+    interrupted = stop.requested and iteration < num_iterations  # a signal in the last update: the run is complete
+    stopped = f"stopped by {signal.Signals(stop.signum).name} after " if interrupted else ""
     print(
         f"{run_name}: {stopped}{global_step} of {num_iterations * args.steps_per_epoch} steps, "
         f"{returns_text(recent_returns)}, {int((global_step - first_step) / (time.time() - start_time))} steps/s; "
-        f"{saved}" + (f"; continue it: --resume {run_dir}" if stop.requested else ""),
+        f"{saved}" + (f"; continue it: --resume {run_dir}" if interrupted else ""),
         flush=True,
     )
     if args.save_model and not stop.requested:
@@ -599,8 +609,9 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     return stop.exit_status
 
 
-# ---- Run machinery: what a run needs around the algorithm (checks, signals, checkpoints, run folders, the
-# evaluation-only mode, the command line). The algorithm is complete above this line.
+# ---- Run machinery: what a run needs around the algorithm (checks, signals, checkpoints, the training state that
+# --resume continues from, run folders, the evaluation-only mode, the command line). The algorithm is complete above
+# this line.
 
 
 class UserError(Exception):
@@ -632,7 +643,8 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
 }
 CHOICES = {"critic": ("gpt2", "mlp"), "update_schedule": ("shuffled", "authors")}
 EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads"}  # all that --eval-checkpoint takes
-RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads"}  # flags a resumed run may change
+# flags a resumed run may change: they do not change its training
+RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes"}
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a folder name: no separators, not . or ..
 
 
@@ -658,6 +670,8 @@ def check_args(args: Args) -> None:
         raise UserError(
             f"--exp-name must be a plain name of up to 64 letters, digits, '.', '_' or '-', got {args.exp_name!r}"
         )
+    if args.exp_name == "training_state":  # --save-model's file would overwrite the training state
+        raise UserError("--exp-name training_state is the name of the run's training state; choose another")
     given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
     if args.eval_checkpoint is not None and given:
         raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
@@ -665,7 +679,7 @@ def check_args(args: Args) -> None:
         raise UserError(f"--steps-per-epoch must be a multiple of --num-envs {args.num_envs}")
     if args.steps_per_epoch % args.minibatch_size:
         raise UserError(f"--minibatch-size must divide --steps-per-epoch {args.steps_per_epoch}")
-    if args.value_stride > args.context_len:
+    if args.critic == "gpt2" and args.value_stride > args.context_len:
         raise UserError(
             f"--value-stride must be between 1 and --context-len {args.context_len}, got {args.value_stride}"
         )
@@ -675,11 +689,15 @@ def check_args(args: Args) -> None:
 
 
 def check_memory(args: Args) -> None:
-    """UserError when the critic and the rollout would need more than this machine's memory (a rough estimate)."""
-    K, H, memory = args.context_len, args.hidden_size, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    weights = 16 * (12 * args.n_layer * H * H + 4096 * H)  # weights, gradients and Adam's moments
+    """UserError when the critic and the rollout would need more than this machine's memory (a rough estimate); the
+    GPT-2 sizes count only for `--critic gpt2`."""
+    H, memory = args.hidden_size, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpt2 = args.critic == "gpt2"
+    K = args.context_len if gpt2 else 1  # the MLP's window: one step
+    square = 12 * args.n_layer if gpt2 else 2  # H x H weights: GPT-2's blocks, or the MLP's and the actor's layer
+    weights = 16 * (square * H * H + 4096 * H)  # weights, gradients and Adam's moments
     rollout = 32 * args.steps_per_epoch * (K + args.num_envs)
-    batch = 4 * max(256, args.minibatch_size) * 2 * K * args.n_layer * (16 * H + 6 * args.n_head * K)  # one pass
+    batch = 4 * max(256, args.minibatch_size) * 2 * K * args.n_layer * (16 * H + 6 * args.n_head * K) if gpt2 else 0
     need = weights + rollout + batch
     if need >= memory:
         raise UserError(f"these sizes need ~{need / 2**30:.0f} GiB, more than this machine's {memory / 2**30:.0f} GiB")
@@ -781,9 +799,10 @@ def of_type(value, t: type) -> bool:
     return isinstance(value, t) and (t is bool or not isinstance(value, bool))  # True is an int to Python, not here
 
 
-def models_from_checkpoint(path: str) -> tuple[Actor, nn.Module, dict]:
-    """(actor, critic, training args with run_name) of a --save-model checkpoint, checked key by key, against its
-    env, and weight by weight (names, shapes, dtypes, finite values) before any full-size network is built."""
+def actor_from_checkpoint(path: str) -> tuple[Actor, dict]:
+    """(actor, training args with run_name) of a --save-model checkpoint, checked key by key, against its env, and
+    weight by weight (names, shapes, dtypes, finite values) before the actor is built; the critic, which an
+    evaluation does not use, is only checked (on the meta device: its shapes, nothing allocated)."""
     ckpt = load_checkpoint(path)
     train = ckpt.get("args")
     if not (
@@ -791,35 +810,30 @@ def models_from_checkpoint(path: str) -> tuple[Actor, nn.Module, dict]:
         and all(of_type(train.get(k), t) for k, t in CHECKPOINT_ARGS.items())
     ):
         raise UserError(f"'{path}' is not a gpt2ppo_lunar.py checkpoint (a key is missing or of the wrong type)")
-    a = {**train, "run_name": ckpt.get("run_name") or os.path.basename(os.path.dirname(os.path.abspath(path)))}
+    config = {**train, "run_name": ckpt.get("run_name") or os.path.basename(os.path.dirname(os.path.abspath(path)))}
     sizes = ("seed", "hidden_size", "context_len", "n_layer", "n_head", "dropout")
     if not (
-        all(in_range(k, a[k]) for k in sizes)
-        and a["critic"] in CHOICES["critic"]
-        and 1 <= a["max_timestep"] <= 10**7
-        and isinstance(a["run_name"], str)
-        and PLAIN_NAME.fullmatch(a["run_name"])
-        and (a["critic"] == "mlp" or a["hidden_size"] % a["n_head"] == 0)
+        all(in_range(k, config[k]) for k in sizes)
+        and config["critic"] in CHOICES["critic"]
+        and 1 <= config["max_timestep"] <= 10**7
+        and isinstance(config["run_name"], str)
+        and PLAIN_NAME.fullmatch(config["run_name"])
+        and (config["critic"] == "mlp" or config["hidden_size"] % config["n_head"] == 0)
     ):
         raise UserError(f"'{path}' is not a gpt2ppo_lunar.py checkpoint (sizes, critic or run name out of range)")
     spaces = (ckpt["obs_dim"], ckpt["act_dim"], ckpt["discrete"])
-    if spaces != env_sizes(a["env_id"])[1:]:
-        raise UserError(f"'{path}' was trained on other spaces than those of {a['env_id']} ({spaces})")
-
-    def build():
-        return Actor(*spaces, a["hidden_size"]), make_critic(a["critic"], *spaces[:2], a)
-
+    if spaces != env_sizes(config["env_id"])[1:]:
+        raise UserError(f"'{path}' was trained on other spaces than those of {config['env_id']} ({spaces})")
     with torch.device("meta"):  # the shapes the args imply, without allocating them
-        shapes = build()
+        shapes = Actor(*spaces, config["hidden_size"]), make_critic(config["critic"], *spaces[:2], config)
     for module, state in zip(shapes, (ckpt["actor"], ckpt["critic"])):
         want = {k: (v.shape, v.dtype) for k, v in module.state_dict().items()}
         got = {k: (v.shape, v.dtype) for k, v in state.items() if torch.is_tensor(v) and bool(v.isfinite().all())}
         if got != want or len(state) != len(want):
             raise UserError(f"'{path}' holds no network of the shapes its args give (finite float32 weights)")
-    actor, critic = build()
+    actor = Actor(*spaces, config["hidden_size"])
     actor.load_state_dict(ckpt["actor"])
-    critic.load_state_dict(ckpt["critic"])
-    return actor, critic, a
+    return actor, config
 
 
 def evaluate(actor: Actor, env_id: str, episodes: int, seed: int, writer, stop: StopSignal) -> list[float]:
@@ -852,7 +866,7 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
     """The evaluation-only mode: greedy episodes of a saved actor, seeded as the evaluation after its training."""
     from torch.utils.tensorboard import SummaryWriter
 
-    actor, _, train = models_from_checkpoint(args.eval_checkpoint)
+    actor, train = actor_from_checkpoint(args.eval_checkpoint)
     seed = 10_000 + (train["seed"] if args.seed is None else args.seed)
     run_name = make_run_dir(f"{train['run_name']}-eval__{seed}")
     print(f"{args.eval_checkpoint}: critic {train['critic']}, device cpu (evaluation), logging to runs/{run_name}")
@@ -869,8 +883,8 @@ def returns_text(returns, last: str = "of the last ") -> str:
 
 def training_state(args, iteration, global_step, next_obs, models, shuffle_rng, history, episodes, envs) -> dict:
     """Everything a run needs to continue: flags, counters, the weights and optimizers in `models`, random streams
-    (torch's, CUDA's on a GPU, the minibatch shuffler; numpy's and Python's global ones are seeded but never drawn
-    from), the critic's history, the episodes in progress and the last 100 returns, the envs."""
+    (torch's, CUDA's on a GPU, the minibatch shuffler; numpy's global one is seeded but never drawn from), the
+    critic's history, the episodes in progress and the last 100 returns, the envs."""
     episode_return, episode_length, recent_returns = episodes
     cuda = next(models["actor"].parameters()).is_cuda
     return {
@@ -891,28 +905,44 @@ def training_state(args, iteration, global_step, next_obs, models, shuffle_rng, 
     }
 
 
-def restore_training_state(state, models, shuffle_rng, history, episodes, envs) -> tuple[int, int, np.ndarray]:
-    """Put a training state back into freshly made objects; (updates done, steps done, the current observation).
+def restore_training_state(run_dir, state, models, shuffle_rng, history, episodes, envs) -> tuple[int, int, np.ndarray]:
+    """Put the training state of `run_dir` back into freshly made objects; (updates done, steps done, the current
+    observation). UserError when it does not fit them (a damaged file).
 
     Envs whose state was not saved (Box2D, MuJoCo) start new episodes, seeded by the run's seed and the update."""
-    for name, model in models.items():
-        model.load_state_dict(state[name])
-    torch.set_rng_state(state["torch_rng"])
-    if state["cuda_rng"] is not None and next(models["actor"].parameters()).is_cuda:
-        torch.cuda.set_rng_state(state["cuda_rng"])
-    shuffle_rng.bit_generator.state = state["shuffle_rng"]
-    for name, saved in state["history"].items():
-        getattr(history, name)[...] = saved.numpy()  # in place: History's torch views share this memory
     episode_return, episode_length, recent_returns = episodes
-    episode_return[:], episode_length[:] = state["episode_return"].numpy(), state["episode_length"].numpy()
-    recent_returns.clear()
-    recent_returns.extend(state["recent_returns"].numpy())
-    if state["envs"] is None:  # the episodes in progress are cut off, unlogged; the windows start afresh
-        episode_return[:], episode_length[:] = 0.0, 0
-        seed = state["args"]["seed"] + envs.num_envs * state["iteration"]
-        return state["iteration"], state["global_step"], envs.reset(seed=seed)[0].astype(np.float32)
-    restore_env_state(envs, state["envs"])
-    return state["iteration"], state["global_step"], state["next_obs"].numpy()
+    try:
+        for name, model in models.items():
+            model.load_state_dict(state[name])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] is not None and next(models["actor"].parameters()).is_cuda:
+            torch.cuda.set_rng_state(state["cuda_rng"])
+        shuffle_rng.bit_generator.state = state["shuffle_rng"]
+        for name in ("obs", "act", "ts", "reach"):  # in place: History's torch views share this memory
+            copy_into(getattr(history, name), state["history"][name], f"history.{name}")
+        copy_into(episode_return, state["episode_return"], "episode_return")
+        copy_into(episode_length, state["episode_length"], "episode_length")
+        recent_returns.clear()
+        recent_returns.extend(state["recent_returns"].numpy())
+        if state["envs"] is None:  # the episodes in progress are cut off, unlogged; the windows start afresh
+            episode_return[:], episode_length[:] = 0.0, 0
+            next_obs = envs.reset(seed=state["args"]["seed"] + envs.num_envs * state["iteration"])[0]
+        else:
+            restore_env_state(envs, state["envs"])
+            next_obs = np.zeros((envs.num_envs, *envs.single_observation_space.shape), dtype=np.float32)
+            copy_into(next_obs, state["next_obs"], "next_obs")
+    except (KeyError, ValueError, RuntimeError, TypeError, IndexError, AttributeError) as e:
+        reason = f"no {e}" if isinstance(e, KeyError) else (str(e).strip().splitlines() or [type(e).__name__])[0]
+        path = os.path.join(run_dir, "training_state.pt")
+        raise UserError(f"'{path}' is a damaged training state ({reason.rstrip('.:')})")
+    return state["iteration"], state["global_step"], next_obs.astype(np.float32)
+
+
+def copy_into(array: np.ndarray, saved: torch.Tensor, name: str) -> None:
+    """array[...] = saved, a tensor of the same shape (no broadcasting); ValueError otherwise."""
+    if not torch.is_tensor(saved) or tuple(saved.shape) != array.shape:
+        raise ValueError(f"{name} is not a tensor of shape {array.shape}")
+    array[...] = saved.numpy()
 
 
 def env_layers(envs) -> list:
@@ -958,7 +988,7 @@ def env_state(envs) -> Optional[list[dict]]:
 def restore_env_state(envs, saved: list[dict]) -> None:
     layers = env_layers(envs)
     if len(layers) != len(saved):
-        raise UserError("the saved environments do not match this script's")
+        raise ValueError("the saved environments do not match this script's")
     for layer, plain in zip(layers, saved):
         for key, value in plain.items():
             if isinstance(value, dict) and "generator" in value:
@@ -986,10 +1016,14 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
         raise UserError(f"--resume {args.resume} holds no training_state.pt (it stopped before its first checkpoint)")
     state = load_checkpoint(path)
     saved = state.get("args")
+    numbers = {int: int, float: (int, float)}  # what each flag holds (seed: an int once a run has started)
+    types = {f.name: numbers.get(type(f.default), type(f.default)) for f in fields(Args) if f.default is not None}
+    types["seed"] = int
     if (
         state.get("script") != "gpt2ppo_lunar.py"
         or not isinstance(saved, dict)
         or set(saved) != {f.name for f in fields(Args)}
+        or not all(of_type(saved[name], t) for name, t in types.items())
     ):
         raise UserError(f"'{path}' is not a training state of this version of gpt2ppo_lunar.py")
     for f in fields(Args):
@@ -999,15 +1033,32 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
                 f"--resume continues a run with its own flags, but {flag(f.name)} {value} differs from its "
                 f"{saved[f.name]}"
             )
-    resumed = Args(**{**saved, **{name: getattr(args, name) for name in RESUME_FLAGS}})
-    updates = -(-resumed.total_timesteps // resumed.steps_per_epoch)
-    if state.get("iteration") == updates:
-        raise UserError(f"the run in {args.resume} is complete ({updates} of {updates} updates); nothing to resume")
-    # TensorBoard reads a run's event files in name order, which starts with the second the file was made: the resumed
-    # run's file must not share its second with the stopped run's
-    made = [int(f.split(".")[3]) for f in os.listdir(args.resume) if re.fullmatch(r"events\.out\.tfevents\.\d+\..*", f)]
-    time.sleep(max(0.0, max(made, default=0) + 1 - time.time()))
-    return resumed, state
+    given = {f.name: getattr(args, f.name) for f in fields(Args) if getattr(args, f.name) != f.default}
+    run_args = Args(**{**saved, **{name: value for name, value in given.items() if name in RESUME_FLAGS}})
+    try:
+        check_args(run_args)
+    except UserError as e:
+        raise UserError(f"the flags saved in '{path}' cannot run: {e}")
+    updates = -(-run_args.total_timesteps // run_args.steps_per_epoch)
+    iteration, steps, per_update = state.get("iteration"), state.get("global_step"), run_args.steps_per_epoch
+    if not (
+        of_type(iteration, int)
+        and 1 <= iteration <= updates
+        and of_type(steps, int)
+        and steps == iteration * per_update
+    ):
+        raise UserError(
+            f"'{path}' is a damaged training state (update {iteration} at step {steps}: not one of this run's "
+            f"{updates} updates of {per_update} steps)"
+        )
+    return run_args, state
+
+
+def wait_for_a_new_second(run_dir: str) -> None:
+    """Sleep until the second after that of the newest event file in `run_dir`, at most 2 s (a file stamped in the
+    future, from clock skew, must not stall the run)."""
+    made = [int(f.split(".")[3]) for f in os.listdir(run_dir) if re.fullmatch(r"events\.out\.tfevents\.\d+\..*", f)]
+    time.sleep(min(2.0, max(0.0, max(made, default=0) + 1 - time.time())))
 
 
 def make_run_dir(base: str, root: str = "runs") -> str:

@@ -2,11 +2,12 @@ import glob
 import math
 import os
 import re
+import shutil
 import signal
-import subprocess
-import sys
+import time
 from collections import deque
 from dataclasses import asdict, fields
+from types import SimpleNamespace
 from typing import Optional
 
 import gymnasium as gym
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import gpt2ppo_lunar as g2
-from conftest import ROOT, all_scalars, only_run_dir, read_scalars, same_numbers
+from conftest import all_scalars, only_run_dir, read_scalars, same_numbers, stop_when_printed
 
 TINY = ("--hidden-size", "16", "--n-head", "2", "--context-len", "8", "--update-epochs", "2", "--minibatch-size", "64")
 TINY_ARGS = dict(hidden_size=16, n_head=2, context_len=8, update_epochs=2, minibatch_size=8)
@@ -71,9 +72,8 @@ def test_build_windows_episode_boundary_padding_and_timesteps():
 def _naive_window(episode, K, S):
     """The window of the last entry of `episode` (a list of (obs, action_vec, t)), built the slow way."""
     t = episode[-1][2]
-    start = 0 if S == 1 and t < K else max(0, S * ((t - K + S) // S))
-    part = [e for e in episode if e[2] >= start][-K:]
-    return part
+    start = max(0, S * ((t - K + S) // S))
+    return [e for e in episode if e[2] >= start][-K:]
 
 
 @pytest.mark.parametrize("K, S", [(5, 1), (6, 3), (4, 4)])
@@ -436,7 +436,6 @@ def test_gpt2_critic_eval_mode_in_rollouts_and_targets_train_mode_in_the_update(
 # Runs: the same numbers as before the redesign, learning, checkpoints, signals
 # ---------------------------------------------------------------------------------------------
 
-SCRIPT = os.path.join(ROOT, "gpt2ppo_lunar.py")
 TAGS = (
     "losses/policy_loss",
     "losses/value_loss",
@@ -449,8 +448,8 @@ BUDGET = ("--total-timesteps", "512", "--steps-per-epoch", "256", "--seed", "3")
 
 
 def cli_in_process(flags, cwd) -> tuple[int, str, str]:
-    """The script's entry point run in this process, in `cwd`: (exit status, stdout, stderr); the signal handlers that
-    cli installs are put back afterwards."""
+    """The script's entry point run in this process, in `cwd`: (exit status, stdout, stderr), the status of a
+    SystemExit (tyro's errors) included; the signal handlers that cli installs are put back afterwards."""
     import contextlib
     import io
 
@@ -459,7 +458,10 @@ def cli_in_process(flags, cwd) -> tuple[int, str, str]:
     try:
         os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = g2.cli([str(f) for f in flags])
+            try:
+                code = g2.cli([str(f) for f in flags])
+            except SystemExit as e:
+                code = e.code
     finally:
         os.chdir(here)
         for s, h in handlers.items():
@@ -489,13 +491,12 @@ def test_same_numbers_as_before_the_redesign(tmp_path, flags):
         assert [v for _, v in read_scalars(new, "charts/episodic_length")] == [500.0]
     if "--save-model" in flags:
         # every trainable GPT-2 parameter moved; the zeroed position embeddings did not
-        actor, critic, a = g2.models_from_checkpoint(os.path.join(new, "gpt2ppo_lunar.pt"))
+        ckpt = g2.load_checkpoint(os.path.join(new, "gpt2ppo_lunar.pt"))
         torch.manual_seed(3)
-        g2.Actor(24, 4, False, a["hidden_size"])
-        init = g2.make_critic("gpt2", 24, 4, a)
-        trained = dict(critic.named_parameters())
+        g2.Actor(24, 4, False, ckpt["args"]["hidden_size"])
+        init = g2.make_critic("gpt2", 24, 4, ckpt["args"])
         for name, p0 in init.named_parameters():
-            assert torch.equal(trained[name], p0) == name.startswith(("gpt2.wpe", "gpt2.wte")), name
+            assert torch.equal(ckpt["critic"][name], p0) == name.startswith(("gpt2.wpe", "gpt2.wte")), name
         # the checkpoint the earlier script wrote evaluates here to the numbers it evaluated to there
         code, out, _ = cli_in_process(
             ("--eval-checkpoint", os.path.join(old, "gpt2ppo_lunar.pt"), "--eval-episodes", "1"), tmp_path
@@ -537,33 +538,75 @@ def test_save_model_eval_equals_eval_checkpoint_names_and_seeds(tmp_path):
     # --seed given with --eval-checkpoint replaces the training seed of the evaluation's seeds
     code, out, _ = cli_in_process(("--eval-checkpoint", ckpt, "--eval-episodes", "2", "--seed", "9"), tmp_path)
     assert code == 0 and "seeds 10009..10010" in out
+
+
+def test_run_folders_made_in_the_same_second_get_their_own_names(tmp_path):
     names = {g2.make_run_dir("x", root=str(tmp_path / "r")) for _ in range(3)}
-    assert len(names) == 3
+    assert len(names) == 3 and sorted(os.listdir(tmp_path / "r")) == sorted(names)
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_stops_after_the_update_keeps_the_checkpoint_and_exits_with_one_line(tmp_path, sig, code):
-    """Ctrl-C and SIGTERM (timeout, kill, schedulers) alike: the update finishes, the checkpoint is saved, one line."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    """Ctrl-C and SIGTERM (timeout, kill, schedulers) alike: the update finishes, the checkpoint and the training
+    state are saved, one line on stderr. (What the last line says: the in-process test below.)"""
     flags = ("--critic", "mlp", "--total-timesteps", "10000000", "--steps-per-epoch", "256", "--save-model", *TINY)
-    proc = subprocess.Popen(
-        [sys.executable, SCRIPT, *flags],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    first = proc.stdout.readline()  # printed once the handler is in place and the run folder exists
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=120)
-    assert "device" in first and proc.returncode == code and "Traceback" not in err, err
-    last = out.strip().splitlines()[-1]
-    assert f"stopped by {sig.name} after 256 of" in last and "checkpoint saved to" in last
+    # the first line is printed once the handler is in place and the run folder exists
+    proc = stop_when_printed("gpt2ppo_lunar.py", *flags, cwd=tmp_path, line="device", sig=sig)
+    err = proc.stderr.read()
+    assert proc.returncode == code
+    assert err.strip() == f"{sig.name}: stopping at the next safe point (again: quit at once)"
     run = only_run_dir(str(tmp_path))
     assert not glob.glob(os.path.join(run, "*.tmp*")) and len(read_scalars(run, "losses/policy_loss")) == 1
-    actor, critic, a = g2.models_from_checkpoint(os.path.join(run, "gpt2ppo_lunar.pt"))
-    assert a["critic"] == "mlp" and a["total_timesteps"] == 10000000 and isinstance(critic, g2.MLPCritic)
+    assert g2.load_checkpoint(os.path.join(run, "training_state.pt"))["iteration"] == 1
+    actor, config = g2.actor_from_checkpoint(os.path.join(run, "gpt2ppo_lunar.pt"))
+    assert config["critic"] == "mlp" and config["total_timesteps"] == 10000000
+
+
+def _signal_in_update(monkeypatch, update: int) -> None:
+    """Send SIGTERM to this process while update `update` (counted from 1 in this process) computes its advantages."""
+    real, calls = g2.compute_gae, []
+
+    def compute_gae(*a, **kw):
+        calls.append(1)
+        if len(calls) == update:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(g2, "compute_gae", compute_gae)
+
+
+@pytest.mark.parametrize("update", [1, 2], ids=["first-update", "last-update"])
+def test_a_signal_in_the_last_update_ends_a_complete_run_not_a_stopped_one(tmp_path, monkeypatch, update):
+    """A signal stops the run after the update it arrives in, with status 128 + signal and no evaluation: in the first
+    of two updates the run is stopped (the last line says so, and how to continue it); in the last one the run is
+    complete, and resuming it only evaluates the checkpoint its flags ask for."""
+    _signal_in_update(monkeypatch, update)
+    flags = ("--critic", "mlp", *BUDGET, "--save-model", "--eval-episodes", "2", *TINY)
+    code, out, err = cli_in_process(flags, tmp_path)
+    run = only_run_dir(str(tmp_path))
+    rel, last = os.path.relpath(run, tmp_path), out.strip().splitlines()[-1]  # runs/<run>
+    assert code == 143 and "Traceback" not in err and "eval:" not in out
+    assert f"{256 * update} of 512 steps" in last and f"checkpoint saved to {rel}" in last
+    if update == 1:
+        assert "stopped by SIGTERM after" in last and last.endswith(f"; continue it: --resume {rel}")
+    else:
+        assert "stopped" not in last and "--resume" not in last
+    assert g2.load_checkpoint(os.path.join(run, "training_state.pt"))["iteration"] == update
+    monkeypatch.undo()
+    code, out, _ = cli_in_process(("--resume", run), tmp_path)  # --save-model and --eval-episodes: the run's
+    assert code == 0 and f"continued after update {update}" in out and "512 of 512 steps" in out
+    assert "eval: mean return over 2 episodes" in out and len(read_scalars(run, "eval/episodic_return")) == 2
+    assert [s for s, _ in read_scalars(run, "losses/policy_loss")] == [256, 512]
+
+
+def test_evaluating_a_checkpoint_checks_the_critic_without_building_it(tmp_path, monkeypatch):
+    """--eval-checkpoint uses the actor alone: the GPT-2 critic is checked on the meta device (shapes, nothing
+    allocated) and never built for real."""
+    path, built, real = _checkpoint(str(tmp_path), "gpt2"), [], g2.make_critic
+    monkeypatch.setattr(g2, "make_critic", lambda *a: built.append(real(*a)) or built[-1])
+    actor, config = g2.actor_from_checkpoint(path)
+    assert config["critic"] == "gpt2" and isinstance(actor, g2.Actor) and not any(p.is_meta for p in actor.parameters())
+    assert len(built) == 1 and isinstance(built[0], g2.GPT2Critic) and all(p.is_meta for p in built[0].parameters())
 
 
 def test_a_signal_during_evaluation_stops_after_the_episode_and_a_second_quits(capsys):
@@ -598,6 +641,15 @@ def test_every_numeric_flag_has_a_range_and_the_defaults_pass():
     assert all(getattr(g2.Args(), name) in choices for name, choices in g2.CHOICES.items())
     g2.check_args(g2.Args())
     assert g2.Args().cuda  # CUDA whenever torch sees a device; --no-cuda for the CPU
+
+
+def test_the_mlp_critic_is_not_held_to_the_gpt2_critics_sizes():
+    """--context-len and --value-stride are GPT-2's: with --critic mlp they neither count in the memory estimate nor
+    have to agree (the same sizes with --critic gpt2 are refused)."""
+    for sizes in (dict(context_len=4096, minibatch_size=2048), dict(value_stride=65)):
+        g2.check_args(g2.Args(critic="mlp", **sizes))
+        with pytest.raises(g2.UserError):
+            g2.check_args(g2.Args(critic="gpt2", **sizes))
 
 
 class MultiAct(TinyBox):
@@ -639,6 +691,9 @@ def _checkpoint(folder, kind):
         args["hidden_size"] = 32
     elif kind == "nan_weights":
         ckpt["actor"]["body.0.bias"][0] = float("nan")
+    elif kind == "gpt2":  # a GPT-2 critic of the default sizes
+        args["critic"] = "gpt2"
+        ckpt["critic"] = g2.make_critic("gpt2", 8, 4, args).state_dict()
     if kind == "text":
         with open(path, "w") as f:
             f.write("not a checkpoint\n")
@@ -667,21 +722,43 @@ def _loop_objects(args: g2.Args):
         "critic_optimizer": torch.optim.Adam([p for p in critic.parameters() if p.requires_grad], eps=1e-5),
     }
     T = args.steps_per_epoch // N
-    history = g2.History(N, T, args.context_len, args.value_stride, obs_dim, act_dim)
+    K, S = (args.context_len, args.value_stride) if args.critic == "gpt2" else (1, 1)  # as main: the MLP's window
+    history = g2.History(N, T, K, S, obs_dim, act_dim)
     episodes = (np.zeros(N), np.zeros(N, dtype=np.int64), deque(maxlen=100))
     return models, np.random.default_rng(args.seed), history, episodes, envs
 
 
 def _training_state(folder, kind):
-    """A run folder holding a training state, good or spoiled as `kind` says."""
+    """A run folder holding a training state (update 1 of 10), good or spoiled as `kind` says."""
     folder.mkdir()
-    args = g2.Args(seed=1, critic="mlp", total_timesteps=2048 if kind == "complete" else 20480)
+    args = g2.Args(seed=1, critic="mlp", total_timesteps=20480)
     objects = _loop_objects(args)
     obs = objects[-1].reset(seed=1)[0]
     state = g2.training_state(args, 1, 2048, obs, *objects)
+    saved = state["args"]
     if kind == "foreign":
         state["script"] = "another.py"
+    elif kind == "mistyped":
+        saved["num_envs"] = "4"
+    elif kind == "three_envs":
+        saved["num_envs"] = 3
+    elif kind == "huge":  # sizes a larger machine may have run
+        saved.update(critic="gpt2", hidden_size=2**16, n_layer=96, n_head=1024)
+    elif kind == "past_the_end":
+        state["iteration"], state["global_step"] = 11, 11 * 2048
+    elif kind == "steps":
+        state["global_step"] = 2000
+    elif kind == "no_optimizer":
+        del state["critic_optimizer"]
+    elif kind == "misshapen":
+        state["actor"]["body.0.weight"] = torch.zeros(3, 3)
+    elif kind == "eight_envs":  # flags that run, but not with this state's history
+        saved["num_envs"] = 8
     g2.save_checkpoint(str(folder / "training_state.pt"), state)
+
+
+def _tree(folder) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
 def _bad(flags, message):
@@ -723,6 +800,7 @@ def _bad(flags, message):
         _bad(("--exp-name", ".."), "--exp-name must be a plain name"),
         _bad(("--exp-name", ""), "--exp-name must be a plain name"),
         _bad(("--exp-name", "x" * 65), "--exp-name must be a plain name"),
+        _bad(("--exp-name", "training_state"), "--exp-name training_state is the name of the run's training state"),
         # envs that do not exist or do not fit
         _bad(("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
         _bad(("--env-id", "Blackjack-v1"), "needs a flat Box observation"),
@@ -758,13 +836,27 @@ def _bad(flags, message):
         _bad(("--resume", "nowhere"), "--resume nowhere is not a run folder"),
         _bad(("--resume", "resume:foreign"), "is not a training state of this version of gpt2ppo_lunar.py"),
         _bad(("--resume", "resume:good", "--num-envs", "8"), "but --num-envs 8 differs from its 4"),
-        _bad(("--resume", "resume:complete"), "is complete (1 of 1 updates); nothing to resume"),
+        _bad(("--resume", "resume:mistyped"), "is not a training state of this version of gpt2ppo_lunar.py"),
+        # a damaged training state: flags that cannot run (the machine's memory too), counters, keys and shapes
+        _bad(("--resume", "resume:three_envs"), "cannot run: --steps-per-epoch must be a multiple of --num-envs 3"),
+        _bad(("--resume", "resume:huge"), "cannot run: these sizes need ~"),
+        _bad(
+            ("--resume", "resume:past_the_end"),
+            "is a damaged training state (update 11 at step 22528: not one of this run's 10",
+        ),
+        _bad(("--resume", "resume:steps"), "is a damaged training state (update 1 at step 2000: not one"),
+        _bad(("--resume", "resume:no_optimizer"), "is a damaged training state (no 'critic_optimizer')"),
+        _bad(("--resume", "resume:misshapen"), "damaged training state (Error(s) in loading state_dict for Actor)"),
+        _bad(
+            ("--resume", "resume:eight_envs"),
+            "is a damaged training state (history.obs is not a tensor of shape (8, 257, 8))",
+        ),
         _bad(("--resume", "resume:good", "--eval-checkpoint", "x"), "takes no training flags, got --resume"),
         # a run folder that cannot be made (a file named runs stands where the folder would go)
         _bad(("--critic", "mlp", "runs-is-a-file"), "cannot create the run folder runs/"),
     ],
 )
-def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeypatch, capsys, flags, message):
+def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeypatch, flags, message):
     given = tmp_path / "given"
     given.mkdir()
     if "runs-is-a-file" in flags:
@@ -782,30 +874,19 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
         return str(given) if f == "given" else f
 
     flags = [path_of(f) for f in flags]
-    before = sorted(os.listdir(tmp_path)), sorted(os.listdir(given))
-    monkeypatch.chdir(tmp_path)
+    before = _tree(tmp_path)
 
-    def no_training(*a, **kw):  # a row that got past the checks would train here: fail at once instead
+    def no_run(*a, **kw):  # a row that got past the checks would start logging here: fail at once instead
         raise AssertionError("the run started")
 
-    monkeypatch.setattr(g2.gym.vector, "SyncVectorEnv", no_training)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        if message is None:  # tyro's own errors exit 2 from inside cli
-            with pytest.raises(SystemExit) as e:
-                g2.cli(flags)
-            code = e.value.code
-        else:  # the script's: a UserError raised where it was found, turned into exit 2 by cli alone
-            code = g2.cli(flags)
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    err = capsys.readouterr().err
+    monkeypatch.setattr("torch.utils.tensorboard.SummaryWriter", no_run)
+    # tyro's own errors exit 2 from inside cli; the script's are a UserError, turned into exit 2 by cli alone
+    code, _, err = cli_in_process(flags, tmp_path)
     assert code == 2 and "Traceback" not in err
     if message is not None:
         assert err.strip().startswith("error: ") and len(err.strip().splitlines()) == 1, err
         assert message in err and err.strip().endswith("."), err
-    assert (sorted(os.listdir(tmp_path)), sorted(os.listdir(given))) == before  # nothing written
+    assert _tree(tmp_path) == before  # nothing written
 
 
 def _full_disk(error):
@@ -896,7 +977,7 @@ def test_the_training_state_restores_exactly(tmp_path, env_id):
     for k in range(2):
         twin = _loop_objects(args)  # fresh weights, drawn from torch's stream
         twin[-1].reset(seed=123 + k)  # and envs in other states
-        iteration, step, twin_obs = g2.restore_training_state(g2.load_checkpoint(path), *twin)
+        iteration, step, twin_obs = g2.restore_training_state(str(tmp_path), g2.load_checkpoint(path), *twin)
         assert (iteration, step) == (3, 48)
         twins.append((twin, g2.training_state(args, iteration, step, twin_obs, *twin)))
     (one, one_state), (two, two_state) = twins
@@ -927,15 +1008,8 @@ ACROBOT = (
 def _stopped_run(cwd, flags, sig, after: int) -> str:
     """Run the script with `flags` in a subprocess in `cwd`, send `sig` once it has printed update `after`; its run
     folder."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, SCRIPT, *flags], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    while f": update {after}/" not in (line := proc.stdout.readline()):
-        assert line, proc.communicate()[1]
-    proc.send_signal(sig)
-    proc.communicate(timeout=120)
-    assert proc.returncode == (143 if sig == signal.SIGTERM else -9)
+    proc = stop_when_printed("gpt2ppo_lunar.py", *flags, cwd=cwd, line=f": update {after}/", sig=sig)
+    assert proc.returncode == (143 if sig == signal.SIGTERM else -9), proc.stderr.read()
     return only_run_dir(str(cwd))
 
 
@@ -978,3 +1052,74 @@ def test_a_killed_lunarlander_run_resumes_with_new_episodes_and_logs_no_step_twi
     steps = [s for s, _ in lengths]
     assert steps == sorted(steps) and steps[-1] > resumed_at  # in step order: nothing from before the kill remains
     assert all(length <= (s - resumed_at) / 4 for s, length in lengths if s > resumed_at)  # begun after the resume
+
+
+MLP_RUN = ("--critic", "mlp", *BUDGET, *TINY)  # 2 updates of 256 steps, no --save-model
+
+
+@pytest.fixture(scope="module")
+def complete_mlp_run(tmp_path_factory) -> str:
+    cwd = tmp_path_factory.mktemp("complete")
+    assert cli_in_process(MLP_RUN, cwd)[0] == 0
+    return only_run_dir(str(cwd))
+
+
+def _copy_of(run: str, cwd) -> str:
+    """A copy of the run folder `run` under cwd/runs/, under the same name."""
+    return shutil.copytree(run, os.path.join(cwd, "runs", os.path.basename(run)))
+
+
+def test_resuming_a_complete_run_updates_nothing_and_does_what_its_end_does(tmp_path, complete_mlp_run):
+    """A run stopped after its last update (its training state holds it) but before its end is resumed, not refused:
+    no update runs again; --save-model, given now (it does not change the training), saves and evaluates the model."""
+    run = _copy_of(complete_mlp_run, tmp_path)
+    code, out, err = cli_in_process(("--resume", run, "--save-model", "--eval-episodes", "2"), tmp_path)
+    assert code == 0 and "continued after update 2" in out and "512 of 512 steps" in out, err
+    assert ": update" not in out and "stopped" not in out
+    assert [s for s, _ in read_scalars(run, "losses/policy_loss")] == [256, 512]  # none logged twice
+    assert os.path.isfile(os.path.join(run, "gpt2ppo_lunar.pt")) and len(read_scalars(run, "eval/episodic_return")) == 2
+
+
+def test_resume_dot_from_inside_the_run_folder_names_the_run_after_its_folder(tmp_path, complete_mlp_run):
+    """--resume . names the run after its folder, so the saved model carries that name and --eval-checkpoint of it
+    works and names its evaluation after the run."""
+    run, name = _copy_of(complete_mlp_run, tmp_path), os.path.basename(complete_mlp_run)
+    code, out, _ = cli_in_process(("--resume", ".", "--save-model", "--eval-episodes", "1"), run)
+    assert code == 0 and out.startswith(f"{name}: device")
+    code, _, err = cli_in_process(("--eval-checkpoint", os.path.join(run, "gpt2ppo_lunar.pt")), tmp_path)
+    assert code == 0 and glob.glob(str(tmp_path / "runs" / f"{name}-eval__10003__*")), err
+
+
+def test_what_the_updates_of_a_training_state_logged_is_on_disk_when_it_is_saved(tmp_path, monkeypatch):
+    """A SIGKILL right after a training state is saved loses no event of the updates it holds (the resumed run does
+    not do them again), even when the writer's thread lags behind the logging (a slow disk, here)."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    real_write, real, seen = RecordWriter.write, g2.save_checkpoint, []
+
+    def slow_write(self, data):
+        time.sleep(0.05)
+        real_write(self, data)
+
+    def save_checkpoint(path, checkpoint):
+        if os.path.basename(path) == "training_state.pt":
+            on_disk = [s for s, _ in read_scalars(os.path.dirname(path), "losses/policy_loss")]
+            seen.append((checkpoint["global_step"], on_disk))
+        real(path, checkpoint)
+
+    monkeypatch.setattr(RecordWriter, "write", slow_write)
+    monkeypatch.setattr(g2, "save_checkpoint", save_checkpoint)
+    assert cli_in_process((*MLP_RUN, "--checkpoint-every", "1"), tmp_path)[0] == 0
+    assert seen == [(256, [256]), (512, [256, 512])]
+
+
+def test_the_wait_for_a_new_second_of_a_resumed_run_is_at_most_2_s(tmp_path, monkeypatch):
+    """The resumed run's event file starts in a later second than the run's others; a file stamped in the future
+    (clock skew) does not stall the run."""
+    slept = []
+    monkeypatch.setattr(g2, "time", SimpleNamespace(time=lambda: 1000.25, sleep=slept.append))
+    (tmp_path / "events.out.tfevents.1000.host.1.0").write_text("")
+    g2.wait_for_a_new_second(str(tmp_path))
+    (tmp_path / "events.out.tfevents.4600.host.1.0").write_text("")  # an hour ahead
+    g2.wait_for_a_new_second(str(tmp_path))
+    assert slept == [0.75, 2.0]
