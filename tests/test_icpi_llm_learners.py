@@ -1,7 +1,8 @@
-"""icpi_chain.py --algo llm-advisor and --algo llm-reward (issue 14: seed 001's LLM-as-advisor and
-LLM-as-reward on the text domains): the shaping's policy invariance, the oracle advisor, the judgement
-cache, fallbacks, bad flags, and smoke runs with the default model."""
+"""icpi_chain.py --algo llm-advisor and --algo llm-reward (seed 001's LLM-as-advisor and LLM-as-reward on the
+text domains): the shaping's policy invariance, the oracle advisor, the judgement cache, fallbacks, bad flags, and
+smoke runs with the default model."""
 
+import contextlib
 import importlib.util
 import itertools
 import math
@@ -11,18 +12,12 @@ from http.server import HTTPServer
 
 import numpy as np
 import pytest
+from test_icpi_chain import START_STATES  # every state each domain's reset can return
 
 import icpi_chain as ic
 from conftest import FixedTextModel, completions_handler, only_run_dir, read_scalars
 
 # ---------------------------------------------------------------- the math
-
-
-START_STATES = {
-    "chain": [(s,) for s in range(8)],
-    "maze": [(i, j) for i in range(3) for j in range(3)],
-    "mini-catch": [(2, bx, 4) for bx in range(4)],
-}  # every state each domain's reset can return
 
 
 def reachable_states(domain, starts) -> list:
@@ -108,6 +103,18 @@ def test_prompts_with_and_without_the_task_description():
 
 
 # ---------------------------------------------------------------- runs in this process
+
+
+@contextlib.contextmanager
+def serving(handler):
+    """An OpenAI-compatible fake server answering with `handler` (one request at a time): its base URL."""
+    httpd = HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}/v1"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def run_main(tmp_path, monkeypatch, **kw):
@@ -219,31 +226,17 @@ def test_a_weak_model_with_two_thirds_invalid_answers_is_warned_about_not_stoppe
         with lock:
             return next(answers)
 
-    httpd = HTTPServer(("127.0.0.1", 0), completions_handler(reply))
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        kw = dict(
-            algo="llm-reward",
-            model="openai:weak",
-            base_url=f"http://127.0.0.1:{httpd.server_port}/v1",
-            env="mini-catch",
-            total_steps=40,
-            no_cache=True,
-        )
+    with serving(completions_handler(reply)) as url:
+        kw = dict(algo="llm-reward", model="openai:weak", base_url=url, env="mini-catch", total_steps=40, no_cache=True)
         run_main(tmp_path / "a", monkeypatch, **kw)
         assert "answers were invalid" in capsys.readouterr().err
         # a lower bar stops the same run: the check itself still works
         with pytest.raises(ic.UserError, match="answers from openai:weak were invalid"):
             run_main(tmp_path / "b", monkeypatch, **kw, max_invalid=0.5)
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
 
 
 def test_invalid_judgements_are_reported(tmp_path, monkeypatch, capsys):
-    httpd = HTTPServer(("127.0.0.1", 0), _Garbage)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
+    with serving(_Garbage) as url:
         run_main(
             tmp_path,
             monkeypatch,
@@ -251,16 +244,13 @@ def test_invalid_judgements_are_reported(tmp_path, monkeypatch, capsys):
             model="openai:junk",
             env="mini-catch",
             total_steps=40,
-            base_url=f"http://127.0.0.1:{httpd.server_port}/v1",
+            base_url=url,
             no_cache=True,
             max_invalid=1.0,
         )
-        out, err = capsys.readouterr()
-        assert "answers were invalid" in err and "predictions stayed invalid" in err  # well-formed replies: allowed
-        assert "invalid 0" not in out and "fallbacks 0;" not in out
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    out, err = capsys.readouterr()
+    assert "answers were invalid" in err and "predictions stayed invalid" in err  # well-formed replies: allowed
+    assert "invalid 0" not in out and "fallbacks 0;" not in out
 
 
 def _judge_reply(prompt):
@@ -274,9 +264,7 @@ _Judge.prompts = []
 
 
 def test_both_learners_run_with_an_openai_server(tmp_path, monkeypatch, capsys):
-    httpd = HTTPServer(("127.0.0.1", 0), _Judge)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
+    with serving(_Judge) as url:
         for algo in ("llm-advisor", "llm-reward"):
             _Judge.prompts = []
             run_main(
@@ -286,7 +274,7 @@ def test_both_learners_run_with_an_openai_server(tmp_path, monkeypatch, capsys):
                 model="openai:judge",
                 advice_prob=1.0,
                 env="chain",
-                base_url=f"http://127.0.0.1:{httpd.server_port}/v1",
+                base_url=url,
                 total_steps=30,
                 no_cache=True,
             )
@@ -294,10 +282,7 @@ def test_both_learners_run_with_an_openai_server(tmp_path, monkeypatch, capsys):
             assert "invalid 0, fallbacks 0" in out
             assert 1 <= len(_Judge.prompts) == len(set(_Judge.prompts)) <= 8  # each state's prompt asked once
             assert all(p.startswith("Task: The state is a position on a line") for p in _Judge.prompts)
-        assert "shaping: Phi judged for" in out and "judgements from 0.693 to 0.693" in out
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    assert "shaping: Phi judged for" in out and "judgements from 0.693 to 0.693" in out
 
 
 def test_advice_probability_after_k_episodes_is_its_closed_form(tmp_path, monkeypatch):
