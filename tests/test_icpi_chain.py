@@ -998,7 +998,7 @@ def test_a_stopped_run_started_again_continues_from_its_cache(tmp_path, monkeypa
     ):
         (tmp_path / name).mkdir()
         monkeypatch.chdir(tmp_path / name)
-        code = ic.main(ic.Args(**kw, cache=str(tmp_path / cache)), stop)
+        code = ic.main(ic.Args(**kw, cache=str(tmp_path / cache), cuda=False), stop)
         assert code == (143 if name == "stopped" else 0)
         out, err = capsys.readouterr()
         assert f"model: hf:{tiny_gpt2_dir} on cpu (float32), logging to runs/" in out
