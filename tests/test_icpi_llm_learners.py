@@ -12,10 +12,10 @@ from http.server import HTTPServer
 
 import numpy as np
 import pytest
-from test_icpi_chain import START_STATES  # every state each domain's reset can return
 
 import icpi_chain as ic
 from conftest import FixedTextModel, completions_handler, only_run_dir, read_scalars
+from test_icpi_chain import START_STATES  # every state each domain's reset can return
 
 # ---------------------------------------------------------------- the math
 

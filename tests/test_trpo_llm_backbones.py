@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 import torch
-from test_trpo_gpt2_halfcheetah import call_cli, needs_smollm2
 
 import trpo_gpt2_halfcheetah as trpo
 from conftest import explicit_fisher, read_scalars, train_tiny_tokenizer
+from test_trpo_gpt2_halfcheetah import call_cli, needs_smollm2
 
 # ------------------------------------------------------------------------------------------------
 # Any causal LM through the Auto classes: a tiny Llama and a tiny OPT beside the tiny GPT-2
