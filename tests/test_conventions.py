@@ -1,6 +1,7 @@
 """What every script does the same way: importing it changes nothing, Ctrl-C while it starts is one line, and the
 code is formatted and linted by ruff (pyproject.toml)."""
 
+import ast
 import os
 import signal
 import subprocess
@@ -74,3 +75,61 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130(script, tmp_path):
 def test_ruff_is_clean(command):
     proc = subprocess.run([sys.executable, "-m", "ruff", *command, "."], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def module_layout(script: str):
+    """(the module's AST, the line of its `# ---- Run machinery` banner, the top-level names defined below it)."""
+    with open(os.path.join(ROOT, f"{script}.py")) as f:
+        source = f.read()
+    banner = next(i for i, line in enumerate(source.splitlines(), 1) if line.startswith("# ---- Run machinery"))
+    tree = ast.parse(source)
+    below = set()
+    for node in tree.body:
+        if node.lineno > banner:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                below.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                below.update(t.id for t in targets if isinstance(t, ast.Name))
+    return tree, banner, below - {"cli"}
+
+
+def names_used(node) -> set:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_algorithm_above_the_banner_meets_the_run_machinery_through_four_names(script):
+    """Above the banner, only `main` reaches below it, and through at most four names (the run object, the argument
+    check, the evaluation-only mode, the stop signal)."""
+    tree, banner, below = module_layout(script)
+    above = [node for node in tree.body if node.lineno < banner]
+    main = next(n for n in above if getattr(n, "name", None) == "main")
+    used_by_main = names_used(main) & below
+    assert len(used_by_main) <= 4, sorted(used_by_main)
+    others = {n: names_used(n) & below for n in above if n is not main}
+    assert not any(others.values()), {getattr(n, "name", n.lineno): sorted(u) for n, u in others.items() if u}
+
+
+def definition(script: str, name: str) -> str:
+    """The source of the top-level definition `name` in `script`, with the script's own file name replaced."""
+    tree, _, _ = module_layout(script)
+    with open(os.path.join(ROOT, f"{script}.py")) as f:
+        source = f.read()
+    for node in tree.body:
+        targets = [getattr(t, "id", None) for t in getattr(node, "targets", [getattr(node, "target", None)])]
+        if getattr(node, "name", None) == name or name in targets:
+            return ast.get_source_segment(source, node).replace(f"{script}.py", "SCRIPT.py")
+    raise AssertionError(f"{script}.py defines no {name}")
+
+
+@pytest.mark.parametrize("name", ["UserError", "CHOICES", "PLAIN_NAME", "StopSignal", "flag"])
+def test_one_convention_per_concern_in_all_four_scripts(name):
+    sources = {script: definition(script, name) for script in SCRIPTS}
+    assert len(set(sources.values())) == 1, "\n\n".join(f"# {k}\n{v}" for k, v in sources.items())
+
+
+@pytest.mark.parametrize("name", ["Run", "fits", "save_checkpoint", "validate_training_state", "returns_text"])
+def test_the_torch_scripts_share_the_run_machinerys_names(name):
+    for script in SCRIPTS[:3]:
+        definition(script, name)
