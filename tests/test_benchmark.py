@@ -16,6 +16,7 @@ import pytest
 from scipy import stats
 
 from conftest import ROOT
+from slurm_cluster import free_port
 
 _spec = importlib.util.spec_from_file_location("bench_run", os.path.join(ROOT, "benchmark", "run.py"))
 bench = importlib.util.module_from_spec(_spec)
@@ -304,6 +305,16 @@ def test_a_time_breakdown_splits_main_into_its_parts(tmp_path, monkeypatch):
         (("--mode", "throughput", "--scripts", "icpi_chain"), "no throughput entry for icpi_chain"),
         (("--mode", "throughput", "--scripts", "trpo_gpt2_halfcheetah", "--peer-dir", "x"), "--peer-dir applies"),
         (("--mode", "collect", "--runs-dir", "nowhere"), "--runs-dir"),
+        # the harness's own paths, checked before any run starts (a file, a folder, a path under a file)
+        (("--runs-dir", "a-file"), "--runs-dir {tmp}/a-file is not a folder"),
+        (("--results-dir", "a-file"), "--results-dir {tmp}/a-file is not a folder"),
+        (("--mode", "report", "--results-md", "a-folder"), "--results-md {tmp}/a-folder is a folder, not a file"),
+        (("--mode", "report", "--results-md", "a-file/r.md"), "cannot be created: {tmp}/a-file is not a folder"),
+        (("--plots-dir", "a-file/plots"), "--plots-dir {tmp}/a-file/plots cannot be created: {tmp}/a-file is not"),
+        (("--runs-dir", "a-file/runs", "--slurm"), "--runs-dir {tmp}/a-file/runs cannot be created"),
+        # a real sbatch with no cluster to answer it: sbatch's first error line, the jobs file and runs folder gone
+        (("--slurm", "--scripts", "ppo_cartpole", "no-cluster"), 'sbatch failed (exit 1): "sbatch: error: '),
+        (("--slurm", "--scripts", "ppo_cartpole", "--runs-dir", "a-folder", "no-cluster"), "sbatch failed"),
     ],
     ids=lambda x: " ".join(x) if isinstance(x, tuple) else None,
 )
@@ -311,16 +322,35 @@ def test_bad_input_one_clear_sentence_and_nothing_written(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
     (tmp_path / "jobs.json").write_text("{}")
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-folder").mkdir()
     if "no-sbatch" in flags:
         monkeypatch.setenv("PATH", str(tmp_path))
         flags = tuple(f for f in flags if f != "no-sbatch")
-    flags = [str(tmp_path / f) if f == "nowhere" else f for f in flags]
+    if "no-cluster" in flags:
+        if not shutil.which("sbatch"):
+            pytest.skip("Slurm's sbatch is not installed (.ci/run installs Debian's slurm-client)")
+        # no controller listens on that port; MessageTimeout=1 makes sbatch give up at once instead of after ~9 s
+        conf = tmp_path / "slurm.conf"
+        conf.write_text(
+            f"ClusterName=none\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort={free_port()}\nMessageTimeout=1\n"
+            "NodeName=localhost NodeAddr=127.0.0.1 CPUs=1 State=UNKNOWN\n"
+            "PartitionName=none Nodes=localhost Default=YES State=UP\n"
+        )
+        monkeypatch.setenv("SLURM_CONF", str(conf))
+        flags = tuple(f for f in flags if f != "no-cluster")
+    flags = [
+        str(tmp_path / f) if f in ("nowhere", "a-file", "a-folder") or f.startswith("a-file/") else f for f in flags
+    ]
+    before = sorted(os.listdir(tmp_path))
+    runs = ["--runs-dir", str(tmp_path / "runs")] * ("--runs-dir" not in flags)
     with pytest.raises(SystemExit) as stop:
-        bench.main([*flags, *_out(tmp_path)] + ["--runs-dir", str(tmp_path / "runs")] * ("--runs-dir" not in flags))
+        bench.main([*_out(tmp_path), *runs, *flags])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
-    assert message in err, err
-    assert os.listdir(tmp_path) == ["jobs.json"]
+    assert message.format(tmp=tmp_path) in err, err
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "a-folder") == []
+    assert (tmp_path / "a-file").read_text() == ""
 
 
 def test_a_second_harness_leaves_a_run_that_another_process_runs_alone(tmp_path, capsys):
