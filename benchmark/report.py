@@ -153,6 +153,42 @@ def per_seed(row: dict, key: str | None = None) -> str:
     return ", ".join(fmt(x[str(s)], d) for s in row["seeds"] if str(s) in x)
 
 
+def seed_machines(row: dict) -> dict:
+    """Each seed's machine: as stored per seed, or, for a row stored before the store kept it, the row's machine where
+    it names one; a seed whose machine cannot be told is left out (unknown)."""
+    if "seed_machine" in row:
+        return {k: v for k, v in row["seed_machine"].items() if v}
+    single = row.get("machine") and " / " not in row["machine"]
+    return {str(s): row["machine"] for s in row["seeds"]} if single else {}
+
+
+def seed_codes(row: dict) -> dict:
+    """Each seed's script version, as `seed_machines` (a row of one version, else unknown)."""
+    if "seed_code" in row:
+        return {k: v for k, v in row["seed_code"].items() if v}
+    return {str(s): row["code"][0] for s in row["seeds"]} if len(row.get("code") or []) == 1 else {}
+
+
+def machines(row: dict) -> str:
+    """The machines of the row's seeds, with how many seeds each ran: `AMD EPYC x3, Intel Xeon x7`."""
+    per = seed_machines(row)
+    kinds = [short_machine(per[str(s)]) if str(s) in per else "unknown" for s in row["seeds"]]
+    return ", ".join(f"{k} x{kinds.count(k)}" for k in dict.fromkeys(kinds))
+
+
+def pooled(rows: list[dict]) -> str:
+    """The sentence under a table with a `machines` column: whether its rows pool seeds across machines."""
+    kinds = sorted({short_machine(m) for r in rows for m in seed_machines(r).values()})
+    why = (
+        "a different processor changes a seed's floating-point trajectory, not the distribution it is drawn from, "
+        "and every seed was computed by the script with its row's flags"
+    )
+    if len(kinds) > 1:
+        return f"Seeds are pooled across machines ({', '.join(kinds)}; per row in the machines column): {why}."
+    on = f"on {kinds[0]}" if kinds else "on machines not recorded per seed"
+    return f"Every seed here ran {on}; seeds from other machines would be pooled into a row: {why}."
+
+
 def short_machine(machine: str) -> str:
     names = {"H100": "H100", "H200": "H200", "EPYC": "AMD EPYC", "Xeon": "Intel Xeon"}
     one = lambda m: next((v for k, v in names.items() if k in m), m.split(",")[0])  # noqa: E731
@@ -190,6 +226,7 @@ CELLS = {  # column of a results table -> (header, cell of a stored row)
     "steps": ("steps", lambda r: f"{r['steps']:,}"),
     "seeds": ("seeds", lambda r: ", ".join(map(str, r["seeds"]))),
     "machine": ("machine", lambda r: short_machine(r["machine"])),
+    "machines": ("machines (seeds)", machines),
     "metric": ("metric", metric),
     "result": ("mean ± std", pm),
     "eval": ("evaluation, mean ± std", pm),
@@ -210,7 +247,9 @@ def rows_table(data: dict, columns: str, lines: list[str]) -> str:
     rows = picked(data, lines)
     refs = {f"- {r['env']}, {r['steps']:,} steps: {ref_text(x)}": 0 for r in rows for x in r["refs"]}
     head = ["", "Published (other code, machines and library versions):", ""] if refs else []
-    return "\n".join([markdown([{CELLS[c][0]: CELLS[c][1](r) for c in columns.split()} for r in rows]), *head, *refs])
+    note = ["", pooled(rows)] if "machines" in columns.split() else []
+    table = markdown([{CELLS[c][0]: CELLS[c][1](r) for c in columns.split()} for r in rows])
+    return "\n".join([table, *note, *head, *refs])
 
 
 def pivot_table(data: dict, script: str, settings: list[str], envs: str) -> str:

@@ -439,6 +439,8 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
     row["seed_replayed"] = {k: int(v.sum()) for k, v in logged("model/replayed").items()}
     row["seed_sps"] = {k: float(v.iloc[-1]) for k, v in logged("charts/SPS").items()}
     row["seed_wall_seconds"] = {k: m["seconds"] for k, (_, m) in fresh.items()}
+    row["seed_machine"] = {k: m["machine"] for k, (_, m) in fresh.items()}  # seeds pool across machines: each's kept
+    row["seed_code"] = {k: m["code"] for k, (_, m) in fresh.items()}
     for key in ("machine", "versions", "nice", "harness_command"):
         row[key] = " / ".join(dict.fromkeys(str(m[key]) for m in markers))
     row["run_commands"] = sorted({re.sub(r"--seed \d+", "--seed {seed}", m["command"]) for m in markers})
@@ -450,7 +452,9 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
     keep = [str(x) for x in old.get("seeds", []) if x in wanted and str(x) not in fresh and str(x) in old["series"]]
     if keep and [old.get("flags"), old.get("tag")] == [row["flags"], tag]:
         row["seeds"] = sorted(row["seeds"] + list(map(int, keep)))
-        for key in ("series", "train_series", "seconds_per_update", "seed_replayed", "seed_sps", "seed_wall_seconds"):
+        old["seed_machine"], old["seed_code"] = report.seed_machines(old), report.seed_codes(old)
+        per_seed_keys = ("series", "train_series", "seconds_per_update", "seed_replayed", "seed_sps")
+        for key in (*per_seed_keys, "seed_wall_seconds", "seed_machine", "seed_code"):
             merged = {**{k: old[key][k] for k in keep if k in (old.get(key) or {})}, **row.get(key, {})}
             row[key] = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
         for key in ("machine", "versions", "nice", "harness_command"):

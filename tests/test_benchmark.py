@@ -35,14 +35,14 @@ def _write_events(folder, tag, values, steps=None):
     w.close()
 
 
-def _finished_run(runs_dir, s, seed, values, steps=None, seconds=10.0, extra=()):
+def _finished_run(runs_dir, s, seed, values, steps=None, seconds=10.0, extra=(), machine="M", code="c"):
     """A run as run_job leaves it: event files under its folder and a done.json marker."""
     folder = bench.run_folder(runs_dir, s, seed)
     _write_events(os.path.join(folder, "runs", "r"), s.tag or bench.SCRIPTS[s.script].tag, values, steps)
     for tag, vals in extra:
         _write_events(os.path.join(folder, "runs", tag.replace("/", "_")), tag, vals)
     marker = {"command": bench.display(bench.job_command(s, seed)), "seconds": seconds, "finished": "2026-11-27"}
-    marker.update(machine="M", versions="V", nice=0, code="c", harness_command="h", load=0.5)
+    marker.update(machine=machine, versions="V", nice=0, code=code, harness_command="h", load=0.5)
     with open(os.path.join(folder, bench.MARKER), "w") as f:
         json.dump(marker, f)
     return folder
@@ -128,6 +128,40 @@ def test_regret_of_the_last_quarter_an_evaluation_row_and_a_subset_of_seeds_merg
         _finished_run(str(tmp_path / "c"), other, seed, [1.0, 2.0])
     assert _collect(str(tmp_path / "c"), tmp_path, registry=[other]) == 0
     assert [r["seeds"] for r in report.load(str(tmp_path / "res"))["rows"] if r["setting"] == "e"] == [[1, 2]]
+
+
+def test_each_seed_keeps_its_machine_and_script_version_when_rows_merge(tmp_path):
+    # seeds 1, 2 on an AMD EPYC by version a, then seed 3 on an Intel Xeon by version b: one row, each seed's own
+    s = bench.S("ppo_cartpole", "CartPole-v1", "t", 1000, (1, 2, 3, 4))
+    epyc, xeon = "AMD EPYC (no AMX), 2 cores, no GPU", "Intel(R) Xeon(R) Processor, 2 cores, no GPU"
+    for seed, machine, code in ((1, epyc, "a"), (2, epyc, "a"), (3, xeon, "b")):
+        _finished_run(str(tmp_path / f"runs{seed}"), s, seed, [float(seed)], machine=machine, code=code)
+    for seed in (1, 2, 3):
+        assert _collect(str(tmp_path / f"runs{seed}"), tmp_path, "--seeds", str(seed), registry=[s]) == 0
+    (row,) = report.load(str(tmp_path / "res"))["rows"]
+    assert row["seed_machine"] == {"1": epyc, "2": epyc, "3": xeon} and row["seed_code"] == {
+        "1": "a",
+        "2": "a",
+        "3": "b",
+    }
+    assert report.machines(row) == "AMD EPYC x2, Intel Xeon x1"
+    assert report.pooled([row]).startswith("Seeds are pooled across machines (AMD EPYC, Intel Xeon;")
+    # a row stored before seeds kept their machine: its single machine and version are each seed's; where it names
+    # two, its seeds' are unknown, not guessed
+    path = report.row_path(str(tmp_path / "res"), row)
+    stored = json.load(open(path))
+    for key in ("seed_machine", "seed_code"):
+        del stored[key]
+    json.dump(dict(stored, machine=epyc, code=["a"]), open(path, "w"))
+    _finished_run(str(tmp_path / "runs4"), s, 4, [4.0], machine=xeon, code="b")
+    assert _collect(str(tmp_path / "runs4"), tmp_path, "--seeds", "4", registry=[s]) == 0
+    (row,) = report.load(str(tmp_path / "res"))["rows"]
+    assert row["seed_machine"] == {"1": epyc, "2": epyc, "3": epyc, "4": xeon} and row["seed_code"]["3"] == "a"
+    old = dict(stored, machine=f"{epyc} / {xeon}", code=["a", "b"])
+    assert report.seed_machines(old) == {} and report.seed_codes(old) == {}
+    assert report.machines(old) == "unknown x3"
+    one = dict(stored, machine=epyc, code=["a"])
+    assert report.machines(one) == "AMD EPYC x3" and report.pooled([one]).startswith("Every seed here ran on AMD EPYC;")
 
 
 def _collect(runs_dir, tmp_path, *flags, registry=None) -> int:
