@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 import pandas as pd
-from scipy import stats
+from scipy import optimize, stats
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -121,17 +121,62 @@ def prob_improvement(x, y, axis=-1):
     return (d > 0).mean((-2, -1)) + 0.5 * (d == 0).mean((-2, -1))
 
 
+def holm(pvalues) -> list[float]:
+    """Holm's step-down correction of p-values for the number of comparisons: the i-th smallest of m is multiplied by
+    m - i + 1 (i from 1), capped at 1, and made non-decreasing in that order."""
+    p = np.asarray(pvalues, dtype=float)
+    out, running = np.empty_like(p), 0.0
+    for i, k in enumerate(np.argsort(p, kind="stable")):
+        running = max(running, min(1.0, (len(p) - i) * p[k]))
+        out[k] = running
+    return out.tolist()
+
+
+def pooled_std(a, b) -> float:
+    """The pooled standard deviation of two samples (each's sample variance, weighted by its degrees of freedom)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    return float(np.sqrt(((len(a) - 1) * a.var(ddof=1) + (len(b) - 1) * b.var(ddof=1)) / (len(a) + len(b) - 2)))
+
+
+def t_power(difference: float, std: float, n_a: int, n_b: int, alpha: float = 0.05) -> float:
+    """The power of the two-sided two-sample t-test at level alpha to detect a true `difference` between means of
+    samples of n_a and n_b with common std `std`: noncentral t with n_a + n_b - 2 degrees of freedom."""
+    df, nc = n_a + n_b - 2, difference / (std * math.sqrt(1 / n_a + 1 / n_b))
+    crit = stats.t.ppf(1 - alpha / 2, df)
+    return float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
+
+
+def detectable(std: float, n_a: int, n_b: int, power: float = 0.8, alpha: float = 0.05) -> float:
+    """The smallest true difference of means that the two-sided t-test (`t_power`) detects with `power`."""
+    scale = std * math.sqrt(1 / n_a + 1 / n_b)
+    gap = lambda nc: t_power(nc * scale, std, n_a, n_b, alpha) - power  # noqa: E731
+    high = 1.0
+    while gap(high) < 0:  # the noncentrality that reaches the power (doubling: nct turns to nan far out)
+        high *= 2
+    return float(optimize.brentq(gap, 0.0, high) * scale)
+
+
+def _diff(statistic):
+    return lambda x, y, axis=-1: statistic(x, axis=axis) - statistic(y, axis=axis)
+
+
 def compare(a: list[float], b: list[float]) -> dict:
-    """Setting a against setting b: the mean and the interquartile mean of each with stratified-bootstrap 95%
-    intervals, and the probability of improvement P(a > b) with its interval (Agarwal et al. 2021, rliable's method),
-    beside Welch's t-test of the difference of the means (95% interval, p-value)."""
+    """Setting a against setting b: the mean and the interquartile mean of each and their differences a - b with
+    stratified-bootstrap 95% intervals (each setting's seeds resampled on their own), and the probability of
+    improvement P(a > b) with its interval (Agarwal et al. 2021, rliable's method), beside Welch's t-test of the
+    difference of the means (95% interval, p-value); and the difference that a two-sided t-test at alpha 0.05 would
+    detect with 80% power with these seeds per setting and their pooled std (noncentral t)."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     welch = stats.ttest_ind(a, b, equal_var=False)
     out = {"welch_p": float(welch.pvalue), "welch_ci": tuple(map(float, welch.confidence_interval(0.95)))}
     for name, x in (("a", a), ("b", b)):
         out[f"mean {name}"] = (float(x.mean()), _boot((x,), np.mean))
         out[f"IQM {name}"] = (float(iqm(x)), _boot((x,), iqm))
+    out["mean a - b"] = (float(a.mean() - b.mean()), _boot((a, b), _diff(np.mean)))
+    out["IQM a - b"] = (float(iqm(a) - iqm(b)), _boot((a, b), _diff(iqm)))
     out["P(a > b)"] = (float(prob_improvement(a, b)), _boot((a, b), prob_improvement))
+    out["pooled_std"] = pooled_std(a, b)
+    out["detectable"] = detectable(out["pooled_std"], len(a), len(b))
     return out
 
 
@@ -270,21 +315,37 @@ def pivot_table(data: dict, script: str, settings: list[str], envs: str) -> str:
     )
 
 
-def compare_table(data: dict, lines: list[str]) -> str:
-    """For each line `script env steps a b`: a against b (`compare`)."""
-    records = []
-    for script, env, steps, a, b in (line.split() for line in lines):
+def compare_table(data: dict, lines: list[str], labels: list[str] | None = None) -> str:
+    """For each line `script env steps a b`: a against b (`compare`), named by its label; the Welch p-values
+    Holm-corrected over the comparisons of the table; then a line per comparison with the difference that 80% power
+    would detect."""
+    records, power, found = [], [], []
+    labels = labels or [f"{line.split()[3]} - {line.split()[4]}" for line in lines]
+    for label, (script, env, steps, a, b) in zip(labels, (line.split() for line in lines)):
         ra, rb = find(data, script, env, int(steps), a), find(data, script, env, int(steps), b)
-        c = compare(list(ra["per_seed"].values()), list(rb["per_seed"].values()))
-        ci = lambda lo, hi: f"[{fmt(lo)}, {fmt(hi)}]"  # noqa: E731
-        records.append({"a": f"`{a}`", "b": f"`{b}`", "seeds": f"{len(ra['seeds'])} vs {len(rb['seeds'])}"})
-        records[-1].update(
-            {f"{k} [95% CI]": f"{fmt(c[k][0])} {ci(*c[k][1])}" for k in ("mean a", "mean b", "IQM a", "IQM b")}
-        )
+        found.append(compare(list(ra["per_seed"].values()), list(rb["per_seed"].values())))
+        c, ci = found[-1], lambda lo, hi: f"[{fmt(lo)}, {fmt(hi)}]"  # noqa: E731
+        records.append({"comparison": label, "a": f"`{a}`", "b": f"`{b}`"})
+        records[-1]["seeds"] = f"{len(ra['per_seed'])} vs {len(rb['per_seed'])}"
+        records[-1].update({f"{k} [95% CI]": f"{fmt(c[k][0])} {ci(*c[k][1])}" for k in ("mean a - b", "IQM a - b")})
         records[-1].update({"P(a > b) [95% CI]": f"{fmt(c['P(a > b)'][0])} {ci(*c['P(a > b)'][1])}"})
-        records[-1].update({"a - b: Welch 95% CI": ci(*c["welch_ci"]), "Welch p": fmt(c["welch_p"], 3)})
-        records[-1]["machine"] = " vs ".join(dict.fromkeys(short_machine(r["machine"]) for r in (ra, rb)))
-    return markdown(records)
+        records[-1].update({"Welch 95% CI of a - b": ci(*c["welch_ci"]), "Welch p": fmt(c["welch_p"], 3)})
+        n_a, n_b = len(ra["per_seed"]), len(rb["per_seed"])
+        power.append(
+            f"- {label}: with {n_a} and {n_b} seeds and their pooled std {fmt(c['pooled_std'], 1)}, a true difference "
+            f"of {fmt(c['detectable'], 1)} would be detected with 80% power "
+            f"(the observed: {fmt(c['mean a - b'][0], 1)})."
+        )
+    corrected = holm([c["welch_p"] for c in found])
+    for record, p in zip(records, corrected):
+        record[f"Holm p ({len(found)} comparisons)"] = fmt(p, 3)
+    below = [f"{label} ({fmt(p, 3)})" for label, p in zip(labels, corrected) if p < 0.05]
+    verdict = f"Holm-corrected p below 0.05: {', '.join(below) or 'none'}, of {len(found)} comparisons."
+    head = (
+        "The difference of means that a two-sided two-sample t-test at alpha 0.05 detects with 80% power, with the "
+        "seeds stored per setting (noncentral t):"
+    )
+    return "\n".join([markdown(records), "", verdict, "", head, "", *power])
 
 
 def throughput_table(data: dict, script: str) -> str:
@@ -362,7 +423,7 @@ def table(data: dict, spec: dict) -> str:
     if "pivot" in spec:
         return pivot_table(data, spec["pivot"], spec["settings"], spec["envs"])
     if "compare" in spec:
-        return compare_table(data, spec["compare"])
+        return compare_table(data, spec["compare"], spec.get("labels"))
     if "throughput" in spec:
         return throughput_table(data, spec["throughput"])
     if "speed" in spec:
@@ -407,10 +468,13 @@ def render(data: dict, order: list[tuple]) -> str:
             text += f" ran `{'`, `'.join(r['run_commands'])}` ({'; '.join(r['code'])})."
         out.append(text + f" File: `{r['_file']}`.")
     have = {(r["script"], r["env"], str(r["steps"]), r["setting"]) for r in data["rows"]}
-    pairs = [line for spec in REGISTRY["tables"].values() for line in spec.get("compare", [])]
-    pairs = [p for p in pairs if {(*p.split()[:3], x) for x in p.split()[3:]} <= have]
-    out += ["", "## Comparisons between settings", "", " ".join(compare.__doc__.split()), ""] * bool(pairs)
-    out += [compare_table(data, pairs), "", "## Throughput (short runs alternating with the peer, medians)"]
+    stored = lambda p: {(*p.split()[:3], x) for x in p.split()[3:]} <= have  # noqa: E731
+    shown = {name: spec for name, spec in REGISTRY["tables"].items() if spec.get("compare")}
+    shown = {name: spec for name, spec in shown.items() if all(map(stored, spec["compare"]))}
+    out += ["", "## Comparisons between settings", "", " ".join(compare.__doc__.split())] * bool(shown)
+    for name, spec in shown.items():  # Holm's correction over the comparisons of each table
+        out += ["", f"`{name}`:", "", compare_table(data, spec["compare"], spec.get("labels"))]
+    out += ["", "## Throughput (short runs alternating with the peer, medians)"]
     for script in dict.fromkeys(t["script"] for t in data["throughput"]):
         out += ["", f"`{script}.py`:", "", throughput_table(data, script)]
     out.append("")

@@ -233,6 +233,69 @@ def test_statistics_of_a_comparison():
     low, high = c["mean a"][1]
     assert 1.0 <= low <= 2.0 <= high <= 3.0 and report.compare(a, b) == c  # a seeded bootstrap: the same each time
     assert report.mean_std([float("nan"), 2.0, 4.0]) == (3.0, 1.0)  # a seed without a value is left out
+    # the differences a - b, each setting's seeds resampled on their own: the mean's interval lies within the
+    # extremes of resampled a minus resampled b, (1 - 6.5, 3 - 4), and is wider than the seeds paired by index would
+    # give (a - b is -3, -3, -3.5 seed by seed: an interval within [-3.5, -3])
+    assert c["mean a - b"][0] == pytest.approx(-19 / 6)
+    low, high = c["mean a - b"][1]
+    assert -5.5 <= low < -4.0 and -2.5 < high <= -1.0
+    # 8 seeds each: the interquartile mean trims two seeds at each end (an outlier of b's is dropped)
+    a8, b8 = np.arange(1.0, 9.0), np.array([0.0, 1, 2, 3, 4, 5, 6, 100])
+    c8 = report.compare(a8, b8)
+    assert c8["IQM a - b"][0] == 4.5 - 3.5 and c8["mean a - b"][0] == 4.5 - 121 / 8
+    low, high = c8["IQM a - b"][1]
+    assert low < 1.0 < high and c8["mean a - b"][1][0] < low
+    # the pooled std: sample variances 1 and 19/12, 2 degrees of freedom each
+    assert c["pooled_std"] == pytest.approx(((1 + 19 / 12) / 2) ** 0.5)
+
+
+def test_holm_correction_against_a_case_computed_by_hand():
+    # sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1: 0.02, 0.03, 0.06, 0.04 -> non-decreasing: 0.04 becomes 0.06
+    assert report.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert report.holm([0.6, 0.7]) == [1.0, 1.0]  # 0.6 * 2 capped at 1, and 0.7 * 1 raised to the 1.0 before it
+    assert report.holm([0.2]) == [0.2] and report.holm([0.01, 0.01]) == [0.02, 0.02]
+
+
+def test_a_comparison_table_corrects_over_its_own_comparisons_and_has_a_power_line_each(tmp_path):
+    data = report.load(STORE)
+    spec = report.REGISTRY["tables"]["trpo-pretraining-stats"]
+    text = report.table(data, spec)
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "`" in line]
+    assert [line.split("|")[1].strip() for line in lines] == spec["labels"] and "R - M" in spec["labels"]
+    rows = [[report.find(data, *w[:2], int(w[2]), x) for x in w[3:]] for w in (x.split() for x in spec["compare"])]
+    welch = [report.compare(list(a["per_seed"].values()), list(b["per_seed"].values()))["welch_p"] for a, b in rows]
+    assert [float(line.split("|")[-2]) for line in lines] == [round(p, 3) for p in report.holm(welch)]
+    assert f"Holm p ({len(welch)} comparisons)" in text
+    assert [x.split(":")[0] for x in text.splitlines() if x.startswith("- ")] == [f"- {x}" for x in spec["labels"]]
+    # two of the lines alone: corrected over two comparisons
+    two = report.table(data, dict(spec, compare=spec["compare"][:2], labels=spec["labels"][:2]))
+    assert "Holm p (2 comparisons)" in two and two.count("80% power") == 3
+    assert "Holm-corrected p below 0.05: none, of 5 comparisons." in text  # at three seeds per arm
+
+    # a clear difference and a null one: the sentence names the one below 0.05 after the correction
+    def row(name, xs):
+        per = {str(i + 1): x for i, x in enumerate(xs)}
+        return {"script": "s", "env": "e", "steps": 1, "setting": name, "seeds": [1, 2, 3, 4, 5, 6], "per_seed": per}
+
+    fake = {"rows": [row("a", [10, 11, 12, 13, 14, 15]), row("b", [0, 1, 2, 3, 4, 5]), row("c", [0, 1, 2, 3, 4, 6])]}
+    out = report.compare_table(fake, ["s e 1 a b", "s e 1 b c"], ["A - B", "B - C"])
+    assert "Holm-corrected p below 0.05: A - B (0.000), of 2 comparisons." in out
+
+
+def test_the_difference_80_percent_power_detects():
+    # Cohen's classic case, as statsmodels' TTestIndPower (noncentral t, two-sided, df = 126) and G*Power give it:
+    # 64 per group detect an effect of 0.5 std with power 0.8015, so 80% power needs an effect just under 0.5
+    assert report.t_power(0.5, 1.0, 64, 64) == pytest.approx(0.80146, abs=1e-5)
+    assert report.detectable(1.0, 64, 64) == pytest.approx(0.49907, abs=1e-5)
+    assert report.detectable(300.0, 64, 64) == pytest.approx(300 * 0.49907, rel=1e-4)  # in the data's units
+    # three seeds per arm, as the pretraining rows had: checked by simulation, 20000 t-tests of normal samples whose
+    # means differ by the detectable difference reject at alpha 0.05 80% of the time
+    d = report.detectable(1.0, 3, 3)
+    assert 3.0 < d < 3.2
+    rng = np.random.default_rng(1)
+    p = stats.ttest_ind(rng.normal(d, 1, (20_000, 3)), rng.normal(0, 1, (20_000, 3)), axis=1).pvalue
+    assert (p < 0.05).mean() == pytest.approx(0.80, abs=0.01)
+    assert report.detectable(1.0, 3, 10) < d  # unequal arms: more seeds in one arm still help
 
 
 def test_runner_end_to_end_on_ppo_cartpole_clears_a_stale_folder_and_skips_complete_runs(tmp_path):
