@@ -254,8 +254,14 @@ def flags(row: dict) -> str:
     return f"`{' '.join(kept)}`" if kept else "(defaults)"
 
 
-def ref_text(r: dict) -> str:
-    return (f"{r['value']:g}" if r.get("std") is None else f"{r['value']:g} ± {r['std']:g}") + f" ({r['source']})"
+def ref_text(r: dict, where: bool = True) -> str:
+    """A published number, its source and (`where`) where in the source it stands (a web address as a link)."""
+    url, _, words = (r.get("address") or "").partition(" ") if where else ("", "", "")
+    where = ", ".join(x for x in ([f"<{url}>", words] if url.startswith("http") else [f"{url} {words}".strip()]) if x)
+    where = f"; {where}" if where else ""
+    return (
+        f"{r['value']:g}" if r.get("std") is None else f"{r['value']:g} ± {r['std']:g}"
+    ) + f" ({r['source']}{where})"
 
 
 def markdown(records: list, columns: list[str] | None = None) -> str:
@@ -571,7 +577,7 @@ def plot(rows: list[dict], plots_dir: str, points: int = 200) -> list[str]:
                 ax.fill_between(grid, mean - std, mean + std, color=colour[r["setting"]], alpha=0.15)
             refs = {(x["value"], x["source"]): x for r in here for x in r["refs"]}
             for i, x in enumerate(refs.values()):
-                ax.axhline(x["value"], color="k", ls=["--", ":", "-."][i % 3], lw=0.8, label=ref_text(x))
+                ax.axhline(x["value"], color="k", ls=["--", ":", "-."][i % 3], lw=0.8, label=ref_text(x, where=False))
             ylabel = "training return" if here[0].get("train_series") else here[0]["y_label"]
             ax.set(xlabel=here[0]["x_label"], title=f"{env}, {steps:,} steps")
             ax.set_ylabel(f"{ylabel} (running mean of {here[0]['last_n']} episodes)", fontsize=8)

@@ -74,6 +74,7 @@ class Ref:
     value: float
     std: Optional[float]
     source: str
+    address: str = ""  # where the number stands: the table's or figure's web address, or the figure of a document
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class S:
 def load_registry(reg: dict) -> tuple[dict, list[S]]:
     """The scripts and the settings of registry.toml (its head says how an entry expands)."""
     scripts = {name: Script(**d) for name, d in reg["scripts"].items()}
-    refs = {key: Ref(value, std if std != "" else None, source) for key, (value, std, source) in reg["refs"].items()}
+    refs = {key: Ref(value, std if std != "" else None, *rest) for key, (value, std, *rest) in reg["refs"].items()}
     settings = []
     for e in reg["settings"]:
         pairs = e["envs"].items() if isinstance(e["envs"], dict) else [(v, n) for n in e["steps"] for v in e["envs"]]

@@ -483,6 +483,23 @@ def test_nothing_committed_points_outside_the_repository():
     assert found == []
 
 
+def test_every_published_number_says_where_it_stands_and_the_store_holds_it_as_the_registry():
+    refs = {key: bench.Ref(v[0], v[1] if v[1] != "" else None, *v[2:]) for key, v in report.REGISTRY["refs"].items()}
+    for key, ref in refs.items():  # a web address of the table or figure, or the figure of a document without one
+        assert re.match(r"https://\S+|seed report \d{3}, Fig\. \d+$", ref.address), key
+    known = [bench.asdict(r) for r in refs.values()]
+    stored = [(r["_file"], x) for r in report.load(STORE)["rows"] for x in r["refs"]]
+    assert stored and [(f, x) for f, x in stored if x not in known] == []
+    assert "<https://sb3-contrib.readthedocs.io/en/master/modules/trpo.html#results>" in report.ref_text(known[3])
+
+
+def test_every_stored_command_names_a_script_that_exists():
+    for row in report.load(STORE)["rows"]:
+        for command in row.get("run_commands") or []:
+            script = command.split()[1]
+            assert os.path.isfile(os.path.join(ROOT, script)), f"{row['_file']}: {script}"
+
+
 def test_every_script_page_links_its_paper_and_reference_implementation():
     for page in ("ppo_cartpole", "trpo_gpt2_halfcheetah", "gpt2ppo_lunar", "icpi_chain"):
         head = open(os.path.join(ROOT, "docs", f"{page}.md")).read().split("## What it implements")[0]
