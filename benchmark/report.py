@@ -187,6 +187,11 @@ def fmt(x, digits: int = 2) -> str:
     return "n/a" if x is None or x != x else f"{x:.{digits}f}"
 
 
+def fmt_p(p: float) -> str:
+    """A p-value to 3 decimals, one below 0.001 as such (not as 0.000)."""
+    return "< 0.001" if p < 0.001 else fmt(p, 3)
+
+
 def pm(row: dict, key: str | None = None) -> str:
     """`mean ± std` of the row's number or of one of its extras ('' when the row has no such extra)."""
     x, d = row if key is None else row["extra"].get(key), 3 if row["tag"] == "charts/regret" else 2
@@ -335,7 +340,7 @@ def compare_table(data: dict, lines: list[str], labels: list[str] | None = None)
         records[-1]["seeds"] = f"{len(ra['per_seed'])} vs {len(rb['per_seed'])}"
         records[-1].update({f"{k} [95% CI]": f"{fmt(c[k][0])} {ci(*c[k][1])}" for k in ("mean a - b", "IQM a - b")})
         records[-1].update({"P(a > b) [95% CI]": f"{fmt(c['P(a > b)'][0])} {ci(*c['P(a > b)'][1])}"})
-        records[-1].update({"Welch 95% CI of a - b": ci(*c["welch_ci"]), "Welch p": fmt(c["welch_p"], 3)})
+        records[-1].update({"Welch 95% CI of a - b": ci(*c["welch_ci"]), "Welch p": fmt_p(c["welch_p"])})
         n_a, n_b = len(ra["per_seed"]), len(rb["per_seed"])
         power.append(
             f"- {label}: with {n_a} and {n_b} seeds and their pooled std {fmt(c['pooled_std'], 1)}, a true difference "
@@ -344,8 +349,8 @@ def compare_table(data: dict, lines: list[str], labels: list[str] | None = None)
         )
     corrected = holm([c["welch_p"] for c in found])
     for record, p in zip(records, corrected):
-        record[f"Holm p ({len(found)} comparisons)"] = fmt(p, 3)
-    below = [f"{label} ({fmt(p, 3)})" for label, p in zip(labels, corrected) if p < 0.05]
+        record[f"Holm p ({len(found)} comparisons)"] = fmt_p(p)
+    below = [f"{label} ({fmt_p(p)})" for label, p in zip(labels, corrected) if p < 0.05]
     verdict = f"Holm-corrected p below 0.05: {', '.join(below) or 'none'}, of {len(found)} comparisons."
     head = (
         "The difference of means that a two-sided two-sample t-test at alpha 0.05 detects with 80% power, with the "

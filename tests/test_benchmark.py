@@ -279,7 +279,7 @@ def test_a_comparison_table_corrects_over_its_own_comparisons_and_has_a_power_li
 
     fake = {"rows": [row("a", [10, 11, 12, 13, 14, 15]), row("b", [0, 1, 2, 3, 4, 5]), row("c", [0, 1, 2, 3, 4, 6])]}
     out = report.compare_table(fake, ["s e 1 a b", "s e 1 b c"], ["A - B", "B - C"])
-    assert "Holm-corrected p below 0.05: A - B (0.000), of 2 comparisons." in out
+    assert "Holm-corrected p below 0.05: A - B (< 0.001), of 2 comparisons." in out and "| < 0.001 " in out
 
 
 def test_the_difference_80_percent_power_detects():
