@@ -674,6 +674,10 @@ def check_args(args: Args, registry: list[S]) -> None:
         args.mode == "collect" and args.runs_dir and not os.path.isdir(args.runs_dir)
     )
     problems += [problem for flag, path, folder in written_paths(args) if (problem := unwritable(flag, path, folder))]
+    store = default_paths(args)["results_dir"]  # --mode report only reads the store
+    problems += [f"--results-dir {store} is not a folder"] * (
+        args.mode == "report" and os.path.exists(store) and not os.path.isdir(store)
+    )
     if problems:
         print(f"error: {problems[0]}.", file=sys.stderr)
         sys.exit(2)
@@ -697,7 +701,9 @@ def written_paths(args: Args) -> list[tuple[str, str, bool]]:
     if args.mode in ("list", "slurm-task"):  # nothing; the paths of a task are those its --slurm call checked
         return []
     paths = default_paths(args)
-    keys = ["runs_dir"] * (args.mode == "train") + ["results_dir", "results_md", "plots_dir"]
+    keys = (
+        ["runs_dir"] * (args.mode == "train") + ["results_dir"] * (args.mode != "report") + ["results_md", "plots_dir"]
+    )
     return [(f"--{k.replace('_', '-')}", paths[k], k != "results_md") for k in keys]
 
 

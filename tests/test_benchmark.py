@@ -409,6 +409,7 @@ def test_a_time_breakdown_splits_main_into_its_parts(tmp_path, monkeypatch):
         (("--mode", "report", "--results-md", "a-file/r.md"), "cannot be created: {tmp}/a-file is not a folder"),
         (("--plots-dir", "a-file/plots"), "--plots-dir {tmp}/a-file/plots cannot be created: {tmp}/a-file is not"),
         (("--runs-dir", "a-file/runs", "--slurm"), "--runs-dir {tmp}/a-file/runs cannot be created"),
+        (("--mode", "report", "--results-dir", "a-file"), "--results-dir {tmp}/a-file is not a folder"),
         # a real sbatch with no cluster to answer it: sbatch's first error line, the jobs file and runs folder gone
         (("--slurm", "--scripts", "ppo_cartpole", "no-cluster"), 'sbatch failed (exit 1): "sbatch: error: '),
         (("--slurm", "--scripts", "ppo_cartpole", "--runs-dir", "a-folder", "no-cluster"), "sbatch failed"),
@@ -448,6 +449,48 @@ def test_bad_input_one_clear_sentence_and_nothing_written(tmp_path, monkeypatch,
     assert message.format(tmp=tmp_path) in err, err
     assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "a-folder") == []
     assert (tmp_path / "a-file").read_text() == ""
+
+
+def test_a_read_only_store_is_reported_from_and_refused_as_a_place_to_write(tmp_path, monkeypatch, capsys):
+    store = tmp_path / "store"
+    shutil.copytree(os.path.join(STORE, "ppo_cartpole"), store / "ppo_cartpole")
+    access = os.access  # a read-only mount as os.access reports it (chmod would not stop root)
+    monkeypatch.setattr(os, "access", lambda p, m: not (m & os.W_OK and str(p).startswith(str(store))) and access(p, m))
+    out = ["--results-md", str(tmp_path / "r.md"), "--plots-dir", str(tmp_path / "plots")]
+    assert bench.main(["--mode", "report", "--results-dir", str(store), *out]) == 0  # reading it is enough
+    assert "ppo_cartpole" in open(tmp_path / "r.md").read()
+    before = sorted(os.listdir(tmp_path))
+    for flags in (["--results-dir", str(store)], ["--results-dir", str(store / "new")], ["--plots-dir", str(store)]):
+        with pytest.raises(SystemExit) as stop:  # collecting would write the store, or the plots, there
+            bench.main(["--mode", "collect", "--runs-dir", str(tmp_path), *out, "--results-dir", str(tmp_path), *flags])
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and f"cannot be written: {store} is not writable" in err, err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_slurm_collect_job_refused_cancels_the_array_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    # sbatch takes the array (job 4242) and refuses the job after it: the array is cancelled, nothing stays
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        f"#!/bin/sh\ncat > /dev/null\nif [ -e {bin_dir}/took ]; then\n"
+        "  echo 'sbatch: error: Batch job submission failed: Job dependency problem' >&2; exit 1\nfi\n"
+        f"touch {bin_dir}/took; echo 4242\n"
+    )
+    (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "$@" > {bin_dir}/cancelled\n')
+    for name in ("sbatch", "scancel"):
+        os.chmod(bin_dir / name, 0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    runs = tmp_path / "runs"
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--slurm", "--scripts", "ppo_cartpole", "--runs-dir", str(runs), *_out(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.endswith(
+        '"sbatch: error: Batch job submission failed: Job dependency problem" (job array 4242 cancelled).'
+    )
+    assert (bin_dir / "cancelled").read_text().split() == ["4242"] and not runs.exists()
+    assert sorted(os.listdir(tmp_path)) == ["bin"]
 
 
 def test_a_second_harness_leaves_a_run_that_another_process_runs_alone(tmp_path, capsys):
