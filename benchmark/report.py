@@ -457,8 +457,8 @@ def render(data: dict, order: list[tuple]) -> str:
     """results.md: every stored row (registry order), how each was made, the comparisons, throughput and speed."""
     rank = {k: i for i, k in enumerate(order)}
     rows = sorted(data["rows"], key=lambda r: (rank.get((r["script"], r["env"], r["setting"]), len(rank)), r["steps"]))
-    machines = sorted({f"{x['machine']}; {x['versions']}" for k in data for x in data[k]})
-    mid = {m: f"M{i + 1}" for i, m in enumerate(machines)}
+    setups = sorted({f"{x['machine']}; {x['versions']}" for k in data for x in data[k]})
+    mid = {m: f"M{i + 1}" for i, m in enumerate(setups)}
     m_of = lambda x: mid[f"{x['machine']}; {x['versions']}"]  # noqa: E731
     cols = "script env setting steps seeds result metric".split()
     line = lambda r: [CELLS[c][1](r) for c in cols] + [fmt(r["sps"], 0), fmt(r["wall_seconds"] / 60, 1), m_of(r)]  # noqa: E731
@@ -472,6 +472,8 @@ def render(data: dict, order: list[tuple]) -> str:
         if any((r.get("seed_replayed") or {}).values()):
             text += " Answers replayed from the cache of a stopped attempt (the wall time is the rest's): "
             text += ", ".join(f"seed {s} {n}" for s, n in r["seed_replayed"].items()) + "."
+        if "," in machines(r) or "unknown" in machines(r):  # seeds pooled across machines, or not recorded per seed
+            text += f" Machines per seed: {machines(r)}."
         if r.get("imported"):
             text += f" Imported: made by `{r['imported']['command']}`; data from {r['imported']['from']}."
         else:

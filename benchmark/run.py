@@ -729,9 +729,10 @@ def unwritable(flag: str, path: str, folder: bool) -> Optional[str]:
 def write_report(args: Args, registry: list[S]) -> None:
     """results.md, the plots and, from the default store, the pages' tables."""
     data = report.load(args.results_dir)
+    text = report.render(data, [(s.script, s.env, s.name) for s in registry])  # made before the old one is replaced
     os.makedirs(os.path.dirname(args.results_md), exist_ok=True)
     with open(args.results_md, "w") as f:
-        f.write(report.render(data, [(s.script, s.env, s.name) for s in registry]))
+        f.write(text)
     written = [args.results_md] + report.plot(data["rows"], args.plots_dir)
     if args.results_dir == os.path.join(HERE, "results"):
         written += report.write_pages(data)

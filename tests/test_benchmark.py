@@ -145,6 +145,7 @@ def test_each_seed_keeps_its_machine_and_script_version_when_rows_merge(tmp_path
         "3": "b",
     }
     assert report.machines(row) == "AMD EPYC x2, Intel Xeon x1"
+    assert "Machines per seed: AMD EPYC x2, Intel Xeon x1." in open(tmp_path / "r.md").read()
     assert report.pooled([row]).startswith("Seeds are pooled across machines (AMD EPYC, Intel Xeon;")
     # a row stored before seeds kept their machine: its single machine and version are each seed's; where it names
     # two, its seeds' are unknown, not guessed
