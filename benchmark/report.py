@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 import pandas as pd
-from scipy import stats
+from scipy import optimize, stats
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -121,17 +121,62 @@ def prob_improvement(x, y, axis=-1):
     return (d > 0).mean((-2, -1)) + 0.5 * (d == 0).mean((-2, -1))
 
 
+def holm(pvalues) -> list[float]:
+    """Holm's step-down correction of p-values for the number of comparisons: the i-th smallest of m is multiplied by
+    m - i + 1 (i from 1), capped at 1, and made non-decreasing in that order."""
+    p = np.asarray(pvalues, dtype=float)
+    out, running = np.empty_like(p), 0.0
+    for i, k in enumerate(np.argsort(p, kind="stable")):
+        running = max(running, min(1.0, (len(p) - i) * p[k]))
+        out[k] = running
+    return out.tolist()
+
+
+def pooled_std(a, b) -> float:
+    """The pooled standard deviation of two samples (each's sample variance, weighted by its degrees of freedom)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    return float(np.sqrt(((len(a) - 1) * a.var(ddof=1) + (len(b) - 1) * b.var(ddof=1)) / (len(a) + len(b) - 2)))
+
+
+def t_power(difference: float, std: float, n_a: int, n_b: int, alpha: float = 0.05) -> float:
+    """The power of the two-sided two-sample t-test at level alpha to detect a true `difference` between means of
+    samples of n_a and n_b with common std `std`: noncentral t with n_a + n_b - 2 degrees of freedom."""
+    df, nc = n_a + n_b - 2, difference / (std * math.sqrt(1 / n_a + 1 / n_b))
+    crit = stats.t.ppf(1 - alpha / 2, df)
+    return float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
+
+
+def detectable(std: float, n_a: int, n_b: int, power: float = 0.8, alpha: float = 0.05) -> float:
+    """The smallest true difference of means that the two-sided t-test (`t_power`) detects with `power`."""
+    scale = std * math.sqrt(1 / n_a + 1 / n_b)
+    gap = lambda nc: t_power(nc * scale, std, n_a, n_b, alpha) - power  # noqa: E731
+    high = 1.0
+    while gap(high) < 0:  # the noncentrality that reaches the power (doubling: nct turns to nan far out)
+        high *= 2
+    return float(optimize.brentq(gap, 0.0, high) * scale)
+
+
+def _diff(statistic):
+    return lambda x, y, axis=-1: statistic(x, axis=axis) - statistic(y, axis=axis)
+
+
 def compare(a: list[float], b: list[float]) -> dict:
-    """Setting a against setting b: the mean and the interquartile mean of each with stratified-bootstrap 95%
-    intervals, and the probability of improvement P(a > b) with its interval (Agarwal et al. 2021, rliable's method),
-    beside Welch's t-test of the difference of the means (95% interval, p-value)."""
+    """Setting a against setting b: the mean and the interquartile mean of each and their differences a - b with
+    stratified-bootstrap 95% intervals (each setting's seeds resampled on their own), and the probability of
+    improvement P(a > b) with its interval (Agarwal et al. 2021, rliable's method), beside Welch's t-test of the
+    difference of the means (95% interval, p-value); and the difference that a two-sided t-test at alpha 0.05 would
+    detect with 80% power with these seeds per setting and their pooled std (noncentral t)."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     welch = stats.ttest_ind(a, b, equal_var=False)
     out = {"welch_p": float(welch.pvalue), "welch_ci": tuple(map(float, welch.confidence_interval(0.95)))}
     for name, x in (("a", a), ("b", b)):
         out[f"mean {name}"] = (float(x.mean()), _boot((x,), np.mean))
         out[f"IQM {name}"] = (float(iqm(x)), _boot((x,), iqm))
+    out["mean a - b"] = (float(a.mean() - b.mean()), _boot((a, b), _diff(np.mean)))
+    out["IQM a - b"] = (float(iqm(a) - iqm(b)), _boot((a, b), _diff(iqm)))
     out["P(a > b)"] = (float(prob_improvement(a, b)), _boot((a, b), prob_improvement))
+    out["pooled_std"] = pooled_std(a, b)
+    out["detectable"] = detectable(out["pooled_std"], len(a), len(b))
     return out
 
 
@@ -140,6 +185,11 @@ def compare(a: list[float], b: list[float]) -> dict:
 
 def fmt(x, digits: int = 2) -> str:
     return "n/a" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def fmt_p(p: float) -> str:
+    """A p-value to 3 decimals, one below 0.001 as such (not as 0.000)."""
+    return "< 0.001" if p < 0.001 else fmt(p, 3)
 
 
 def pm(row: dict, key: str | None = None) -> str:
@@ -151,6 +201,42 @@ def pm(row: dict, key: str | None = None) -> str:
 def per_seed(row: dict, key: str | None = None) -> str:
     x, d = row["per_seed"] if key is None else row["extra"][key]["per_seed"], 3 if row["tag"] == "charts/regret" else 2
     return ", ".join(fmt(x[str(s)], d) for s in row["seeds"] if str(s) in x)
+
+
+def seed_machines(row: dict) -> dict:
+    """Each seed's machine: as stored per seed, or, for a row stored before the store kept it, the row's machine where
+    it names one; a seed whose machine cannot be told is left out (unknown)."""
+    if "seed_machine" in row:
+        return {k: v for k, v in row["seed_machine"].items() if v}
+    single = row.get("machine") and " / " not in row["machine"]
+    return {str(s): row["machine"] for s in row["seeds"]} if single else {}
+
+
+def seed_codes(row: dict) -> dict:
+    """Each seed's script version, as `seed_machines` (a row of one version, else unknown)."""
+    if "seed_code" in row:
+        return {k: v for k, v in row["seed_code"].items() if v}
+    return {str(s): row["code"][0] for s in row["seeds"]} if len(row.get("code") or []) == 1 else {}
+
+
+def machines(row: dict) -> str:
+    """The machines of the row's seeds, with how many seeds each ran: `AMD EPYC x3, Intel Xeon x7`."""
+    per = seed_machines(row)
+    kinds = [short_machine(per[str(s)]) if str(s) in per else "unknown" for s in row["seeds"]]
+    return ", ".join(f"{k} x{kinds.count(k)}" for k in dict.fromkeys(kinds))
+
+
+def pooled(rows: list[dict]) -> str:
+    """The sentence under a table with a `machines` column: whether its rows pool seeds across machines."""
+    kinds = sorted({short_machine(m) for r in rows for m in seed_machines(r).values()})
+    why = (
+        "a different processor changes a seed's floating-point trajectory, not the distribution it is drawn from, "
+        "and every seed was computed by the script with its row's flags"
+    )
+    if len(kinds) > 1:
+        return f"Seeds are pooled across machines ({', '.join(kinds)}; per row in the machines column): {why}."
+    on = f"on {kinds[0]}" if kinds else "on machines not recorded per seed"
+    return f"Every seed here ran {on}; seeds from other machines would be pooled into a row: {why}."
 
 
 def short_machine(machine: str) -> str:
@@ -173,8 +259,14 @@ def flags(row: dict) -> str:
     return f"`{' '.join(kept)}`" if kept else "(defaults)"
 
 
-def ref_text(r: dict) -> str:
-    return (f"{r['value']:g}" if r.get("std") is None else f"{r['value']:g} ± {r['std']:g}") + f" ({r['source']})"
+def ref_text(r: dict, where: bool = True) -> str:
+    """A published number, its source and (`where`) where in the source it stands (a web address as a link)."""
+    url, _, words = (r.get("address") or "").partition(" ") if where else ("", "", "")
+    where = ", ".join(x for x in ([f"<{url}>", words] if url.startswith("http") else [f"{url} {words}".strip()]) if x)
+    where = f"; {where}" if where else ""
+    return (
+        f"{r['value']:g}" if r.get("std") is None else f"{r['value']:g} ± {r['std']:g}"
+    ) + f" ({r['source']}{where})"
 
 
 def markdown(records: list, columns: list[str] | None = None) -> str:
@@ -190,6 +282,7 @@ CELLS = {  # column of a results table -> (header, cell of a stored row)
     "steps": ("steps", lambda r: f"{r['steps']:,}"),
     "seeds": ("seeds", lambda r: ", ".join(map(str, r["seeds"]))),
     "machine": ("machine", lambda r: short_machine(r["machine"])),
+    "machines": ("machines (seeds)", machines),
     "metric": ("metric", metric),
     "result": ("mean ± std", pm),
     "eval": ("evaluation, mean ± std", pm),
@@ -210,7 +303,9 @@ def rows_table(data: dict, columns: str, lines: list[str]) -> str:
     rows = picked(data, lines)
     refs = {f"- {r['env']}, {r['steps']:,} steps: {ref_text(x)}": 0 for r in rows for x in r["refs"]}
     head = ["", "Published (other code, machines and library versions):", ""] if refs else []
-    return "\n".join([markdown([{CELLS[c][0]: CELLS[c][1](r) for c in columns.split()} for r in rows]), *head, *refs])
+    note = ["", pooled(rows)] if "machines" in columns.split() else []
+    table = markdown([{CELLS[c][0]: CELLS[c][1](r) for c in columns.split()} for r in rows])
+    return "\n".join([table, *note, *head, *refs])
 
 
 def pivot_table(data: dict, script: str, settings: list[str], envs: str) -> str:
@@ -231,21 +326,37 @@ def pivot_table(data: dict, script: str, settings: list[str], envs: str) -> str:
     )
 
 
-def compare_table(data: dict, lines: list[str]) -> str:
-    """For each line `script env steps a b`: a against b (`compare`)."""
-    records = []
-    for script, env, steps, a, b in (line.split() for line in lines):
+def compare_table(data: dict, lines: list[str], labels: list[str] | None = None) -> str:
+    """For each line `script env steps a b`: a against b (`compare`), named by its label; the Welch p-values
+    Holm-corrected over the comparisons of the table; then a line per comparison with the difference that 80% power
+    would detect."""
+    records, power, found = [], [], []
+    labels = labels or [f"{line.split()[3]} - {line.split()[4]}" for line in lines]
+    for label, (script, env, steps, a, b) in zip(labels, (line.split() for line in lines)):
         ra, rb = find(data, script, env, int(steps), a), find(data, script, env, int(steps), b)
-        c = compare(list(ra["per_seed"].values()), list(rb["per_seed"].values()))
-        ci = lambda lo, hi: f"[{fmt(lo)}, {fmt(hi)}]"  # noqa: E731
-        records.append({"a": f"`{a}`", "b": f"`{b}`", "seeds": f"{len(ra['seeds'])} vs {len(rb['seeds'])}"})
-        records[-1].update(
-            {f"{k} [95% CI]": f"{fmt(c[k][0])} {ci(*c[k][1])}" for k in ("mean a", "mean b", "IQM a", "IQM b")}
-        )
+        found.append(compare(list(ra["per_seed"].values()), list(rb["per_seed"].values())))
+        c, ci = found[-1], lambda lo, hi: f"[{fmt(lo)}, {fmt(hi)}]"  # noqa: E731
+        records.append({"comparison": label, "a": f"`{a}`", "b": f"`{b}`"})
+        records[-1]["seeds"] = f"{len(ra['per_seed'])} vs {len(rb['per_seed'])}"
+        records[-1].update({f"{k} [95% CI]": f"{fmt(c[k][0])} {ci(*c[k][1])}" for k in ("mean a - b", "IQM a - b")})
         records[-1].update({"P(a > b) [95% CI]": f"{fmt(c['P(a > b)'][0])} {ci(*c['P(a > b)'][1])}"})
-        records[-1].update({"a - b: Welch 95% CI": ci(*c["welch_ci"]), "Welch p": fmt(c["welch_p"], 3)})
-        records[-1]["machine"] = " vs ".join(dict.fromkeys(short_machine(r["machine"]) for r in (ra, rb)))
-    return markdown(records)
+        records[-1].update({"Welch 95% CI of a - b": ci(*c["welch_ci"]), "Welch p": fmt_p(c["welch_p"])})
+        n_a, n_b = len(ra["per_seed"]), len(rb["per_seed"])
+        power.append(
+            f"- {label}: with {n_a} and {n_b} seeds and their pooled std {fmt(c['pooled_std'], 1)}, a true difference "
+            f"of {fmt(c['detectable'], 1)} would be detected with 80% power "
+            f"(the observed: {fmt(c['mean a - b'][0], 1)})."
+        )
+    corrected = holm([c["welch_p"] for c in found])
+    for record, p in zip(records, corrected):
+        record[f"Holm p ({len(found)} comparisons)"] = fmt_p(p)
+    below = [f"{label} ({fmt_p(p)})" for label, p in zip(labels, corrected) if p < 0.05]
+    verdict = f"Holm-corrected p below 0.05: {', '.join(below) or 'none'}, of {len(found)} comparisons."
+    head = (
+        "The difference of means that a two-sided two-sample t-test at alpha 0.05 detects with 80% power, with the "
+        "seeds stored per setting (noncentral t):"
+    )
+    return "\n".join([markdown(records), "", verdict, "", head, "", *power])
 
 
 def throughput_table(data: dict, script: str) -> str:
@@ -323,7 +434,7 @@ def table(data: dict, spec: dict) -> str:
     if "pivot" in spec:
         return pivot_table(data, spec["pivot"], spec["settings"], spec["envs"])
     if "compare" in spec:
-        return compare_table(data, spec["compare"])
+        return compare_table(data, spec["compare"], spec.get("labels"))
     if "throughput" in spec:
         return throughput_table(data, spec["throughput"])
     if "speed" in spec:
@@ -346,8 +457,8 @@ def render(data: dict, order: list[tuple]) -> str:
     """results.md: every stored row (registry order), how each was made, the comparisons, throughput and speed."""
     rank = {k: i for i, k in enumerate(order)}
     rows = sorted(data["rows"], key=lambda r: (rank.get((r["script"], r["env"], r["setting"]), len(rank)), r["steps"]))
-    machines = sorted({f"{x['machine']}; {x['versions']}" for k in data for x in data[k]})
-    mid = {m: f"M{i + 1}" for i, m in enumerate(machines)}
+    setups = sorted({f"{x['machine']}; {x['versions']}" for k in data for x in data[k]})
+    mid = {m: f"M{i + 1}" for i, m in enumerate(setups)}
     m_of = lambda x: mid[f"{x['machine']}; {x['versions']}"]  # noqa: E731
     cols = "script env setting steps seeds result metric".split()
     line = lambda r: [CELLS[c][1](r) for c in cols] + [fmt(r["sps"], 0), fmt(r["wall_seconds"] / 60, 1), m_of(r)]  # noqa: E731
@@ -361,6 +472,8 @@ def render(data: dict, order: list[tuple]) -> str:
         if any((r.get("seed_replayed") or {}).values()):
             text += " Answers replayed from the cache of a stopped attempt (the wall time is the rest's): "
             text += ", ".join(f"seed {s} {n}" for s, n in r["seed_replayed"].items()) + "."
+        if "," in machines(r) or "unknown" in machines(r):  # seeds pooled across machines, or not recorded per seed
+            text += f" Machines per seed: {machines(r)}."
         if r.get("imported"):
             text += f" Imported: made by `{r['imported']['command']}`; data from {r['imported']['from']}."
         else:
@@ -368,10 +481,13 @@ def render(data: dict, order: list[tuple]) -> str:
             text += f" ran `{'`, `'.join(r['run_commands'])}` ({'; '.join(r['code'])})."
         out.append(text + f" File: `{r['_file']}`.")
     have = {(r["script"], r["env"], str(r["steps"]), r["setting"]) for r in data["rows"]}
-    pairs = [line for spec in REGISTRY["tables"].values() for line in spec.get("compare", [])]
-    pairs = [p for p in pairs if {(*p.split()[:3], x) for x in p.split()[3:]} <= have]
-    out += ["", "## Comparisons between settings", "", " ".join(compare.__doc__.split()), ""] * bool(pairs)
-    out += [compare_table(data, pairs), "", "## Throughput (short runs alternating with the peer, medians)"]
+    stored = lambda p: {(*p.split()[:3], x) for x in p.split()[3:]} <= have  # noqa: E731
+    shown = {name: spec for name, spec in REGISTRY["tables"].items() if spec.get("compare")}
+    shown = {name: spec for name, spec in shown.items() if all(map(stored, spec["compare"]))}
+    out += ["", "## Comparisons between settings", "", " ".join(compare.__doc__.split())] * bool(shown)
+    for name, spec in shown.items():  # Holm's correction over the comparisons of each table
+        out += ["", f"`{name}`:", "", compare_table(data, spec["compare"], spec.get("labels"))]
+    out += ["", "## Throughput (short runs alternating with the peer, medians)"]
     for script in dict.fromkeys(t["script"] for t in data["throughput"]):
         out += ["", f"`{script}.py`:", "", throughput_table(data, script)]
     out.append("")
@@ -468,7 +584,7 @@ def plot(rows: list[dict], plots_dir: str, points: int = 200) -> list[str]:
                 ax.fill_between(grid, mean - std, mean + std, color=colour[r["setting"]], alpha=0.15)
             refs = {(x["value"], x["source"]): x for r in here for x in r["refs"]}
             for i, x in enumerate(refs.values()):
-                ax.axhline(x["value"], color="k", ls=["--", ":", "-."][i % 3], lw=0.8, label=ref_text(x))
+                ax.axhline(x["value"], color="k", ls=["--", ":", "-."][i % 3], lw=0.8, label=ref_text(x, where=False))
             ylabel = "training return" if here[0].get("train_series") else here[0]["y_label"]
             ax.set(xlabel=here[0]["x_label"], title=f"{env}, {steps:,} steps")
             ax.set_ylabel(f"{ylabel} (running mean of {here[0]['last_n']} episodes)", fontsize=8)

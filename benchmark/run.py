@@ -74,6 +74,7 @@ class Ref:
     value: float
     std: Optional[float]
     source: str
+    address: str = ""  # where the number stands: the table's or figure's web address, or the figure of a document
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class S:
 def load_registry(reg: dict) -> tuple[dict, list[S]]:
     """The scripts and the settings of registry.toml (its head says how an entry expands)."""
     scripts = {name: Script(**d) for name, d in reg["scripts"].items()}
-    refs = {key: Ref(value, std if std != "" else None, source) for key, (value, std, source) in reg["refs"].items()}
+    refs = {key: Ref(value, std if std != "" else None, *rest) for key, (value, std, *rest) in reg["refs"].items()}
     settings = []
     for e in reg["settings"]:
         pairs = e["envs"].items() if isinstance(e["envs"], dict) else [(v, n) for n in e["steps"] for v in e["envs"]]
@@ -293,6 +294,10 @@ def submit_slurm(args: "Args", selected: list[S], harness_command: str) -> int:
     if not jobs:
         print("nothing to submit: every run is complete", flush=True)
         return 0
+    made = args.runs_dir  # the folders made here, removed again if the submission fails
+    while not os.path.exists(os.path.dirname(made)):
+        made = os.path.dirname(made)
+    made = None if os.path.exists(made) else made
     os.makedirs(args.runs_dir, exist_ok=True)
     handle, jobs_file = tempfile.mkstemp(prefix="slurm-jobs-", suffix=".json", dir=args.runs_dir)
     with os.fdopen(handle, "w") as f:
@@ -317,12 +322,22 @@ def submit_slurm(args: "Args", selected: list[S], harness_command: str) -> int:
         run_py=os.path.abspath(__file__),
         jobs_file=jobs_file,
     )
-    array = sbatch(script)
     collect_cmd = [sys.executable, os.path.abspath(__file__), "--mode", "collect", *selection_flags(args)]
-    after = sbatch(
-        f"#!/bin/bash\n#SBATCH --job-name=benchmark-collect\n#SBATCH --dependency=afterany:{array}\n"
-        f"#SBATCH --output={args.runs_dir}/slurm-{array}-collect.log\n{shlex.join(collect_cmd)}\n"
-    )
+    array = None
+    try:
+        array = sbatch(script)
+        after = sbatch(
+            f"#!/bin/bash\n#SBATCH --job-name=benchmark-collect\n#SBATCH --dependency=afterany:{array}\n"
+            f"#SBATCH --output={args.runs_dir}/slurm-{array}-collect.log\n{shlex.join(collect_cmd)}\n"
+        )
+    except SbatchError as e:  # nothing stays behind: the array (if it went out), the jobs file, the folders made
+        if array is not None:
+            subprocess.run(["scancel", array], capture_output=True, timeout=60)
+        os.remove(jobs_file)
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+        print(f"error: {e}{f' (job array {array} cancelled)' * (array is not None)}.", file=sys.stderr)
+        sys.exit(2)
     print(
         f"submitted job array {array} ({len(jobs)} runs) and job {after}, which stores them and writes the report "
         f"when the array has finished; the tasks' logs: {args.runs_dir}/slurm-{array}_*.log",
@@ -331,12 +346,22 @@ def submit_slurm(args: "Args", selected: list[S], harness_command: str) -> int:
     return 0
 
 
-def sbatch(script: str) -> str:
-    """Submit a batch script; its job id."""
-    proc = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"error: sbatch refused the job: {proc.stderr.strip()}.")
-    return proc.stdout.strip().split(";")[0]
+class SbatchError(Exception):
+    """A submission that Slurm did not take."""
+
+
+def sbatch(script: str, timeout: float = 120) -> str:
+    """Submit a batch script; its job id. SbatchError with sbatch's first error line when it is not taken."""
+    try:
+        proc = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SbatchError(f"sbatch did not answer in {timeout:.0f} s (is the cluster reachable?)") from None
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    job = proc.stdout.strip().split(";")[0]
+    if proc.returncode != 0 or not job:
+        first = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "")
+        raise SbatchError(f'sbatch failed (exit {proc.returncode}): "{first.rstrip(".")}"')
+    return job
 
 
 def slurm_task(jobs_file: str) -> int:
@@ -415,6 +440,8 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
     row["seed_replayed"] = {k: int(v.sum()) for k, v in logged("model/replayed").items()}
     row["seed_sps"] = {k: float(v.iloc[-1]) for k, v in logged("charts/SPS").items()}
     row["seed_wall_seconds"] = {k: m["seconds"] for k, (_, m) in fresh.items()}
+    row["seed_machine"] = {k: m["machine"] for k, (_, m) in fresh.items()}  # seeds pool across machines: each's kept
+    row["seed_code"] = {k: m["code"] for k, (_, m) in fresh.items()}
     for key in ("machine", "versions", "nice", "harness_command"):
         row[key] = " / ".join(dict.fromkeys(str(m[key]) for m in markers))
     row["run_commands"] = sorted({re.sub(r"--seed \d+", "--seed {seed}", m["command"]) for m in markers})
@@ -426,7 +453,9 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
     keep = [str(x) for x in old.get("seeds", []) if x in wanted and str(x) not in fresh and str(x) in old["series"]]
     if keep and [old.get("flags"), old.get("tag")] == [row["flags"], tag]:
         row["seeds"] = sorted(row["seeds"] + list(map(int, keep)))
-        for key in ("series", "train_series", "seconds_per_update", "seed_replayed", "seed_sps", "seed_wall_seconds"):
+        old["seed_machine"], old["seed_code"] = report.seed_machines(old), report.seed_codes(old)
+        per_seed_keys = ("series", "train_series", "seconds_per_update", "seed_replayed", "seed_sps")
+        for key in (*per_seed_keys, "seed_wall_seconds", "seed_machine", "seed_code"):
             merged = {**{k: old[key][k] for k in keep if k in (old.get(key) or {})}, **row.get(key, {})}
             row[key] = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
         for key in ("machine", "versions", "nice", "harness_command"):
@@ -644,17 +673,66 @@ def check_args(args: Args, registry: list[S]) -> None:
     problems += [f"--runs-dir {args.runs_dir} is not a folder"] * bool(
         args.mode == "collect" and args.runs_dir and not os.path.isdir(args.runs_dir)
     )
+    problems += [problem for flag, path, folder in written_paths(args) if (problem := unwritable(flag, path, folder))]
+    store = default_paths(args)["results_dir"]  # --mode report only reads the store
+    problems += [f"--results-dir {store} is not a folder"] * (
+        args.mode == "report" and os.path.exists(store) and not os.path.isdir(store)
+    )
     if problems:
         print(f"error: {problems[0]}.", file=sys.stderr)
         sys.exit(2)
 
 
+def default_paths(args: Args) -> dict:
+    """--runs-dir, --results-dir, --results-md and --plots-dir as given, or their defaults (absolute paths)."""
+    base = os.path.join(HERE, "out", "quick") if args.quick else HERE
+    defaults = {
+        "runs_dir": os.path.join(HERE, "out", "quick" * args.quick, "runs"),
+        "results_dir": os.path.join(base, "results"),
+        "results_md": os.path.join(base, "results.md"),
+        "plots_dir": os.path.join(base, "plots"),
+    }
+    return {k: os.path.abspath(getattr(args, k) or v) for k, v in defaults.items()}
+
+
+def written_paths(args: Args) -> list[tuple[str, str, bool]]:
+    """(flag, path, is a folder) of what this mode writes: the run folders (and --slurm's jobs file among them), the
+    store, the report and the plots."""
+    if args.mode in ("list", "slurm-task"):  # nothing; the paths of a task are those its --slurm call checked
+        return []
+    paths = default_paths(args)
+    keys = (
+        ["runs_dir"] * (args.mode == "train") + ["results_dir"] * (args.mode != "report") + ["results_md", "plots_dir"]
+    )
+    return [(f"--{k.replace('_', '-')}", paths[k], k != "results_md") for k in keys]
+
+
+def unwritable(flag: str, path: str, folder: bool) -> Optional[str]:
+    """Why `path` (a folder, or a file when not `folder`) cannot be made or written; None when it can. Nothing is
+    created to find out."""
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        return f"{flag} {path} is not a folder"
+    if not folder and os.path.isdir(path):
+        return f"{flag} {path} is a folder, not a file"
+    if not folder and os.path.exists(path):
+        return None if os.access(path, os.W_OK) else f"{flag} {path} cannot be written"
+    existing = path if folder else os.path.dirname(path)
+    while not os.path.exists(existing):  # the nearest folder that exists, which the missing ones are made in
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{flag} {path} cannot be created: {existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{flag} {path} cannot be written: {existing} is not writable"
+    return None
+
+
 def write_report(args: Args, registry: list[S]) -> None:
     """results.md, the plots and, from the default store, the pages' tables."""
     data = report.load(args.results_dir)
+    text = report.render(data, [(s.script, s.env, s.name) for s in registry])  # made before the old one is replaced
     os.makedirs(os.path.dirname(args.results_md), exist_ok=True)
     with open(args.results_md, "w") as f:
-        f.write(report.render(data, [(s.script, s.env, s.name) for s in registry]))
+        f.write(text)
     written = [args.results_md] + report.plot(data["rows"], args.plots_dir)
     if args.results_dir == os.path.join(HERE, "results"):
         written += report.write_pages(data)
@@ -712,11 +790,8 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
     registry = SETTINGS if registry is None else registry
     args.scripts = tuple(x.removesuffix(".py") for x in args.scripts)
     check_args(args, registry)
-    base = os.path.join(HERE, "out", "quick") if args.quick else HERE
-    args.runs_dir = os.path.abspath(args.runs_dir or os.path.join(HERE, "out", "quick" * args.quick, "runs"))
-    args.results_dir = os.path.abspath(args.results_dir or os.path.join(base, "results"))
-    args.results_md = os.path.abspath(args.results_md or os.path.join(base, "results.md"))
-    args.plots_dir = os.path.abspath(args.plots_dir or os.path.join(base, "plots"))
+    for key, path in default_paths(args).items():
+        setattr(args, key, path)
     harness_command = "python benchmark/run.py " + shlex.join(map(shown, argv))
     if args.peer_dir:  # a folder of this machine's: stored as what it is
         harness_command = harness_command.replace(shlex.quote(args.peer_dir), "<checkout of the peer's repository>")

@@ -16,6 +16,7 @@ import pytest
 from scipy import stats
 
 from conftest import ROOT
+from slurm_cluster import free_port
 
 _spec = importlib.util.spec_from_file_location("bench_run", os.path.join(ROOT, "benchmark", "run.py"))
 bench = importlib.util.module_from_spec(_spec)
@@ -34,14 +35,14 @@ def _write_events(folder, tag, values, steps=None):
     w.close()
 
 
-def _finished_run(runs_dir, s, seed, values, steps=None, seconds=10.0, extra=()):
+def _finished_run(runs_dir, s, seed, values, steps=None, seconds=10.0, extra=(), machine="M", code="c"):
     """A run as run_job leaves it: event files under its folder and a done.json marker."""
     folder = bench.run_folder(runs_dir, s, seed)
     _write_events(os.path.join(folder, "runs", "r"), s.tag or bench.SCRIPTS[s.script].tag, values, steps)
     for tag, vals in extra:
         _write_events(os.path.join(folder, "runs", tag.replace("/", "_")), tag, vals)
     marker = {"command": bench.display(bench.job_command(s, seed)), "seconds": seconds, "finished": "2026-11-27"}
-    marker.update(machine="M", versions="V", nice=0, code="c", harness_command="h", load=0.5)
+    marker.update(machine=machine, versions="V", nice=0, code=code, harness_command="h", load=0.5)
     with open(os.path.join(folder, bench.MARKER), "w") as f:
         json.dump(marker, f)
     return folder
@@ -129,6 +130,41 @@ def test_regret_of_the_last_quarter_an_evaluation_row_and_a_subset_of_seeds_merg
     assert [r["seeds"] for r in report.load(str(tmp_path / "res"))["rows"] if r["setting"] == "e"] == [[1, 2]]
 
 
+def test_each_seed_keeps_its_machine_and_script_version_when_rows_merge(tmp_path):
+    # seeds 1, 2 on an AMD EPYC by version a, then seed 3 on an Intel Xeon by version b: one row, each seed's own
+    s = bench.S("ppo_cartpole", "CartPole-v1", "t", 1000, (1, 2, 3, 4))
+    epyc, xeon = "AMD EPYC (no AMX), 2 cores, no GPU", "Intel(R) Xeon(R) Processor, 2 cores, no GPU"
+    for seed, machine, code in ((1, epyc, "a"), (2, epyc, "a"), (3, xeon, "b")):
+        _finished_run(str(tmp_path / f"runs{seed}"), s, seed, [float(seed)], machine=machine, code=code)
+    for seed in (1, 2, 3):
+        assert _collect(str(tmp_path / f"runs{seed}"), tmp_path, "--seeds", str(seed), registry=[s]) == 0
+    (row,) = report.load(str(tmp_path / "res"))["rows"]
+    assert row["seed_machine"] == {"1": epyc, "2": epyc, "3": xeon} and row["seed_code"] == {
+        "1": "a",
+        "2": "a",
+        "3": "b",
+    }
+    assert report.machines(row) == "AMD EPYC x2, Intel Xeon x1"
+    assert "Machines per seed: AMD EPYC x2, Intel Xeon x1." in open(tmp_path / "r.md").read()
+    assert report.pooled([row]).startswith("Seeds are pooled across machines (AMD EPYC, Intel Xeon;")
+    # a row stored before seeds kept their machine: its single machine and version are each seed's; where it names
+    # two, its seeds' are unknown, not guessed
+    path = report.row_path(str(tmp_path / "res"), row)
+    stored = json.load(open(path))
+    for key in ("seed_machine", "seed_code"):
+        del stored[key]
+    json.dump(dict(stored, machine=epyc, code=["a"]), open(path, "w"))
+    _finished_run(str(tmp_path / "runs4"), s, 4, [4.0], machine=xeon, code="b")
+    assert _collect(str(tmp_path / "runs4"), tmp_path, "--seeds", "4", registry=[s]) == 0
+    (row,) = report.load(str(tmp_path / "res"))["rows"]
+    assert row["seed_machine"] == {"1": epyc, "2": epyc, "3": epyc, "4": xeon} and row["seed_code"]["3"] == "a"
+    old = dict(stored, machine=f"{epyc} / {xeon}", code=["a", "b"])
+    assert report.seed_machines(old) == {} and report.seed_codes(old) == {}
+    assert report.machines(old) == "unknown x3"
+    one = dict(stored, machine=epyc, code=["a"])
+    assert report.machines(one) == "AMD EPYC x3" and report.pooled([one]).startswith("Every seed here ran on AMD EPYC;")
+
+
 def _collect(runs_dir, tmp_path, *flags, registry=None) -> int:
     return bench.main(["--mode", "collect", "--runs-dir", runs_dir, *flags, *_out(tmp_path)], registry=registry)
 
@@ -198,6 +234,69 @@ def test_statistics_of_a_comparison():
     low, high = c["mean a"][1]
     assert 1.0 <= low <= 2.0 <= high <= 3.0 and report.compare(a, b) == c  # a seeded bootstrap: the same each time
     assert report.mean_std([float("nan"), 2.0, 4.0]) == (3.0, 1.0)  # a seed without a value is left out
+    # the differences a - b, each setting's seeds resampled on their own: the mean's interval lies within the
+    # extremes of resampled a minus resampled b, (1 - 6.5, 3 - 4), and is wider than the seeds paired by index would
+    # give (a - b is -3, -3, -3.5 seed by seed: an interval within [-3.5, -3])
+    assert c["mean a - b"][0] == pytest.approx(-19 / 6)
+    low, high = c["mean a - b"][1]
+    assert -5.5 <= low < -4.0 and -2.5 < high <= -1.0
+    # 8 seeds each: the interquartile mean trims two seeds at each end (an outlier of b's is dropped)
+    a8, b8 = np.arange(1.0, 9.0), np.array([0.0, 1, 2, 3, 4, 5, 6, 100])
+    c8 = report.compare(a8, b8)
+    assert c8["IQM a - b"][0] == 4.5 - 3.5 and c8["mean a - b"][0] == 4.5 - 121 / 8
+    low, high = c8["IQM a - b"][1]
+    assert low < 1.0 < high and c8["mean a - b"][1][0] < low
+    # the pooled std: sample variances 1 and 19/12, 2 degrees of freedom each
+    assert c["pooled_std"] == pytest.approx(((1 + 19 / 12) / 2) ** 0.5)
+
+
+def test_holm_correction_against_a_case_computed_by_hand():
+    # sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1: 0.02, 0.03, 0.06, 0.04 -> non-decreasing: 0.04 becomes 0.06
+    assert report.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert report.holm([0.6, 0.7]) == [1.0, 1.0]  # 0.6 * 2 capped at 1, and 0.7 * 1 raised to the 1.0 before it
+    assert report.holm([0.2]) == [0.2] and report.holm([0.01, 0.01]) == [0.02, 0.02]
+
+
+def test_a_comparison_table_corrects_over_its_own_comparisons_and_has_a_power_line_each(tmp_path):
+    data = report.load(STORE)
+    spec = report.REGISTRY["tables"]["trpo-pretraining-stats"]
+    text = report.table(data, spec)
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "`" in line]
+    assert [line.split("|")[1].strip() for line in lines] == spec["labels"] and "R - M" in spec["labels"]
+    rows = [[report.find(data, *w[:2], int(w[2]), x) for x in w[3:]] for w in (x.split() for x in spec["compare"])]
+    welch = [report.compare(list(a["per_seed"].values()), list(b["per_seed"].values()))["welch_p"] for a, b in rows]
+    assert [float(line.split("|")[-2]) for line in lines] == [round(p, 3) for p in report.holm(welch)]
+    assert f"Holm p ({len(welch)} comparisons)" in text
+    assert [x.split(":")[0] for x in text.splitlines() if x.startswith("- ")] == [f"- {x}" for x in spec["labels"]]
+    # two of the lines alone: corrected over two comparisons
+    two = report.table(data, dict(spec, compare=spec["compare"][:2], labels=spec["labels"][:2]))
+    assert "Holm p (2 comparisons)" in two and two.count("80% power") == 3
+    assert "Holm-corrected p below 0.05: none, of 5 comparisons." in text  # at three seeds per arm
+
+    # a clear difference and a null one: the sentence names the one below 0.05 after the correction
+    def row(name, xs):
+        per = {str(i + 1): x for i, x in enumerate(xs)}
+        return {"script": "s", "env": "e", "steps": 1, "setting": name, "seeds": [1, 2, 3, 4, 5, 6], "per_seed": per}
+
+    fake = {"rows": [row("a", [10, 11, 12, 13, 14, 15]), row("b", [0, 1, 2, 3, 4, 5]), row("c", [0, 1, 2, 3, 4, 6])]}
+    out = report.compare_table(fake, ["s e 1 a b", "s e 1 b c"], ["A - B", "B - C"])
+    assert "Holm-corrected p below 0.05: A - B (< 0.001), of 2 comparisons." in out and "| < 0.001 " in out
+
+
+def test_the_difference_80_percent_power_detects():
+    # Cohen's classic case, as statsmodels' TTestIndPower (noncentral t, two-sided, df = 126) and G*Power give it:
+    # 64 per group detect an effect of 0.5 std with power 0.8015, so 80% power needs an effect just under 0.5
+    assert report.t_power(0.5, 1.0, 64, 64) == pytest.approx(0.80146, abs=1e-5)
+    assert report.detectable(1.0, 64, 64) == pytest.approx(0.49907, abs=1e-5)
+    assert report.detectable(300.0, 64, 64) == pytest.approx(300 * 0.49907, rel=1e-4)  # in the data's units
+    # three seeds per arm, as the pretraining rows had: checked by simulation, 20000 t-tests of normal samples whose
+    # means differ by the detectable difference reject at alpha 0.05 80% of the time
+    d = report.detectable(1.0, 3, 3)
+    assert 3.0 < d < 3.2
+    rng = np.random.default_rng(1)
+    p = stats.ttest_ind(rng.normal(d, 1, (20_000, 3)), rng.normal(0, 1, (20_000, 3)), axis=1).pvalue
+    assert (p < 0.05).mean() == pytest.approx(0.80, abs=0.01)
+    assert report.detectable(1.0, 3, 10) < d  # unequal arms: more seeds in one arm still help
 
 
 def test_runner_end_to_end_on_ppo_cartpole_clears_a_stale_folder_and_skips_complete_runs(tmp_path):
@@ -271,14 +370,17 @@ def test_throughput_and_speed_modes_store_what_they_time(tmp_path, monkeypatch):
 
 def test_a_time_breakdown_splits_main_into_its_parts(tmp_path, monkeypatch):
     parts = [["rollout: env stepping", [["step", "gymnasium/wrappers/vector/common.py"]]]]
-    parts += [["GAE", [["compute_gae", "ppo_cartpole.py"]]], ["nothing", [["no_such_function", "ppo_cartpole.py"]]]]
+    # a part that takes a good share of every update (GAE's few milliseconds can fall between the 1 ms samples of a
+    # loaded machine)
+    backward = [["Tensor.backward", "torch/_tensor.py"], ["backward", "torch/_tensor.py"]]
+    parts += [["update: backward", backward], ["nothing", [["no_such_function", "ppo_cartpole.py"]]]]
     entry = {"script": "ppo_cartpole", "env": "CartPole-v1", "flags": "", "steps_per_update": 512, "updates": 8}
     monkeypatch.setitem(bench.SPEED, "tiny-breakdown", dict(entry, parts=parts))
     assert bench.main(["--mode", "speed", "--speed", "tiny-breakdown", *_out(tmp_path)]) == 0
     (e,) = report.load(str(tmp_path / "res"))["speed"]
     d = e["data"]
-    assert list(d["parts"]) == ["rollout: env stepping", "GAE", "nothing", "the rest of the loop"]
-    assert d["parts"]["nothing"] == 0 and d["parts"]["rollout: env stepping"] > d["parts"]["GAE"] > 0
+    assert list(d["parts"]) == ["rollout: env stepping", "update: backward", "nothing", "the rest of the loop"]
+    assert d["parts"]["nothing"] == 0 and d["parts"]["rollout: env stepping"] > 0 and d["parts"]["update: backward"] > 0
     assert d["parts"]["the rest of the loop"] > 0 and d["startup_seconds"] > 0 and d["updates"] == 8
     assert "| rollout: env stepping |" in open(tmp_path / "r.md").read()
 
@@ -304,6 +406,17 @@ def test_a_time_breakdown_splits_main_into_its_parts(tmp_path, monkeypatch):
         (("--mode", "throughput", "--scripts", "icpi_chain"), "no throughput entry for icpi_chain"),
         (("--mode", "throughput", "--scripts", "trpo_gpt2_halfcheetah", "--peer-dir", "x"), "--peer-dir applies"),
         (("--mode", "collect", "--runs-dir", "nowhere"), "--runs-dir"),
+        # the harness's own paths, checked before any run starts (a file, a folder, a path under a file)
+        (("--runs-dir", "a-file"), "--runs-dir {tmp}/a-file is not a folder"),
+        (("--results-dir", "a-file"), "--results-dir {tmp}/a-file is not a folder"),
+        (("--mode", "report", "--results-md", "a-folder"), "--results-md {tmp}/a-folder is a folder, not a file"),
+        (("--mode", "report", "--results-md", "a-file/r.md"), "cannot be created: {tmp}/a-file is not a folder"),
+        (("--plots-dir", "a-file/plots"), "--plots-dir {tmp}/a-file/plots cannot be created: {tmp}/a-file is not"),
+        (("--runs-dir", "a-file/runs", "--slurm"), "--runs-dir {tmp}/a-file/runs cannot be created"),
+        (("--mode", "report", "--results-dir", "a-file"), "--results-dir {tmp}/a-file is not a folder"),
+        # a real sbatch with no cluster to answer it: sbatch's first error line, the jobs file and runs folder gone
+        (("--slurm", "--scripts", "ppo_cartpole", "no-cluster"), 'sbatch failed (exit 1): "sbatch: error: '),
+        (("--slurm", "--scripts", "ppo_cartpole", "--runs-dir", "a-folder", "no-cluster"), "sbatch failed"),
     ],
     ids=lambda x: " ".join(x) if isinstance(x, tuple) else None,
 )
@@ -311,16 +424,77 @@ def test_bad_input_one_clear_sentence_and_nothing_written(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
     (tmp_path / "jobs.json").write_text("{}")
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-folder").mkdir()
     if "no-sbatch" in flags:
         monkeypatch.setenv("PATH", str(tmp_path))
         flags = tuple(f for f in flags if f != "no-sbatch")
-    flags = [str(tmp_path / f) if f == "nowhere" else f for f in flags]
+    if "no-cluster" in flags:
+        if not shutil.which("sbatch"):
+            pytest.skip("Slurm's sbatch is not installed (.ci/run installs Debian's slurm-client)")
+        # no controller listens on that port; MessageTimeout=1 makes sbatch give up at once instead of after ~9 s
+        conf = tmp_path / "slurm.conf"
+        conf.write_text(
+            f"ClusterName=none\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort={free_port()}\nMessageTimeout=1\n"
+            "NodeName=localhost NodeAddr=127.0.0.1 CPUs=1 State=UNKNOWN\n"
+            "PartitionName=none Nodes=localhost Default=YES State=UP\n"
+        )
+        monkeypatch.setenv("SLURM_CONF", str(conf))
+        flags = tuple(f for f in flags if f != "no-cluster")
+    flags = [
+        str(tmp_path / f) if f in ("nowhere", "a-file", "a-folder") or f.startswith("a-file/") else f for f in flags
+    ]
+    before = sorted(os.listdir(tmp_path))
+    runs = ["--runs-dir", str(tmp_path / "runs")] * ("--runs-dir" not in flags)
     with pytest.raises(SystemExit) as stop:
-        bench.main([*flags, *_out(tmp_path)] + ["--runs-dir", str(tmp_path / "runs")] * ("--runs-dir" not in flags))
+        bench.main([*_out(tmp_path), *runs, *flags])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
-    assert message in err, err
-    assert os.listdir(tmp_path) == ["jobs.json"]
+    assert message.format(tmp=tmp_path) in err, err
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "a-folder") == []
+    assert (tmp_path / "a-file").read_text() == ""
+
+
+def test_a_read_only_store_is_reported_from_and_refused_as_a_place_to_write(tmp_path, monkeypatch, capsys):
+    store = tmp_path / "store"
+    shutil.copytree(os.path.join(STORE, "ppo_cartpole"), store / "ppo_cartpole")
+    access = os.access  # a read-only mount as os.access reports it (chmod would not stop root)
+    monkeypatch.setattr(os, "access", lambda p, m: not (m & os.W_OK and str(p).startswith(str(store))) and access(p, m))
+    out = ["--results-md", str(tmp_path / "r.md"), "--plots-dir", str(tmp_path / "plots")]
+    assert bench.main(["--mode", "report", "--results-dir", str(store), *out]) == 0  # reading it is enough
+    assert "ppo_cartpole" in open(tmp_path / "r.md").read()
+    before = sorted(os.listdir(tmp_path))
+    for flags in (["--results-dir", str(store)], ["--results-dir", str(store / "new")], ["--plots-dir", str(store)]):
+        with pytest.raises(SystemExit) as stop:  # collecting would write the store, or the plots, there
+            bench.main(["--mode", "collect", "--runs-dir", str(tmp_path), *out, "--results-dir", str(tmp_path), *flags])
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and f"cannot be written: {store} is not writable" in err, err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_slurm_collect_job_refused_cancels_the_array_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    # sbatch takes the array (job 4242) and refuses the job after it: the array is cancelled, nothing stays
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        f"#!/bin/sh\ncat > /dev/null\nif [ -e {bin_dir}/took ]; then\n"
+        "  echo 'sbatch: error: Batch job submission failed: Job dependency problem' >&2; exit 1\nfi\n"
+        f"touch {bin_dir}/took; echo 4242\n"
+    )
+    (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "$@" > {bin_dir}/cancelled\n')
+    for name in ("sbatch", "scancel"):
+        os.chmod(bin_dir / name, 0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    runs = tmp_path / "runs"
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--slurm", "--scripts", "ppo_cartpole", "--runs-dir", str(runs), *_out(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.endswith(
+        '"sbatch: error: Batch job submission failed: Job dependency problem" (job array 4242 cancelled).'
+    )
+    assert (bin_dir / "cancelled").read_text().split() == ["4242"] and not runs.exists()
+    assert sorted(os.listdir(tmp_path)) == ["bin"]
 
 
 def test_a_second_harness_leaves_a_run_that_another_process_runs_alone(tmp_path, capsys):
@@ -354,6 +528,23 @@ def test_nothing_committed_points_outside_the_repository():
     outside = re.compile("|".join(["\\.\\./" + "shared", "(?<![\\w.~-])/" + "(?:tmp|work|home|root)/"]))
     found = [f"{rel}: {m.group(0)}" for rel, text in _committed_text_files() for m in outside.finditer(text)]
     assert found == []
+
+
+def test_every_published_number_says_where_it_stands_and_the_store_holds_it_as_the_registry():
+    refs = {key: bench.Ref(v[0], v[1] if v[1] != "" else None, *v[2:]) for key, v in report.REGISTRY["refs"].items()}
+    for key, ref in refs.items():  # a web address of the table or figure, or the figure of a document without one
+        assert re.match(r"https://\S+|seed report \d{3}, Fig\. \d+$", ref.address), key
+    known = [bench.asdict(r) for r in refs.values()]
+    stored = [(r["_file"], x) for r in report.load(STORE)["rows"] for x in r["refs"]]
+    assert stored and [(f, x) for f, x in stored if x not in known] == []
+    assert "<https://sb3-contrib.readthedocs.io/en/master/modules/trpo.html#results>" in report.ref_text(known[3])
+
+
+def test_every_stored_command_names_a_script_that_exists():
+    for row in report.load(STORE)["rows"]:
+        for command in row.get("run_commands") or []:
+            script = command.split()[1]
+            assert os.path.isfile(os.path.join(ROOT, script)), f"{row['_file']}: {script}"
 
 
 def test_every_script_page_links_its_paper_and_reference_implementation():
