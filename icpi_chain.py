@@ -26,6 +26,7 @@ import importlib.util
 import itertools
 import json
 import math
+import random
 import re
 import shutil
 import sqlite3
@@ -33,6 +34,7 @@ import stat
 import threading
 import time
 import urllib.parse
+import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
@@ -40,6 +42,7 @@ from functools import cached_property, lru_cache
 from typing import Any, Callable, Literal, Optional, get_args, get_origin
 
 import numpy as np
+import torch
 import tyro
 
 
@@ -48,7 +51,7 @@ class Args:
     exp_name: str = "icpi_chain"
     """the name of this experiment (letters, digits, `.`, `_`, `-`; part of the run folder's name)"""
     seed: int = 1
-    """seed of the environment, the warm-up coin, the prompt orders, the tie-breaks and the sampling"""
+    """seed of the experiment"""
     env: Literal["chain", "distractor-chain", "maze", "mini-catch", "mini-invaders", "point-mass"] = "chain"
     """the domain"""
     algo: Literal["icpi", "no-argmax", "tabular-q", "llm-advisor", "llm-reward"] = "icpi"
@@ -1223,167 +1226,124 @@ def advice_agreement(advised: list, values: Callable) -> float:
 
 def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     """Run --total-steps real steps; returns the exit status: 0, or 128 + the signal that stopped the run."""
-    stop = StopSignal() if stop is None else stop
     check_args(args)
-    from torch.utils.tensorboard import SummaryWriter
-    from tqdm import tqdm
+    run = Run(args, StopSignal() if stop is None else stop)  # nothing written yet
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = True
 
     domain = make_domain(args.env)
-    uses_model = args.algo != "tabular-q"
-    language_model = uses_model and args.model not in ("oracle", "matching")
     rng = np.random.default_rng(args.seed)  # the agent's draws
     env_rng = np.random.default_rng(args.seed)  # the env's
     model_rng = np.random.default_rng(args.seed + 1)  # the oracle's distractor draws
     advice_rng = np.random.default_rng(args.seed + 2)  # llm-advisor's coin: tabular-q's draws stay as they are
-    model = make_backend(args, domain, model_rng) if uses_model else None
-    cache = CompletionCache(args.cache, model.name) if language_model and not args.no_cache else None
-    agent = Agent(domain, model, args, rng, cache)
+    model = make_backend(args, domain, model_rng) if args.algo != "tabular-q" else None
+    agent = Agent(domain, model, args, rng)
+    run.start(agent=agent)  # the completion cache (the agent's), the run folder, the writer, the hyperparameters
+    writer = run.writer
 
-    run_name = make_run_dir(f"{args.env}__{args.exp_name}__{args.seed}")
-    device = f" on {model.device} ({model.dtype})" if isinstance(model, HFBackend) else ""
-    print(f"model: {model.name if uses_model else 'none'}{device}, logging to runs/{run_name}", flush=True)
-    writer = SummaryWriter(f"runs/{run_name}")
-    budget = {"prompt_budget": agent.budget} if uses_model else {}  # tabular-q builds no prompt
-    logged = {**vars(args), **budget, "model_used": args.model if uses_model else "none"}
-    table = "\n".join(f"|{key}|{value}|" for key, value in logged.items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     advisor = args.algo == "llm-advisor"
     shaped = args.algo == "llm-reward"
     state = start_state = domain.reset(env_rng)
-    episode, regrets, advised, phis = [], [], [], []  # advised: (state, action) of each step that took the advice
+    episode, returns, regrets, advised, phis = [], [], [], [], []  # advised: (state, action) of each advised step
     used = by_coin = not_ready = 0  # why the model was not used: the warm-up coin, or prompts not ready yet
-    totals = StepStats()
-    start_time = time.time()
     steps_done = 0
-    bar = tqdm(total=args.total_steps, unit="step", disable=None, dynamic_ncols=True)
-    try:
-        for step in range(args.total_steps):
-            if stop.requested:  # Ctrl-C or SIGTERM: keep what was done
-                break
-            if not episode:  # original: the warm-up probability is computed once per episode
-                p_model = warmup_probability(agent.warmup_count(), args.min_successes)
-                p_advice = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
-            t0 = time.time()
-            agent.real_step = step
-            agent.stats = StepStats()
-            coin = rng.random()
-            ready = agent.ready()
-            advice = agent.advice(state) if advisor and advice_rng.random() < p_advice else None
-            use_model = coin < p_model and ready and advice is None
-            used += use_model
-            by_coin += coin >= p_model and advice is None
-            not_ready += coin < p_model and not ready and advice is None
-            if advice is not None:  # a fallback (None) acts as tabular-q does
-                action = advice
-                advised.append((state, action))
-            else:
-                action = agent.act(state) if use_model else int(rng.integers(domain.n_actions))
-            next_state, reward, terminated = domain.step(state, action, env_rng)
-            truncated = domain.time_limit is not None and len(episode) + 1 >= domain.time_limit
-            tr = Transition(state, action, int(reward), bool(terminated), next_state)
-            episode.append(tr)
-            if shaped:  # llm-reward: Phi(s) and the bonus F, then the Q update with F
-                phi = agent.potential(tr.state)
-                bonus = shaping_bonus(phi, 0.0 if tr.done else agent.potential(tr.next_state), domain.gamma, tr.done)
-                agent.tabular_update(tr, bonus)
-                phis.append(phi)
-                writer.add_scalar("shaping/potential", phi, step)
-                writer.add_scalar("shaping/bonus", bonus, step)
-            elif args.algo in TABULAR_ALGOS:
-                agent.tabular_update(tr)
-            if advisor:
-                writer.add_scalar("advice/probability", p_advice, step)
-                writer.add_scalar("advice/followed", int(advice is not None), step)
-            s = agent.stats
-            for f in fields(StepStats):
-                setattr(totals, f.name, getattr(totals, f.name) + getattr(s, f.name))
-                writer.add_scalar(f"model/{f.name}", getattr(s, f.name), step)
-            if language_model:
-                check_invalid(totals, model, args)
-            writer.add_scalar("charts/used_model", int(use_model), step)
-            writer.add_scalar("charts/model_probability", p_model, step)
-            writer.add_scalar("time/step_seconds", time.time() - t0, step)
-            writer.add_scalar("charts/SPS", (step + 1) / (time.time() - start_time), step)
-            state = next_state
-            if terminated or truncated:
-                rewards = [t.reward for t in episode]
-                regret, opt = normalised_regret(domain, start_state, rewards)
-                ret = discounted(rewards, domain.log_gamma)
-                regrets.append(regret)
-                agent.add_episode(Episode(episode))
-                writer.add_scalar("charts/episodic_return", sum(rewards), step)
-                writer.add_scalar("charts/discounted_return", ret, step)
-                writer.add_scalar("charts/optimal_return", opt, step)
-                writer.add_scalar("charts/regret", regret, step)
-                writer.add_scalar("charts/episodic_length", len(episode), step)
-                bar.write(
-                    f"step {step + 1}: episode {len(agent.episodes)} return {sum(rewards)} (discounted {ret:.3f}, "
-                    f"optimal {opt:.3f}) regret {regret:.3f} length {len(episode)}{' (time-out)' if truncated else ''}"
-                )
-                episode = []
-                state = start_state = domain.reset(env_rng)
-            steps_done = step + 1
-            bar.update(1)
-            mean_regret = f"{np.mean(regrets[-8:]):.2f}" if regrets else "-"
-            bar.set_postfix(calls=s.calls, hits=s.cache_hits, inv=s.invalid, regret=mean_regret)
+    for step in range(args.total_steps):
+        if not episode:  # original: the warm-up probability is computed once per episode
+            p_model = warmup_probability(agent.warmup_count(), args.min_successes)
+            p_advice = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
+        t0 = time.time()
+        agent.real_step = step
+        agent.stats = StepStats()
+        coin = rng.random()
+        ready = agent.ready()
+        advice = agent.advice(state) if advisor and advice_rng.random() < p_advice else None
+        use_model = coin < p_model and ready and advice is None
+        used += use_model
+        by_coin += coin >= p_model and advice is None
+        not_ready += coin < p_model and not ready and advice is None
+        if advice is not None:  # a fallback (None) acts as tabular-q does
+            action = advice
+            advised.append((state, action))
+        else:
+            action = agent.act(state) if use_model else int(rng.integers(domain.n_actions))
+        next_state, reward, terminated = domain.step(state, action, env_rng)
+        truncated = domain.time_limit is not None and len(episode) + 1 >= domain.time_limit
+        tr = Transition(state, action, int(reward), bool(terminated), next_state)
+        episode.append(tr)
+        if shaped:  # llm-reward: Phi(s) and the bonus F, then the Q update with F
+            phi = agent.potential(tr.state)
+            bonus = shaping_bonus(phi, 0.0 if tr.done else agent.potential(tr.next_state), domain.gamma, tr.done)
+            agent.tabular_update(tr, bonus)
+            phis.append(phi)
+            writer.add_scalar("shaping/potential", phi, step)
+            writer.add_scalar("shaping/bonus", bonus, step)
+        elif args.algo in TABULAR_ALGOS:
+            agent.tabular_update(tr)
         if advisor:
-            agree = advice_agreement(advised, agent.q_row)
-            optimal = advice_agreement(advised, lambda s: optimal_action_values(domain, s))
-            writer.add_scalar("advice/final_greedy_agreement", agree, steps_done - 1)
-            writer.add_scalar("advice/optimal_agreement", optimal, steps_done - 1)
-    finally:
-        bar.close()
-        writer.close()
+            writer.add_scalar("advice/probability", p_advice, step)
+            writer.add_scalar("advice/followed", int(advice is not None), step)
+        writer.add_scalar("charts/used_model", int(use_model), step)
+        writer.add_scalar("charts/model_probability", p_model, step)
+        writer.add_scalar("time/step_seconds", time.time() - t0, step)
+        state = next_state
+        if terminated or truncated:
+            rewards = [t.reward for t in episode]
+            regret, opt = normalised_regret(domain, start_state, rewards)
+            ret = discounted(rewards, domain.log_gamma)
+            returns.append(sum(rewards))
+            regrets.append(regret)
+            agent.add_episode(Episode(episode))
+            writer.add_scalar("charts/episodic_return", sum(rewards), step)
+            writer.add_scalar("charts/discounted_return", ret, step)
+            writer.add_scalar("charts/optimal_return", opt, step)
+            writer.add_scalar("charts/regret", regret, step)
+            writer.add_scalar("charts/episodic_length", len(episode), step)
+            print(
+                f"step {step + 1}: episode {len(agent.episodes)} return {sum(rewards)} (discounted {ret:.3f}, "
+                f"optimal {opt:.3f}) regret {regret:.3f} length {len(episode)}{' (time-out)' if truncated else ''}"
+            )
+            episode = []
+            state = start_state = domain.reset(env_rng)
+        steps_done = step + 1
+        if run.end_step(steps_done, agent.stats, returns, regrets):  # the model's counts and SPS, progress; a stop?
+            break
+    if advisor:
+        agree = advice_agreement(advised, agent.q_row)
+        optimal = advice_agreement(advised, lambda s: optimal_action_values(domain, s))
+        writer.add_scalar("advice/final_greedy_agreement", agree, steps_done - 1)
+        writer.add_scalar("advice/optimal_agreement", optimal, steps_done - 1)
 
     who = "the Q table" if args.algo in TABULAR_ALGOS else "the model"
-    mean_regret = np.mean(regrets[-8:]) if regrets else float("nan")
-    print(
-        f"{run_name}: {steps_done} of {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last "
-        f"{min(8, len(regrets))} episodes {mean_regret:.3f}; "
-        f"{f'advice followed at {len(advised)} steps; ' if advisor else ''}{who} chose {used} of {steps_done} "
-        f"actions (random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready); model calls "
-        f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits} ({totals.replayed} recorded by "
-        f"an earlier run), invalid {totals.invalid}, fallbacks {totals.fallbacks}; {time.time() - start_time:.1f} s"
-        + ("; interrupted" if stop.requested else ""),
-        flush=True,
+    summary = (
+        f"{f'advice followed at {len(advised)} steps; ' if advisor else ''}{who} chose {used} of {steps_done} actions "
+        f"(random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready)"
     )
-    if totals.replayed:
-        print(
-            f"note: {totals.replayed} answers were replayed from the completion cache {args.cache} (recorded by an "
-            "earlier run with the same flags): they took no model time."
-        )
+    notes = []
     if advisor:
         p_last = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
-        print(
+        notes.append(
             f"advice: p_t from {args.advice_prob:g} down to {p_last:.3g}; agreed with the final greedy policy at "
             f"{agree:.1%} of the advised steps, with an optimal action at {optimal:.1%}"
         )
     if shaped:
         values = [v for k, v in agent.judgements.items() if k[0] == "potential" and v is not None] or [float("nan")]
-        print(
+        notes.append(
             f"shaping: Phi judged for {len(agent.judgements)} states (mean Phi per step {np.mean(phis):.3f}; "
             f"judgements from {min(values):.3f} to {max(values):.3f}, times --shaping-scale {args.shaping_scale:g})"
         )
-    if used == 0 and not advised and not stop.requested:
+    if used == 0 and not advised and not run.stop.requested:
         prompts = (  # the prompt-based agents' readiness; the tabular learners need no example
             ""
             if args.algo in TABULAR_ALGOS
             else ", and the model needs an example of every action, a non-terminal step and a finished episode first"
         )
-        print(
+        notes.append(
             f"note: {who} was never used: the warm-up acts at random with probability 1 - 1 / (1 + exp(2 "
             f"({args.min_successes} - episodes))){prompts}; run more --total-steps."
         )
-    if language_model and totals.invalid:
-        answers = totals.calls + totals.cache_hits
-        print(
-            f"warning: {totals.invalid} of {answers} answers were invalid ({getattr(model, 'malformed', 0)} malformed "
-            f"replies); {totals.fallbacks} predictions stayed invalid after all attempts.",
-            file=sys.stderr,
-        )
-        if not stop.requested:
-            check_invalid(totals, model, args, final=True)
-    return stop.exit_status
+    return run.finish(steps_done, summary, notes)  # the final line, the notes, the writer closed; the exit status
 
 
 # ---- Run machinery: what a run needs around the algorithm (checks, signals, the completion cache, the server's
@@ -1391,7 +1351,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
 
 
 class UserError(Exception):
-    """A mistake the user can fix (a flag, a file, a server, the disk): one sentence, exit 2 at the entry point."""
+    """A mistake the user can fix (a flag, a file, an env, the disk): one sentence, exit 2 at the entry point."""
 
 
 RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
@@ -1472,6 +1432,7 @@ class StopSignal:
 
     def __init__(self):
         self.signum = 0
+        self.last_state = "no training state was saved"  # where the run's state is: the run object keeps it current
 
     def install(self) -> "StopSignal":
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -1480,6 +1441,10 @@ class StopSignal:
 
     def handle(self, signum, frame) -> None:
         if self.requested:
+            print(
+                f"{signal.Signals(signum).name} again: quitting at once without saving; {self.last_state}",
+                file=sys.stderr,
+            )
             raise SystemExit(128 + signum)
         self.signum = signum
         print(
@@ -1571,6 +1536,117 @@ class CompletionCache:
     def put(self, key, completion, tokens):
         self.sql(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens))
         self.written.add(key)
+
+
+def returns_text(returns) -> str:
+    """The mean return of the episodes given (the last few), for the progress and final lines."""
+    if not len(returns):
+        return "no episode has finished yet"
+    return f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}"
+
+
+class Run:
+    """What a run needs around the algorithm: the completion cache (its only state: a run started again with the same
+    flags replays it), the run folder, the TensorBoard writer, the stop signal, the model's running counts, the
+    progress line and the final line. `main` meets it three times: `start` before the loop, `end_step` after every
+    real step, `finish` after the loop."""
+
+    LAST = 8  # the progress and final lines report the last LAST episodes
+
+    def __init__(self, args: Args, stop: StopSignal):
+        self.args, self.stop = args, stop  # nothing is written before `start`
+        self.totals = StepStats()  # the model's counts over the run
+        self.returns: list = []
+        self.regrets: list = []
+
+    def start(self, agent: Agent) -> None:
+        """Open the completion cache (given to the agent), make the run folder, open the writer, log the flags."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        args, model = self.args, agent.model
+        self.agent = agent
+        self.language_model = model is not None and not agent.structured  # oracle and matching ask no model
+        if self.language_model and not args.no_cache:
+            agent.cache = CompletionCache(args.cache, model.name)
+            self.stop.last_state = f"the completion cache {agent.cache.path} holds every completion so far"
+        else:
+            self.stop.last_state = "this run keeps no completion cache"
+        self.run_name = make_run_dir(f"{args.env}__{args.exp_name}__{args.seed}")
+        device = f" on {model.device} ({model.dtype})" if isinstance(model, HFBackend) else ""
+        name = "none" if model is None else model.name
+        print(f"model: {name}{device}, logging to runs/{self.run_name}", flush=True)
+        self.writer = SummaryWriter(f"runs/{self.run_name}")
+        self.close = weakref.finalize(self, self.writer.close)  # also when the run ends in an error: nothing lost
+        budget = {"prompt_budget": agent.budget} if model is not None else {}  # tabular-q builds no prompt
+        logged = {**vars(args), **budget, "model_used": args.model if model is not None else "none"}
+        table = "\n".join(f"|{key}|{value}|" for key, value in logged.items())
+        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        self.start_time = self.last_line = time.time()
+        self.tenths = 0  # the progress lines printed at every tenth of the steps so far
+
+    def end_step(self, steps_done: int, stats: StepStats, returns: list, regrets: list) -> bool:
+        """After a real step: log the step's model counts and SPS, stop the run when too many answers were invalid,
+        print the progress line at every tenth of the steps or after a minute; True when a stop was asked."""
+        step, self.returns, self.regrets = steps_done - 1, returns, regrets
+        for f in fields(StepStats):
+            setattr(self.totals, f.name, getattr(self.totals, f.name) + getattr(stats, f.name))
+            self.writer.add_scalar(f"model/{f.name}", getattr(stats, f.name), step)
+        if self.language_model:
+            check_invalid(self.totals, self.agent.model, self.args)
+        now = time.time()
+        self.writer.add_scalar("charts/SPS", steps_done / (now - self.start_time), step)
+        tenths = steps_done * 10 // self.args.total_steps
+        if tenths > self.tenths or now - self.last_line >= 60:
+            self.tenths, self.last_line = tenths, now
+            t = self.totals
+            calls = f"; model calls {t.calls}, cache hits {t.cache_hits}, invalid {t.invalid}" if t.calls else ""
+            sps = steps_done / (now - self.start_time)
+            print(
+                f"{self.run_name}: step {steps_done}/{self.args.total_steps}, {sps:.2f} steps/s, "
+                f"{returns_text(returns[-self.LAST :])}, {self.regret_text()}{calls}",
+                flush=True,
+            )
+            self.writer.flush()
+        return self.stop.requested
+
+    def regret_text(self) -> str:
+        last = self.regrets[-self.LAST :]
+        return f"mean regret of the last {len(last)} episodes {np.mean(last) if last else float('nan'):.3f}"
+
+    def finish(self, steps_done: int, summary: str, notes: list[str]) -> int:
+        """Close the writer; print the final line (with the algorithm's `summary`), the cache's and the algorithm's
+        notes, and the invalid answers (a UserError when every one was invalid); the exit status."""
+        self.close()
+        args, t, stopped = self.args, self.totals, self.stop.requested
+        seconds = time.time() - self.start_time
+        cache = self.agent.cache
+        again = f" (run again with the same flags to replay its completions from {cache.path})" if cache else ""
+        print(
+            f"{self.run_name}: {steps_done} of {args.total_steps} steps, {len(self.regrets)} episodes, "
+            f"{returns_text(self.returns[-self.LAST :])}, {self.regret_text()}; {summary}; model calls {t.calls} in "
+            f"{t.batches} batches, cache hits {t.cache_hits} ({t.replayed} recorded by an earlier run), invalid "
+            f"{t.invalid}, fallbacks {t.fallbacks}; {seconds:.1f} s, {steps_done / seconds:.2f} steps/s"
+            + (f"; interrupted{again}" if stopped else ""),
+            flush=True,
+        )
+        if t.replayed:
+            print(
+                f"note: {t.replayed} answers were replayed from the completion cache {args.cache} (recorded by an "
+                "earlier run with the same flags): they took no model time."
+            )
+        for note in notes:
+            print(note)
+        if self.language_model and t.invalid:
+            model = self.agent.model
+            malformed = getattr(model, "malformed", 0)
+            print(
+                f"warning: {t.invalid} of {t.calls + t.cache_hits} answers were invalid ({malformed} malformed "
+                f"replies); {t.fallbacks} predictions stayed invalid after all attempts.",
+                file=sys.stderr,
+            )
+            if not stopped:
+                check_invalid(t, model, args, final=True)
+        return self.stop.exit_status
 
 
 CHARS_PER_TOKEN = 256  # more than any real token holds: a longer reply is not a completion of at most max_tokens

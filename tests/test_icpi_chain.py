@@ -950,13 +950,35 @@ def test_run_folders_are_unique(tmp_path):
 # ---------------------------------------------------------------- signals
 
 
-def test_a_second_signal_quits_at_once():
+def again(cache) -> str:
+    """The end of an interrupted run's final line when it keeps a completion cache."""
+    return f" (run again with the same flags to replay its completions from {cache})"
+
+
+def test_a_second_signal_quits_at_once_and_says_where_the_answers_are(tmp_path, monkeypatch, capsys):
     stop = ic.StopSignal()
     stop.handle(signal.SIGTERM, None)
     assert stop.requested and stop.exit_status == 143
     with pytest.raises(SystemExit) as e:
         stop.handle(signal.SIGINT, None)
     assert e.value.code == 130
+    assert capsys.readouterr().err.endswith(
+        "SIGINT again: quitting at once without saving; no training state was saved\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cache = tmp_path / "c.sqlite"
+    kept = f"the completion cache {cache} holds every completion so far"
+    for model, where in (("openai:x", kept), ("oracle", "this run keeps no completion cache")):
+        args = ic.Args(model=model, cache=str(cache))
+        stop = ic.StopSignal()
+        run = ic.Run(args, stop)
+        run.start(ic.Agent(ic.Chain(), ic.make_backend(args, ic.Chain(), None), args, np.random.default_rng(0)))
+        stop.handle(signal.SIGTERM, None)
+        with pytest.raises(SystemExit) as e:
+            stop.handle(signal.SIGTERM, None)
+        assert e.value.code == 143
+        assert capsys.readouterr().err.endswith(f"SIGTERM again: quitting at once without saving; {where}\n")
+        run.close()
 
 
 class _Slow(BaseHTTPRequestHandler):
@@ -1055,7 +1077,8 @@ def test_sigterm_and_sigint_mid_run_stop_after_the_step_and_keep_the_cache(tmp_p
         out, err = outs[sig]
         assert proc.returncode == 128 + sig and "Traceback" not in err, err
         assert f"{sig.name}: stopping at the next safe point" in err
-        assert out.strip().splitlines()[-1].endswith("; interrupted") and " of 1000 steps" in out
+        last = out.strip().splitlines()[-1]
+        assert " of 1000 steps" in last and last.endswith(f"; interrupted{again('c.sqlite')}"), out[-2000:]
         with sqlite3.connect(cwd / "c.sqlite") as db:
             assert db.execute("SELECT COUNT(*) FROM completions").fetchone()[0] >= 5
         assert read_scalars(only_run_dir(str(cwd)), "model/calls")
