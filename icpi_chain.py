@@ -94,7 +94,7 @@ class Args:
     base_url: str = "http://localhost:8000/v1"
     """base URL of the OpenAI-compatible server for `openai:` models (key from OPENAI_API_KEY)"""
     request_timeout: float = 60.0
-    """openai: seconds the client waits to connect, and then for each part of the reply, before it retries"""
+    """openai: seconds one try of a request may take, from connecting to the reply's last byte, before it is retried"""
     max_retries: int = 4
     """openai: retries of a request after a connection error, a timeout, HTTP 408, 409, 429 or 5xx"""
     max_invalid: float = 0.8
@@ -657,12 +657,17 @@ class OpenAIBackend:
         self.name = spec
         self.args = args
         self.url = args.base_url.rstrip("/") + "/completions"
+        deadline = RequestDeadline(args.request_timeout)
+        http = openai.DefaultHttpxClient(  # a redirect is named, not followed
+            follow_redirects=False, event_hooks={"request": [deadline.begin]}
+        )
+        deadline.install(http)
         self.client = openai.OpenAI(
             base_url=args.base_url,
             api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
             timeout=args.request_timeout,
             max_retries=args.max_retries,
-            http_client=openai.DefaultHttpxClient(follow_redirects=False),  # a redirect is named, not followed
+            http_client=http,
         )
         self.lock = threading.Lock()
         self.malformed = 0  # replies that were not completions
@@ -703,6 +708,73 @@ class OpenAIBackend:
             return list(pool.map(self._complete, requests))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestDeadline:
+    """A deadline for each try of a request, from connecting to the reply's last byte. httpx's timeouts apply to each
+    read alone, so a server that sends its reply a few bytes at a time would keep one try alive for as long as it
+    likes; here every connect, read and write of the client's connections waits at most until the try's deadline
+    (kept per thread: the requests of one call go concurrently), then fails as a slow read does: the client retries
+    it, and after --max-retries the run ends in one sentence. It is httpcore's network backend, around its own."""
+
+    def __init__(self, seconds: float):
+        import httpcore2
+
+        self.seconds, self.httpcore, self.backend = seconds, httpcore2, httpcore2.SyncBackend()
+        self.local = threading.local()
+
+    def install(self, http) -> None:
+        """Put the deadline under every connection pool of the httpx client `http` (httpx takes no backend itself)."""
+        for transport in [http._transport, *http._mounts.values()]:
+            pool = getattr(transport, "_pool", None)
+            if pool is not None:
+                assert hasattr(pool, "_network_backend"), "httpcore's pool keeps its backend elsewhere"
+                pool._network_backend = self
+
+    def begin(self, request=None) -> None:
+        """A try starts (httpx's request hook: each retry is a new try)."""
+        self.local.at = time.monotonic() + self.seconds
+
+    def left(self, timeout: Optional[float], error) -> float:
+        """What a wait may take: the smaller of its own timeout and the time left; `error` once none is left."""
+        left = getattr(self.local, "at", math.inf) - time.monotonic()
+        if left <= 0:
+            raise error(f"the deadline of {self.seconds:g} s passed")
+        return left if timeout is None else min(timeout, left)
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        wait = self.left(timeout, self.httpcore.ConnectTimeout)
+        return DeadlineStream(self.backend.connect_tcp(host, port, wait, local_address, socket_options), self)
+
+    def connect_unix_socket(self, path, timeout=None, socket_options=None):
+        wait = self.left(timeout, self.httpcore.ConnectTimeout)
+        return DeadlineStream(self.backend.connect_unix_socket(path, wait, socket_options), self)
+
+    def sleep(self, seconds: float) -> None:
+        self.backend.sleep(seconds)
+
+
+class DeadlineStream:
+    """A connection of RequestDeadline: each read and write waits at most until the try's deadline."""
+
+    def __init__(self, stream, deadline: RequestDeadline):
+        self.stream, self.deadline = stream, deadline
+
+    def read(self, max_bytes: int, timeout: Optional[float] = None) -> bytes:
+        return self.stream.read(max_bytes, self.deadline.left(timeout, self.deadline.httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: Optional[float] = None) -> None:
+        self.stream.write(buffer, self.deadline.left(timeout, self.deadline.httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def start_tls(self, ssl_context, server_hostname=None, timeout=None):
+        wait = self.deadline.left(timeout, self.deadline.httpcore.ConnectTimeout)
+        return DeadlineStream(self.stream.start_tls(ssl_context, server_hostname, wait), self.deadline)
+
+    def get_extra_info(self, info: str):
+        return self.stream.get_extra_info(info)
 
 
 NO_MATCH = object()  # a structured model's "no answer": the rollout ends there
@@ -1677,7 +1749,7 @@ def server_error(openai, e: Exception, url: str, args: Args) -> UserError:
     """The one sentence for a server that cannot be used: unreachable, too slow, redirecting, refusing or failing."""
     tries = f"{args.max_retries + 1} tries"
     if isinstance(e, openai.APITimeoutError):
-        return UserError(f"no reply from {url} within --request-timeout {args.request_timeout:g} s ({tries})")
+        return UserError(f"no complete reply from {url} within --request-timeout {args.request_timeout:g} s ({tries})")
     if isinstance(e, openai.APIConnectionError):
         why = (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0]
         return UserError(

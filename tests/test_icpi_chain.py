@@ -476,6 +476,49 @@ def test_malformed_replies_are_counted_and_named(capsys, status, body, headers, 
     assert "is not a completion" in err and named in err and f"HTTP {status}" in err
 
 
+def _trickle(whole_head: bool):
+    """A handler class that answers a completion one byte every 30 ms (the status line and headers at once when
+    `whole_head`): each read is quick, the whole reply takes seconds."""
+
+    class Trickle(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"choices": [{"text": "assert done"}], "usage": {"completion_tokens": 2}}).encode()
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            reply = head + body
+            start = len(head) if whole_head else 1
+            try:
+                self.request.sendall(reply[:start])
+                for k in range(start, len(reply)):
+                    time.sleep(0.03)
+                    self.request.sendall(reply[k : k + 1])
+            except OSError:  # the client gave up
+                pass
+            self.close_connection = True
+
+        def log_message(self, *a):
+            pass
+
+    return Trickle
+
+
+@pytest.mark.parametrize("whole_head", [False, True], ids=["head and body trickled", "body trickled"])
+def test_request_timeout_is_a_deadline_for_the_whole_request(whole_head):
+    """A server that trickles its reply keeps every read short: the deadline still ends each try, the client retries,
+    and then the request is one sentence."""
+    httpd = _serve(_trickle(whole_head), threads=True)
+    try:
+        url = f"http://127.0.0.1:{httpd.server_port}/v1"
+        args = ic.Args(model="openai:tiny", base_url=url, request_timeout=0.5, max_retries=1)
+        be = ic.OpenAIBackend("openai:tiny", args)
+        t0 = time.monotonic()
+        with pytest.raises(ic.UserError, match=r"no complete reply from .* within --request-timeout 0.5 s \(2 tries\)"):
+            be.complete([ic.Request("p", 1)])
+        assert time.monotonic() - t0 < 3.5  # two tries of 0.5 s and the client's pause between them
+    finally:
+        _stop(httpd)
+
+
 def test_replayed_counts_only_answers_an_earlier_run_recorded(tmp_path):
     # a run stopped and started again with the same flags replays its first part from the completion cache:
     # those hits took no model time (the run's wall time covers only the rest) and are counted apart from the
@@ -698,6 +741,8 @@ _NUMBERS = {  # a reward or a next state with a number of hundreds or thousands 
 def _fake_server(name):
     if name == "silent":
         return _serve(_Silent, threads=True)
+    if name == "trickle":
+        return _serve(_trickle(whole_head=False), threads=True)
     if name in _NUMBERS:
         return _serve(_NUMBERS[name], threads=True)
     status, body, headers = _ANSWERS_OF[name]
@@ -787,6 +832,7 @@ HOSTILE = [
     # servers that cannot be used: one sentence that says why
     _bad(("--model", "openai:x", "--base-url", "DEAD", *_RUN), "is the server running? (--base-url)"),
     _bad(("--model", "openai:x", "--base-url", "SERVER:silent", "--request-timeout", "0.2", *_RUN), "within --request"),
+    _bad(("--model", "openai:x", "--base-url", "SERVER:trickle", "--request-timeout", "0.3", *_RUN), "(1 tries)"),
     _bad(("--model", "openai:x", "--base-url", "SERVER:redirect", *_RUN), "a redirect to http://elsewhere/v1/comp"),
     _bad(("--model", "openai:x", "--base-url", "SERVER:refusing", *_RUN), "refused the request (HTTP 404 Not Found"),
     # runs that start and then stop: too many invalid answers, or every one
