@@ -26,6 +26,7 @@ import importlib.util
 import itertools
 import json
 import math
+import netrc
 import random
 import re
 import shutil
@@ -103,6 +104,12 @@ class Args:
     """use CUDA when torch sees a device (`--no-cuda`: the CPU), for in-process models (smollm2, hf:...)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """in-process models: auto = bfloat16 on CUDA, float32 on the CPU (part of the completion-cache key)"""
+    track: bool = False
+    """log to Weights & Biases as well: the TensorBoard scalars are mirrored (WANDB_MODE=offline: no network)"""
+    wandb_project_name: str = "llm-rl"
+    """the W&B project (--track)"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity, a user or team (--track; default: the account's)"""
 
 
 # ==== The env: the original's six domains, step(state, action, rng) -> (next state, reward, terminal)
@@ -1496,6 +1503,28 @@ def check_args(args: Args) -> None:
             raise UserError(
                 f"--base-url must be an http(s) URL with a host and a port in 1..65535, got '{args.base_url}'"
             )
+    if args.track:
+        try:
+            import wandb  # noqa: F401  (only with --track)
+        except ImportError:
+            raise UserError("--track needs the wandb package (pip install wandb)")
+        if not wandb_can_log_in():
+            raise UserError(
+                "--track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login` once (an "
+                "entry for api.wandb.ai in ~/.netrc), or set WANDB_MODE=offline (upload later with `wandb sync`)"
+            )
+
+
+def wandb_can_log_in() -> bool:
+    """W&B offline or disabled, an API key in the environment, or a ~/.netrc entry for W&B's host: never a prompt."""
+    if os.environ.get("WANDB_MODE", "") in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        entry = netrc.netrc(os.environ.get("NETRC") or os.path.expanduser("~/.netrc")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):  # no file, or one that cannot be read
+        return False
+    return entry is not None and bool(entry[2])  # a password: the API key
 
 
 class StopSignal:
@@ -1617,11 +1646,18 @@ def returns_text(returns) -> str:
     return f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}"
 
 
+def close_run(writer, wandb) -> None:
+    writer.close()
+    if wandb is not None:
+        wandb.finish()
+        wandb.tensorboard.unpatch()
+
+
 class Run:
     """What a run needs around the algorithm: the completion cache (its only state: a run started again with the same
-    flags replays it), the run folder, the TensorBoard writer, the stop signal, the model's running counts, the
-    progress line and the final line. `main` meets it three times: `start` before the loop, `end_step` after every
-    real step, `finish` after the loop."""
+    flags replays it), the run folder, the TensorBoard writer (and W&B with --track), the stop signal, the model's
+    running counts, the progress line and the final line. `main` meets it three times: `start` before the loop,
+    `end_step` after every real step, `finish` after the loop."""
 
     LAST = 8  # the progress and final lines report the last LAST episodes
 
@@ -1647,8 +1683,23 @@ class Run:
         device = f" on {model.device} ({model.dtype})" if isinstance(model, HFBackend) else ""
         name = "none" if model is None else model.name
         print(f"model: {name}{device}, logging to runs/{self.run_name}", flush=True)
+        wandb = None
+        if args.track:  # before the writer: W&B mirrors its scalars; its files go into the run folder
+            import wandb
+
+            # the writer's scalars mirrored, its event files not copied: W&B's folder is inside the one they are in
+            wandb.tensorboard.patch(save=False)
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                config=vars(args),
+                name=self.run_name,
+                save_code=True,
+                dir=f"runs/{self.run_name}",  # a run started again is a new W&B run, as it is a new run folder
+            )
         self.writer = SummaryWriter(f"runs/{self.run_name}")
-        self.close = weakref.finalize(self, self.writer.close)  # also when the run ends in an error: nothing lost
+        # the writer closed (and W&B finished) at `finish`, and also when the run ends in an error: nothing lost
+        self.close = weakref.finalize(self, close_run, self.writer, wandb)
         budget = {"prompt_budget": agent.budget} if model is not None else {}  # tabular-q builds no prompt
         logged = {**vars(args), **budget, "model_used": args.model if model is not None else "none"}
         table = "\n".join(f"|{key}|{value}|" for key, value in logged.items())
