@@ -1,4 +1,5 @@
 import hashlib
+import importlib.util
 import itertools
 import json
 import os
@@ -17,14 +18,16 @@ import pytest
 
 import icpi_chain as ic
 from conftest import (
+    BASELINE,
     ROOT,
     FixedTextModel,
+    all_scalars,
+    baseline_script,
     build_tiny_gpt2,
     completions_handler,
     only_run_dir,
     post_handler,
     read_scalars,
-    same_numbers,
 )
 
 # The six domains, their texts and prompts are checked byte for byte against outputs recorded from
@@ -628,6 +631,20 @@ _ANSWERS = [
 _Hashed = completions_handler(lambda p: _ANSWERS[int(hashlib.sha256(p.encode()).hexdigest(), 16) % len(_ANSWERS)])
 
 
+@pytest.fixture(scope="module")
+def baseline_icpi(tmp_path_factory):
+    """icpi_chain.py as committed at BASELINE, imported as a module of its own."""
+    path = baseline_script("icpi_chain.py", str(tmp_path_factory.mktemp("baseline_code")))
+    spec = importlib.util.spec_from_file_location("icpi_chain_at_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -651,14 +668,28 @@ _Hashed = completions_handler(lambda p: _ANSWERS[int(hashlib.sha256(p.encode()).
     ],
     ids=["oracle", "tabular-q", "llm-reward", "llm-advisor", "fake-server"],
 )
-def test_same_numbers_as_before_the_redesign(tmp_path, flags):
+def test_same_numbers_as_before_the_redesign(tmp_path, monkeypatch, capsys, baseline_icpi, flags):
+    """conftest's same_numbers, in this process: the BASELINE script (a module of its own) and this one run with the
+    same flags, side by side, and every scalar the baseline logged is logged the same, bit for bit."""
+    import tyro
+
     httpd = _serve(_Hashed, threads=True) if "openai:hashed" in flags else None
     try:
         url = () if httpd is None else ("--base-url", f"http://127.0.0.1:{httpd.server_port}/v1")
-        _, run = same_numbers("icpi_chain.py", *flags, *url, tmp_path=tmp_path)
+        folders = []
+        for name, script in (("baseline", baseline_icpi), ("current", ic)):
+            (tmp_path / name).mkdir()
+            monkeypatch.chdir(tmp_path / name)
+            assert script.main(tyro.cli(script.Args, args=[*flags, *url])) in (None, 0)
+            folders.append(only_run_dir(str(tmp_path / name)))
     finally:
         if httpd is not None:
             _stop(httpd)
+    old, new = all_scalars(folders[0]), all_scalars(folders[1])
+    assert old, f"the baseline run logged no scalars in {folders[0]}"
+    for tag, points in old.items():
+        assert new.get(tag) == points, f"icpi_chain.py {' '.join(flags)}: '{tag}' differs from {BASELINE}"
+    run = folders[1]
     assert read_scalars(run, "charts/regret")
     if httpd is not None:  # the server was asked, and some of its answers were valid
         calls, invalid = (sum(v for _, v in read_scalars(run, f"model/{tag}")) for tag in ("calls", "invalid"))
