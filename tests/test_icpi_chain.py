@@ -590,7 +590,7 @@ def test_a_real_openai_compatible_server(tmp_path, tiny_gpt2_dir):
         run = subprocess.run(
             [sys.executable, os.path.join(ROOT, "icpi_chain.py"), "--model", f"openai:{tiny_gpt2_dir}"]
             + ["--base-url", f"http://127.0.0.1:{port}/v1", "--cache", str(tmp_path / "c.sqlite")]
-            + ["--total-steps", "12", "--min-successes", "0", "--max-tokens", "8", "--max-invalid", "1"],
+            + ["--total-steps", "6", "--seed", "8", "--min-successes", "0", "--max-tokens", "8", "--max-invalid", "1"],
             cwd=tmp_path,
             env=env,
             capture_output=True,
