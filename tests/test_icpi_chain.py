@@ -722,6 +722,30 @@ def test_a_short_run_says_why_the_model_was_not_used(tmp_path, monkeypatch, caps
         shutil.rmtree(tmp_path / "runs")
 
 
+def test_progress_lines_at_every_tenth_of_the_steps_or_after_a_minute(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert ic.main(ic.Args(model="oracle", total_steps=20)) == 0
+    out = capsys.readouterr().out.splitlines()
+    name = os.path.basename(only_run_dir(str(tmp_path)))
+    progress = [line for line in out if line.startswith(f"{name}: step ")]
+    assert [int(line.split()[2].split("/")[0]) for line in progress] == list(range(2, 21, 2)), out
+    assert all(" steps/s, " in line and "mean regret of the last" in line for line in progress)
+    assert "mean return of the last 3 episodes 0.00, " in progress[-1] and "; model calls " in progress[-1]
+    assert out[-1].startswith(f"{name}: 20 of 20 steps, ") and " steps/s" in out[-1]
+    # a long run: a line after a minute without one, whatever the tenth
+    args = ic.Args(model="oracle", total_steps=1000)
+    run = ic.Run(args, ic.StopSignal())
+    run.start(ic.Agent(ic.Chain(), ic.make_backend(args, ic.Chain(), None), args, np.random.default_rng(0)))
+    capsys.readouterr()
+    assert run.end_step(1, ic.StepStats(), [], []) is False
+    assert capsys.readouterr().out == ""
+    run.last_line -= 61
+    run.end_step(2, ic.StepStats(), [1], [0.5])
+    line = capsys.readouterr().out
+    assert ": step 2/1000, " in line and "mean return of the last 1 episodes 1.00, mean regret" in line
+    run.close()
+
+
 # ------------------------------------------------------------- hostile inputs: one sentence, exit 2, nothing written
 
 _ANSWERS_OF = {  # the fake servers of the table (SERVER:<name>): what each answers to every POST
