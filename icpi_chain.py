@@ -10,8 +10,8 @@ an upper bound). `--algo llm-advisor` / `llm-reward`: tabular Q-learning with th
     python icpi_chain.py --env chain --model oracle --total-steps 60
     python icpi_chain.py --model openai:Qwen/Qwen2.5-7B --base-url http://gpu-box:8000/v1 --prompt-tokens 3800
 
-The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it are the checks, signals, the
-completion cache and the model loaders.
+The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it are the checks, signals, the run
+object (`Run`: the completion cache, the run folder, the logs, the progress and final lines) and the model loaders.
 """
 
 import os
