@@ -19,7 +19,6 @@ import pytest
 import icpi_chain as ic
 from conftest import (
     BASELINE,
-    ROOT,
     FixedTextModel,
     all_scalars,
     baseline_script,
@@ -1145,44 +1144,79 @@ def test_a_stopped_run_started_again_continues_from_its_cache(tmp_path, monkeypa
     assert replayed["model/invalid"] == whole["model/invalid"]
 
 
+def _fork_cli(flags, cwd, out):
+    """The script's entry point in a forked process (its modules are loaded already) in `cwd`, its stdout and stderr
+    into the files `out`.stdout and `out`.stderr; its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 99
+    try:  # the child: never returns into pytest
+        os.chdir(cwd)
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            os.dup2(os.open(f"{out}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
+        code = ic.cli(flags)
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def test_sigterm_and_sigint_mid_run_stop_after_the_step_and_keep_the_cache(tmp_path):
+    """Three runs at once, each in its own folder with its own cache: SIGTERM, SIGINT (each stops the run after the
+    step, with every answer so far kept) and SIGTERM then SIGINT at once (the second quits without saving and says
+    where the answers are)."""
     httpd = _serve(_Slow, threads=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     flags = ["--model", "openai:slow", "--base-url", f"http://127.0.0.1:{httpd.server_port}/v1", "--cache"]
     flags += ["c.sqlite", "--total-steps", "1000", "--min-successes", "0", "--max-invalid", "1"]
-    runs = {}
+    cases = {"SIGTERM": [signal.SIGTERM], "SIGINT": [signal.SIGINT], "twice": [signal.SIGTERM, signal.SIGINT]}
+    pids, status = {}, {}
     try:
-        for sig in (signal.SIGTERM, signal.SIGINT):  # both at once, each in its own folder with its own cache
-            cwd = tmp_path / sig.name
-            cwd.mkdir()
-            proc = subprocess.Popen(
-                [sys.executable, os.path.join(ROOT, "icpi_chain.py"), *flags],
-                cwd=cwd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            runs[sig] = (cwd, proc)
+        for name in cases:
+            (tmp_path / name).mkdir()
+            pids[name] = _fork_cli(flags, tmp_path / name, tmp_path / name / "log")
         deadline = time.time() + 120
-        for sig, (cwd, proc) in runs.items():
-            assert "logging to runs/" in proc.stdout.readline()  # the handler is in place, the run folder exists
-            while time.time() < deadline and proc.poll() is None:
+        for name, sigs in cases.items():
+            cwd = tmp_path / name
+            while time.time() < deadline and os.waitpid(pids[name], os.WNOHANG) == (0, 0):
                 time.sleep(0.2)
-                if (cwd / "c.sqlite").exists():
-                    with sqlite3.connect(cwd / "c.sqlite") as db:
+                if "logging to runs/" in (cwd / "log.stdout").read_text() and (cwd / "c.sqlite").exists():
+                    with sqlite3.connect(cwd / "c.sqlite") as db:  # the handler is in place, the run folder exists
                         if db.execute("SELECT COUNT(*) FROM completions").fetchone()[0] >= 5:
                             break
-            proc.send_signal(sig)
-        outs = {sig: proc.communicate(timeout=60) for sig, (_, proc) in runs.items()}
+            for sig in sigs:
+                os.kill(pids[name], sig)
+        for name, pid in pids.items():
+            for _ in range(600):
+                done, code = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    status[name] = os.waitstatus_to_exitcode(code)
+                    break
+                time.sleep(0.1)
     finally:
+        for name, pid in pids.items():
+            if name not in status:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
         _stop(httpd)
-    for sig, (cwd, proc) in runs.items():
-        out, err = outs[sig]
-        assert proc.returncode == 128 + sig and "Traceback" not in err, err
-        assert f"{sig.name}: stopping at the next safe point" in err
+    for name, sigs in cases.items():
+        cwd = tmp_path / name
+        out, err = (cwd / "log.stdout").read_text(), (cwd / "log.stderr").read_text()
         last = out.strip().splitlines()[-1]
-        assert " of 1000 steps" in last and last.endswith(f"; interrupted{again('c.sqlite')}"), out[-2000:]
+        if name == "twice":  # both pending at once: the kernel hands them over in either order; no final line
+            [first] = [s for s in sigs if f"{s.name}: stopping at the next safe point (again: quit at once)" in err]
+            [second] = [s for s in sigs if s != first]
+            assert first != second and status[name] == 128 + second and "Traceback" not in err, err
+            where = "the completion cache c.sqlite holds every completion so far"
+            assert err.strip().splitlines()[-1] == f"{second.name} again: quitting at once without saving; {where}"
+            assert " of 1000 steps" not in out
+        else:
+            assert status[name] == 128 + sigs[0] and "Traceback" not in err, err
+            assert f"{sigs[0].name}: stopping at the next safe point (again: quit at once)" in err
+            assert " of 1000 steps" in last and last.endswith(f"; interrupted{again('c.sqlite')}"), out[-2000:]
         with sqlite3.connect(cwd / "c.sqlite") as db:
             assert db.execute("SELECT COUNT(*) FROM completions").fetchone()[0] >= 5
         assert read_scalars(only_run_dir(str(cwd)), "model/calls")
