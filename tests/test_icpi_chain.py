@@ -35,6 +35,19 @@ from conftest import (
 
 # ---------------------------------------------------------------- domains
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The in-process models on one thread, as the suite runs the scripts (OMP_NUM_THREADS=1): on a small shared
+    machine a tiny model's forward is tens of times slower on two."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 START_STATES = {  # every state each domain's reset can return (point-mass: continuous)
     "chain": [(s,) for s in range(8)],
     "maze": [(i, j) for i in range(3) for j in range(3)],
@@ -1097,26 +1110,24 @@ class _Slow(BaseHTTPRequestHandler):
 
 
 def test_a_stopped_run_started_again_continues_from_its_cache(tmp_path, monkeypatch, capsys, tiny_gpt2_dir):
-    """The in-process model's paths in a run. A run stopped after its fifth real step (the model is used from the
-    fourth), started again with the same flags: it replays every answer the first attempt computed and ends with the
-    episodes of a run that was never stopped. That whole run started again is served entirely from its cache: every
-    answer replayed, no weights loaded, the same episodes."""
+    """The in-process model's paths in a run. A run stopped after its eleventh real step, started again with the same
+    flags: it replays every answer the first attempt computed and ends with the episodes of a run that was never
+    stopped. That whole run started again is served entirely from its cache: every answer replayed, no weights
+    loaded, the same episodes."""
 
-    class StopAfterFiveSteps(ic.StopSignal):  # SIGTERM, as if it arrived during the fifth step
+    class StopAfterElevenSteps(ic.StopSignal):  # SIGTERM, as if it arrived during the eleventh step
         checks = 0
 
         @property
         def requested(self):
             self.checks += 1
-            self.signum = self.signum or (signal.SIGTERM if self.checks >= 5 else 0)
+            self.signum = self.signum or (signal.SIGTERM if self.checks >= 11 else 0)
             return self.signum != 0
 
-    kw = dict(
-        model=f"hf:{tiny_gpt2_dir}", total_steps=8, seed=8, min_successes=0, max_tokens=6, max_invalid=1.0, attempts=2
-    )
+    kw = dict(model=f"hf:{tiny_gpt2_dir}", total_steps=16, seed=2, min_successes=0, max_tokens=8, max_invalid=1.0)
     logged = {}
     for name, cache, stop in (
-        ("stopped", "c.sqlite", StopAfterFiveSteps()),
+        ("stopped", "c.sqlite", StopAfterElevenSteps()),
         ("again", "c.sqlite", None),
         ("whole", "fresh.sqlite", None),
         ("replayed", "fresh.sqlite", None),
