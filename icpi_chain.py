@@ -1726,15 +1726,17 @@ class Run:
             sps = steps_done / (now - self.start_time)
             print(
                 f"{self.run_name}: step {steps_done}/{self.args.total_steps}, {sps:.2f} steps/s, "
-                f"{returns_text(returns[-self.LAST :])}, {self.regret_text()}{calls}",
+                f"{self.episodes_text()}{calls}",
                 flush=True,
             )
             self.writer.flush()
         return self.stop.requested
 
-    def regret_text(self) -> str:
+    def episodes_text(self) -> str:
+        """The mean return and regret of the last LAST episodes."""
         last = self.regrets[-self.LAST :]
-        return f"mean regret of the last {len(last)} episodes {np.mean(last) if last else float('nan'):.3f}"
+        regret = f", mean regret of the last {len(last)} episodes {np.mean(last):.3f}" if last else ""
+        return returns_text(self.returns[-self.LAST :]) + regret
 
     def finish(self, steps_done: int, summary: str, notes: list[str]) -> int:
         """Close the writer; print the final line (with the algorithm's `summary`), the cache's and the algorithm's
@@ -1746,7 +1748,7 @@ class Run:
         again = f" (run again with the same flags to replay its completions from {cache.path})" if cache else ""
         print(
             f"{self.run_name}: {steps_done} of {args.total_steps} steps, {len(self.regrets)} episodes, "
-            f"{returns_text(self.returns[-self.LAST :])}, {self.regret_text()}; {summary}; model calls {t.calls} in "
+            f"{self.episodes_text()}; {summary}; model calls {t.calls} in "
             f"{t.batches} batches, cache hits {t.cache_hits} ({t.replayed} recorded by an earlier run), invalid "
             f"{t.invalid}, fallbacks {t.fallbacks}; {seconds:.1f} s, {steps_done / seconds:.2f} steps/s"
             + (f"; interrupted{again}" if stopped else ""),

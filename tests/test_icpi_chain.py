@@ -734,7 +734,8 @@ def test_progress_lines_at_every_tenth_of_the_steps_or_after_a_minute(tmp_path, 
     name = os.path.basename(only_run_dir(str(tmp_path)))
     progress = [line for line in out if line.startswith(f"{name}: step ")]
     assert [int(line.split()[2].split("/")[0]) for line in progress] == list(range(2, 21, 2)), out
-    assert all(" steps/s, " in line and "mean regret of the last" in line for line in progress)
+    assert progress[0].endswith(" steps/s, no episode has finished yet")  # the oracle asked nothing yet
+    assert all(" steps/s, " in line for line in progress) and "mean regret of the last" in progress[-1]
     assert "mean return of the last 3 episodes 0.00, " in progress[-1] and "; model calls " in progress[-1]
     assert out[-1].startswith(f"{name}: 20 of 20 steps, ") and " steps/s" in out[-1]
     # a long run: a line after a minute without one, whatever the tenth
