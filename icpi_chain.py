@@ -10,8 +10,8 @@ an upper bound). `--algo llm-advisor` / `llm-reward`: tabular Q-learning with th
     python icpi_chain.py --env chain --model oracle --total-steps 60
     python icpi_chain.py --model openai:Qwen/Qwen2.5-7B --base-url http://gpu-box:8000/v1 --prompt-tokens 3800
 
-The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it are the checks, signals, the
-completion cache and the model loaders.
+The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it are the checks, signals, the run
+object (`Run`: the completion cache, the run folder, the logs, the progress and final lines) and the model loaders.
 """
 
 import os
@@ -26,6 +26,8 @@ import importlib.util
 import itertools
 import json
 import math
+import netrc
+import random
 import re
 import shutil
 import sqlite3
@@ -33,6 +35,7 @@ import stat
 import threading
 import time
 import urllib.parse
+import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
@@ -40,6 +43,7 @@ from functools import cached_property, lru_cache
 from typing import Any, Callable, Literal, Optional, get_args, get_origin
 
 import numpy as np
+import torch
 import tyro
 
 
@@ -48,7 +52,7 @@ class Args:
     exp_name: str = "icpi_chain"
     """the name of this experiment (letters, digits, `.`, `_`, `-`; part of the run folder's name)"""
     seed: int = 1
-    """seed of the environment, the warm-up coin, the prompt orders, the tie-breaks and the sampling"""
+    """seed of the experiment"""
     env: Literal["chain", "distractor-chain", "maze", "mini-catch", "mini-invaders", "point-mass"] = "chain"
     """the domain"""
     algo: Literal["icpi", "no-argmax", "tabular-q", "llm-advisor", "llm-reward"] = "icpi"
@@ -91,7 +95,7 @@ class Args:
     base_url: str = "http://localhost:8000/v1"
     """base URL of the OpenAI-compatible server for `openai:` models (key from OPENAI_API_KEY)"""
     request_timeout: float = 60.0
-    """openai: seconds the client waits to connect, and then for each part of the reply, before it retries"""
+    """openai: seconds one try of a request may take, from connecting to the reply's last byte, before it is retried"""
     max_retries: int = 4
     """openai: retries of a request after a connection error, a timeout, HTTP 408, 409, 429 or 5xx"""
     max_invalid: float = 0.8
@@ -100,6 +104,12 @@ class Args:
     """use CUDA when torch sees a device (`--no-cuda`: the CPU), for in-process models (smollm2, hf:...)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """in-process models: auto = bfloat16 on CUDA, float32 on the CPU (part of the completion-cache key)"""
+    track: bool = False
+    """log to Weights & Biases as well: the TensorBoard scalars are mirrored (WANDB_MODE=offline: no network)"""
+    wandb_project_name: str = "llm-rl"
+    """the W&B project (--track)"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity, a user or team (--track; default: the account's)"""
 
 
 # ==== The env: the original's six domains, step(state, action, rng) -> (next state, reward, terminal)
@@ -654,12 +664,17 @@ class OpenAIBackend:
         self.name = spec
         self.args = args
         self.url = args.base_url.rstrip("/") + "/completions"
+        deadline = RequestDeadline(args.request_timeout)
+        http = openai.DefaultHttpxClient(  # a redirect is named, not followed
+            follow_redirects=False, event_hooks={"request": [deadline.begin]}
+        )
+        deadline.install(http)
         self.client = openai.OpenAI(
             base_url=args.base_url,
             api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
             timeout=args.request_timeout,
             max_retries=args.max_retries,
-            http_client=openai.DefaultHttpxClient(follow_redirects=False),  # a redirect is named, not followed
+            http_client=http,
         )
         self.lock = threading.Lock()
         self.malformed = 0  # replies that were not completions
@@ -700,6 +715,73 @@ class OpenAIBackend:
             return list(pool.map(self._complete, requests))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestDeadline:
+    """A deadline for each try of a request, from connecting to the reply's last byte. httpx's timeouts apply to each
+    read alone, so a server that sends its reply a few bytes at a time would keep one try alive for as long as it
+    likes; here every connect, read and write of the client's connections waits at most until the try's deadline
+    (kept per thread: the requests of one call go concurrently), then fails as a slow read does: the client retries
+    it, and after --max-retries the run ends in one sentence. It is httpcore's network backend, around its own."""
+
+    def __init__(self, seconds: float):
+        import httpcore2
+
+        self.seconds, self.httpcore, self.backend = seconds, httpcore2, httpcore2.SyncBackend()
+        self.local = threading.local()
+
+    def install(self, http) -> None:
+        """Put the deadline under every connection pool of the httpx client `http` (httpx takes no backend itself)."""
+        for transport in [http._transport, *http._mounts.values()]:
+            pool = getattr(transport, "_pool", None)
+            if pool is not None:
+                assert hasattr(pool, "_network_backend"), "httpcore's pool keeps its backend elsewhere"
+                pool._network_backend = self
+
+    def begin(self, request=None) -> None:
+        """A try starts (httpx's request hook: each retry is a new try)."""
+        self.local.at = time.monotonic() + self.seconds
+
+    def left(self, timeout: Optional[float], error) -> float:
+        """What a wait may take: the smaller of its own timeout and the time left; `error` once none is left."""
+        left = getattr(self.local, "at", math.inf) - time.monotonic()
+        if left <= 0:
+            raise error(f"the deadline of {self.seconds:g} s passed")
+        return left if timeout is None else min(timeout, left)
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        wait = self.left(timeout, self.httpcore.ConnectTimeout)
+        return DeadlineStream(self.backend.connect_tcp(host, port, wait, local_address, socket_options), self)
+
+    def connect_unix_socket(self, path, timeout=None, socket_options=None):
+        wait = self.left(timeout, self.httpcore.ConnectTimeout)
+        return DeadlineStream(self.backend.connect_unix_socket(path, wait, socket_options), self)
+
+    def sleep(self, seconds: float) -> None:
+        self.backend.sleep(seconds)
+
+
+class DeadlineStream:
+    """A connection of RequestDeadline: each read and write waits at most until the try's deadline."""
+
+    def __init__(self, stream, deadline: RequestDeadline):
+        self.stream, self.deadline = stream, deadline
+
+    def read(self, max_bytes: int, timeout: Optional[float] = None) -> bytes:
+        return self.stream.read(max_bytes, self.deadline.left(timeout, self.deadline.httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: Optional[float] = None) -> None:
+        self.stream.write(buffer, self.deadline.left(timeout, self.deadline.httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def start_tls(self, ssl_context, server_hostname=None, timeout=None):
+        wait = self.deadline.left(timeout, self.deadline.httpcore.ConnectTimeout)
+        return DeadlineStream(self.stream.start_tls(ssl_context, server_hostname, wait), self.deadline)
+
+    def get_extra_info(self, info: str):
+        return self.stream.get_extra_info(info)
 
 
 NO_MATCH = object()  # a structured model's "no answer": the rollout ends there
@@ -1223,167 +1305,124 @@ def advice_agreement(advised: list, values: Callable) -> float:
 
 def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     """Run --total-steps real steps; returns the exit status: 0, or 128 + the signal that stopped the run."""
-    stop = StopSignal() if stop is None else stop
     check_args(args)
-    from torch.utils.tensorboard import SummaryWriter
-    from tqdm import tqdm
+    run = Run(args, StopSignal() if stop is None else stop)  # nothing written yet
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = True
 
     domain = make_domain(args.env)
-    uses_model = args.algo != "tabular-q"
-    language_model = uses_model and args.model not in ("oracle", "matching")
     rng = np.random.default_rng(args.seed)  # the agent's draws
     env_rng = np.random.default_rng(args.seed)  # the env's
     model_rng = np.random.default_rng(args.seed + 1)  # the oracle's distractor draws
     advice_rng = np.random.default_rng(args.seed + 2)  # llm-advisor's coin: tabular-q's draws stay as they are
-    model = make_backend(args, domain, model_rng) if uses_model else None
-    cache = CompletionCache(args.cache, model.name) if language_model and not args.no_cache else None
-    agent = Agent(domain, model, args, rng, cache)
+    model = make_backend(args, domain, model_rng) if args.algo != "tabular-q" else None
+    agent = Agent(domain, model, args, rng)
+    run.start(agent=agent)  # the completion cache (the agent's), the run folder, the writer, the hyperparameters
+    writer = run.writer
 
-    run_name = make_run_dir(f"{args.env}__{args.exp_name}__{args.seed}")
-    device = f" on {model.device} ({model.dtype})" if isinstance(model, HFBackend) else ""
-    print(f"model: {model.name if uses_model else 'none'}{device}, logging to runs/{run_name}", flush=True)
-    writer = SummaryWriter(f"runs/{run_name}")
-    budget = {"prompt_budget": agent.budget} if uses_model else {}  # tabular-q builds no prompt
-    logged = {**vars(args), **budget, "model_used": args.model if uses_model else "none"}
-    table = "\n".join(f"|{key}|{value}|" for key, value in logged.items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     advisor = args.algo == "llm-advisor"
     shaped = args.algo == "llm-reward"
     state = start_state = domain.reset(env_rng)
-    episode, regrets, advised, phis = [], [], [], []  # advised: (state, action) of each step that took the advice
+    episode, returns, regrets, advised, phis = [], [], [], [], []  # advised: (state, action) of each advised step
     used = by_coin = not_ready = 0  # why the model was not used: the warm-up coin, or prompts not ready yet
-    totals = StepStats()
-    start_time = time.time()
     steps_done = 0
-    bar = tqdm(total=args.total_steps, unit="step", disable=None, dynamic_ncols=True)
-    try:
-        for step in range(args.total_steps):
-            if stop.requested:  # Ctrl-C or SIGTERM: keep what was done
-                break
-            if not episode:  # original: the warm-up probability is computed once per episode
-                p_model = warmup_probability(agent.warmup_count(), args.min_successes)
-                p_advice = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
-            t0 = time.time()
-            agent.real_step = step
-            agent.stats = StepStats()
-            coin = rng.random()
-            ready = agent.ready()
-            advice = agent.advice(state) if advisor and advice_rng.random() < p_advice else None
-            use_model = coin < p_model and ready and advice is None
-            used += use_model
-            by_coin += coin >= p_model and advice is None
-            not_ready += coin < p_model and not ready and advice is None
-            if advice is not None:  # a fallback (None) acts as tabular-q does
-                action = advice
-                advised.append((state, action))
-            else:
-                action = agent.act(state) if use_model else int(rng.integers(domain.n_actions))
-            next_state, reward, terminated = domain.step(state, action, env_rng)
-            truncated = domain.time_limit is not None and len(episode) + 1 >= domain.time_limit
-            tr = Transition(state, action, int(reward), bool(terminated), next_state)
-            episode.append(tr)
-            if shaped:  # llm-reward: Phi(s) and the bonus F, then the Q update with F
-                phi = agent.potential(tr.state)
-                bonus = shaping_bonus(phi, 0.0 if tr.done else agent.potential(tr.next_state), domain.gamma, tr.done)
-                agent.tabular_update(tr, bonus)
-                phis.append(phi)
-                writer.add_scalar("shaping/potential", phi, step)
-                writer.add_scalar("shaping/bonus", bonus, step)
-            elif args.algo in TABULAR_ALGOS:
-                agent.tabular_update(tr)
-            if advisor:
-                writer.add_scalar("advice/probability", p_advice, step)
-                writer.add_scalar("advice/followed", int(advice is not None), step)
-            s = agent.stats
-            for f in fields(StepStats):
-                setattr(totals, f.name, getattr(totals, f.name) + getattr(s, f.name))
-                writer.add_scalar(f"model/{f.name}", getattr(s, f.name), step)
-            if language_model:
-                check_invalid(totals, model, args)
-            writer.add_scalar("charts/used_model", int(use_model), step)
-            writer.add_scalar("charts/model_probability", p_model, step)
-            writer.add_scalar("time/step_seconds", time.time() - t0, step)
-            writer.add_scalar("charts/SPS", (step + 1) / (time.time() - start_time), step)
-            state = next_state
-            if terminated or truncated:
-                rewards = [t.reward for t in episode]
-                regret, opt = normalised_regret(domain, start_state, rewards)
-                ret = discounted(rewards, domain.log_gamma)
-                regrets.append(regret)
-                agent.add_episode(Episode(episode))
-                writer.add_scalar("charts/episodic_return", sum(rewards), step)
-                writer.add_scalar("charts/discounted_return", ret, step)
-                writer.add_scalar("charts/optimal_return", opt, step)
-                writer.add_scalar("charts/regret", regret, step)
-                writer.add_scalar("charts/episodic_length", len(episode), step)
-                bar.write(
-                    f"step {step + 1}: episode {len(agent.episodes)} return {sum(rewards)} (discounted {ret:.3f}, "
-                    f"optimal {opt:.3f}) regret {regret:.3f} length {len(episode)}{' (time-out)' if truncated else ''}"
-                )
-                episode = []
-                state = start_state = domain.reset(env_rng)
-            steps_done = step + 1
-            bar.update(1)
-            mean_regret = f"{np.mean(regrets[-8:]):.2f}" if regrets else "-"
-            bar.set_postfix(calls=s.calls, hits=s.cache_hits, inv=s.invalid, regret=mean_regret)
+    for step in range(args.total_steps):
+        if not episode:  # original: the warm-up probability is computed once per episode
+            p_model = warmup_probability(agent.warmup_count(), args.min_successes)
+            p_advice = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
+        t0 = time.time()
+        agent.real_step = step
+        agent.stats = StepStats()
+        coin = rng.random()
+        ready = agent.ready()
+        advice = agent.advice(state) if advisor and advice_rng.random() < p_advice else None
+        use_model = coin < p_model and ready and advice is None
+        used += use_model
+        by_coin += coin >= p_model and advice is None
+        not_ready += coin < p_model and not ready and advice is None
+        if advice is not None:  # a fallback (None) acts as tabular-q does
+            action = advice
+            advised.append((state, action))
+        else:
+            action = agent.act(state) if use_model else int(rng.integers(domain.n_actions))
+        next_state, reward, terminated = domain.step(state, action, env_rng)
+        truncated = domain.time_limit is not None and len(episode) + 1 >= domain.time_limit
+        tr = Transition(state, action, int(reward), bool(terminated), next_state)
+        episode.append(tr)
+        if shaped:  # llm-reward: Phi(s) and the bonus F, then the Q update with F
+            phi = agent.potential(tr.state)
+            bonus = shaping_bonus(phi, 0.0 if tr.done else agent.potential(tr.next_state), domain.gamma, tr.done)
+            agent.tabular_update(tr, bonus)
+            phis.append(phi)
+            writer.add_scalar("shaping/potential", phi, step)
+            writer.add_scalar("shaping/bonus", bonus, step)
+        elif args.algo in TABULAR_ALGOS:
+            agent.tabular_update(tr)
         if advisor:
-            agree = advice_agreement(advised, agent.q_row)
-            optimal = advice_agreement(advised, lambda s: optimal_action_values(domain, s))
-            writer.add_scalar("advice/final_greedy_agreement", agree, steps_done - 1)
-            writer.add_scalar("advice/optimal_agreement", optimal, steps_done - 1)
-    finally:
-        bar.close()
-        writer.close()
+            writer.add_scalar("advice/probability", p_advice, step)
+            writer.add_scalar("advice/followed", int(advice is not None), step)
+        writer.add_scalar("charts/used_model", int(use_model), step)
+        writer.add_scalar("charts/model_probability", p_model, step)
+        writer.add_scalar("time/step_seconds", time.time() - t0, step)
+        state = next_state
+        if terminated or truncated:
+            rewards = [t.reward for t in episode]
+            regret, opt = normalised_regret(domain, start_state, rewards)
+            ret = discounted(rewards, domain.log_gamma)
+            returns.append(sum(rewards))
+            regrets.append(regret)
+            agent.add_episode(Episode(episode))
+            writer.add_scalar("charts/episodic_return", sum(rewards), step)
+            writer.add_scalar("charts/discounted_return", ret, step)
+            writer.add_scalar("charts/optimal_return", opt, step)
+            writer.add_scalar("charts/regret", regret, step)
+            writer.add_scalar("charts/episodic_length", len(episode), step)
+            print(
+                f"step {step + 1}: episode {len(agent.episodes)} return {sum(rewards)} (discounted {ret:.3f}, "
+                f"optimal {opt:.3f}) regret {regret:.3f} length {len(episode)}{' (time-out)' if truncated else ''}"
+            )
+            episode = []
+            state = start_state = domain.reset(env_rng)
+        steps_done = step + 1
+        if run.end_step(steps_done, agent.stats, returns, regrets):  # the model's counts and SPS, progress; a stop?
+            break
+    if advisor:
+        agree = advice_agreement(advised, agent.q_row)
+        optimal = advice_agreement(advised, lambda s: optimal_action_values(domain, s))
+        writer.add_scalar("advice/final_greedy_agreement", agree, steps_done - 1)
+        writer.add_scalar("advice/optimal_agreement", optimal, steps_done - 1)
 
     who = "the Q table" if args.algo in TABULAR_ALGOS else "the model"
-    mean_regret = np.mean(regrets[-8:]) if regrets else float("nan")
-    print(
-        f"{run_name}: {steps_done} of {args.total_steps} steps, {len(regrets)} episodes, mean regret of the last "
-        f"{min(8, len(regrets))} episodes {mean_regret:.3f}; "
-        f"{f'advice followed at {len(advised)} steps; ' if advisor else ''}{who} chose {used} of {steps_done} "
-        f"actions (random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready); model calls "
-        f"{totals.calls} in {totals.batches} batches, cache hits {totals.cache_hits} ({totals.replayed} recorded by "
-        f"an earlier run), invalid {totals.invalid}, fallbacks {totals.fallbacks}; {time.time() - start_time:.1f} s"
-        + ("; interrupted" if stop.requested else ""),
-        flush=True,
+    summary = (
+        f"{f'advice followed at {len(advised)} steps; ' if advisor else ''}{who} chose {used} of {steps_done} actions "
+        f"(random: {by_coin} by the warm-up coin, {not_ready} while the prompts were not ready)"
     )
-    if totals.replayed:
-        print(
-            f"note: {totals.replayed} answers were replayed from the completion cache {args.cache} (recorded by an "
-            "earlier run with the same flags): they took no model time."
-        )
+    notes = []
     if advisor:
         p_last = advice_probability(args.advice_prob, args.advice_decay, len(agent.episodes))
-        print(
+        notes.append(
             f"advice: p_t from {args.advice_prob:g} down to {p_last:.3g}; agreed with the final greedy policy at "
             f"{agree:.1%} of the advised steps, with an optimal action at {optimal:.1%}"
         )
     if shaped:
         values = [v for k, v in agent.judgements.items() if k[0] == "potential" and v is not None] or [float("nan")]
-        print(
+        notes.append(
             f"shaping: Phi judged for {len(agent.judgements)} states (mean Phi per step {np.mean(phis):.3f}; "
             f"judgements from {min(values):.3f} to {max(values):.3f}, times --shaping-scale {args.shaping_scale:g})"
         )
-    if used == 0 and not advised and not stop.requested:
+    if used == 0 and not advised and not run.stop.requested:
         prompts = (  # the prompt-based agents' readiness; the tabular learners need no example
             ""
             if args.algo in TABULAR_ALGOS
             else ", and the model needs an example of every action, a non-terminal step and a finished episode first"
         )
-        print(
+        notes.append(
             f"note: {who} was never used: the warm-up acts at random with probability 1 - 1 / (1 + exp(2 "
             f"({args.min_successes} - episodes))){prompts}; run more --total-steps."
         )
-    if language_model and totals.invalid:
-        answers = totals.calls + totals.cache_hits
-        print(
-            f"warning: {totals.invalid} of {answers} answers were invalid ({getattr(model, 'malformed', 0)} malformed "
-            f"replies); {totals.fallbacks} predictions stayed invalid after all attempts.",
-            file=sys.stderr,
-        )
-        if not stop.requested:
-            check_invalid(totals, model, args, final=True)
-    return stop.exit_status
+    return run.finish(steps_done, summary, notes)  # the final line, the notes, the writer closed; the exit status
 
 
 # ---- Run machinery: what a run needs around the algorithm (checks, signals, the completion cache, the server's
@@ -1391,7 +1430,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
 
 
 class UserError(Exception):
-    """A mistake the user can fix (a flag, a file, a server, the disk): one sentence, exit 2 at the entry point."""
+    """A mistake the user can fix (a flag, a file, an env, the disk): one sentence, exit 2 at the entry point."""
 
 
 RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
@@ -1464,6 +1503,28 @@ def check_args(args: Args) -> None:
             raise UserError(
                 f"--base-url must be an http(s) URL with a host and a port in 1..65535, got '{args.base_url}'"
             )
+    if args.track:
+        try:
+            import wandb  # noqa: F401  (only with --track)
+        except ImportError:
+            raise UserError("--track needs the wandb package (pip install wandb)")
+        if not wandb_can_log_in():
+            raise UserError(
+                "--track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login` once (an "
+                "entry for api.wandb.ai in ~/.netrc), or set WANDB_MODE=offline (upload later with `wandb sync`)"
+            )
+
+
+def wandb_can_log_in() -> bool:
+    """W&B offline or disabled, an API key in the environment, or a ~/.netrc entry for W&B's host: never a prompt."""
+    if os.environ.get("WANDB_MODE", "") in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        entry = netrc.netrc(os.environ.get("NETRC") or os.path.expanduser("~/.netrc")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):  # no file, or one that cannot be read
+        return False
+    return entry is not None and bool(entry[2])  # a password: the API key
 
 
 class StopSignal:
@@ -1472,6 +1533,7 @@ class StopSignal:
 
     def __init__(self):
         self.signum = 0
+        self.last_state = "no training state was saved"  # where the run's state is: the run object keeps it current
 
     def install(self) -> "StopSignal":
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -1480,6 +1542,10 @@ class StopSignal:
 
     def handle(self, signum, frame) -> None:
         if self.requested:
+            print(
+                f"{signal.Signals(signum).name} again: quitting at once without saving; {self.last_state}",
+                file=sys.stderr,
+            )
             raise SystemExit(128 + signum)
         self.signum = signum
         print(
@@ -1573,6 +1639,141 @@ class CompletionCache:
         self.written.add(key)
 
 
+def returns_text(returns) -> str:
+    """The mean return of the episodes given (the last few), for the progress and final lines."""
+    if not len(returns):
+        return "no episode has finished yet"
+    return f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}"
+
+
+def close_run(writer, wandb) -> None:
+    writer.close()
+    if wandb is not None:
+        wandb.finish()
+        wandb.tensorboard.unpatch()
+
+
+class Run:
+    """What a run needs around the algorithm: the completion cache (its only state: a run started again with the same
+    flags replays it), the run folder, the TensorBoard writer (and W&B with --track), the stop signal, the model's
+    running counts, the progress line and the final line. `main` meets it three times: `start` before the loop,
+    `end_step` after every real step, `finish` after the loop."""
+
+    LAST = 8  # the progress and final lines report the last LAST episodes
+
+    def __init__(self, args: Args, stop: StopSignal):
+        self.args, self.stop = args, stop  # nothing is written before `start`
+        self.totals = StepStats()  # the model's counts over the run
+        self.returns: list = []
+        self.regrets: list = []
+
+    def start(self, agent: Agent) -> None:
+        """Open the completion cache (given to the agent), make the run folder, open the writer, log the flags."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        args, model = self.args, agent.model
+        self.agent = agent
+        self.language_model = model is not None and not agent.structured  # oracle and matching ask no model
+        if self.language_model and not args.no_cache:
+            agent.cache = CompletionCache(args.cache, model.name)
+            self.stop.last_state = f"the completion cache {agent.cache.path} holds every completion so far"
+        else:
+            self.stop.last_state = "this run keeps no completion cache"
+        self.run_name = make_run_dir(f"{args.env}__{args.exp_name}__{args.seed}")
+        device = f" on {model.device} ({model.dtype})" if isinstance(model, HFBackend) else ""
+        name = "none" if model is None else model.name
+        print(f"model: {name}{device}, logging to runs/{self.run_name}", flush=True)
+        wandb = None
+        if args.track:  # before the writer: W&B mirrors its scalars; its files go into the run folder
+            import wandb
+
+            # the writer's scalars mirrored, its event files not copied: W&B's folder is inside the one they are in
+            wandb.tensorboard.patch(save=False)
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                config=vars(args),
+                name=self.run_name,
+                save_code=True,
+                dir=f"runs/{self.run_name}",  # a run started again is a new W&B run, as it is a new run folder
+            )
+        self.writer = SummaryWriter(f"runs/{self.run_name}")
+        # the writer closed (and W&B finished) at `finish`, and also when the run ends in an error: nothing lost
+        self.close = weakref.finalize(self, close_run, self.writer, wandb)
+        budget = {"prompt_budget": agent.budget} if model is not None else {}  # tabular-q builds no prompt
+        logged = {**vars(args), **budget, "model_used": args.model if model is not None else "none"}
+        table = "\n".join(f"|{key}|{value}|" for key, value in logged.items())
+        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        self.start_time = self.last_line = time.time()
+        self.tenths = 0  # the progress lines printed at every tenth of the steps so far
+
+    def end_step(self, steps_done: int, stats: StepStats, returns: list, regrets: list) -> bool:
+        """After a real step: log the step's model counts and SPS, stop the run when too many answers were invalid,
+        print the progress line at every tenth of the steps or after a minute; True when a stop was asked."""
+        step, self.returns, self.regrets = steps_done - 1, returns, regrets
+        for f in fields(StepStats):
+            setattr(self.totals, f.name, getattr(self.totals, f.name) + getattr(stats, f.name))
+            self.writer.add_scalar(f"model/{f.name}", getattr(stats, f.name), step)
+        if self.language_model:
+            check_invalid(self.totals, self.agent.model, self.args)
+        now = time.time()
+        self.writer.add_scalar("charts/SPS", steps_done / (now - self.start_time), step)
+        tenths = steps_done * 10 // self.args.total_steps
+        if tenths > self.tenths or now - self.last_line >= 60:
+            self.tenths, self.last_line = tenths, now
+            t = self.totals
+            calls = f"; model calls {t.calls}, cache hits {t.cache_hits}, invalid {t.invalid}" if t.calls else ""
+            sps = steps_done / (now - self.start_time)
+            print(
+                f"{self.run_name}: step {steps_done}/{self.args.total_steps}, {sps:.2f} steps/s, "
+                f"{self.episodes_text()}{calls}",
+                flush=True,
+            )
+            self.writer.flush()
+        return self.stop.requested
+
+    def episodes_text(self) -> str:
+        """The mean return and regret of the last LAST episodes."""
+        last = self.regrets[-self.LAST :]
+        regret = f", mean regret of the last {len(last)} episodes {np.mean(last):.3f}" if last else ""
+        return returns_text(self.returns[-self.LAST :]) + regret
+
+    def finish(self, steps_done: int, summary: str, notes: list[str]) -> int:
+        """Close the writer; print the final line (with the algorithm's `summary`), the cache's and the algorithm's
+        notes, and the invalid answers (a UserError when every one was invalid); the exit status."""
+        self.close()
+        args, t, stopped = self.args, self.totals, self.stop.requested
+        seconds = time.time() - self.start_time
+        cache = self.agent.cache
+        again = f" (run again with the same flags to replay its completions from {cache.path})" if cache else ""
+        print(
+            f"{self.run_name}: {steps_done} of {args.total_steps} steps, {len(self.regrets)} episodes, "
+            f"{self.episodes_text()}; {summary}; model calls {t.calls} in "
+            f"{t.batches} batches, cache hits {t.cache_hits} ({t.replayed} recorded by an earlier run), invalid "
+            f"{t.invalid}, fallbacks {t.fallbacks}; {seconds:.1f} s, {steps_done / seconds:.2f} steps/s"
+            + (f"; interrupted{again}" if stopped else ""),
+            flush=True,
+        )
+        if t.replayed:
+            print(
+                f"note: {t.replayed} answers were replayed from the completion cache {args.cache} (recorded by an "
+                "earlier run with the same flags): they took no model time."
+            )
+        for note in notes:
+            print(note)
+        if self.language_model and t.invalid:
+            model = self.agent.model
+            malformed = getattr(model, "malformed", 0)
+            print(
+                f"warning: {t.invalid} of {t.calls + t.cache_hits} answers were invalid ({malformed} malformed "
+                f"replies); {t.fallbacks} predictions stayed invalid after all attempts.",
+                file=sys.stderr,
+            )
+            if not stopped:
+                check_invalid(t, model, args, final=True)
+        return self.stop.exit_status
+
+
 CHARS_PER_TOKEN = 256  # more than any real token holds: a longer reply is not a completion of at most max_tokens
 
 
@@ -1601,7 +1802,7 @@ def server_error(openai, e: Exception, url: str, args: Args) -> UserError:
     """The one sentence for a server that cannot be used: unreachable, too slow, redirecting, refusing or failing."""
     tries = f"{args.max_retries + 1} tries"
     if isinstance(e, openai.APITimeoutError):
-        return UserError(f"no reply from {url} within --request-timeout {args.request_timeout:g} s ({tries})")
+        return UserError(f"no complete reply from {url} within --request-timeout {args.request_timeout:g} s ({tries})")
     if isinstance(e, openai.APIConnectionError):
         why = (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0]
         return UserError(

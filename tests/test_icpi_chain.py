@@ -1,4 +1,5 @@
 import hashlib
+import importlib.util
 import itertools
 import json
 import os
@@ -17,14 +18,15 @@ import pytest
 
 import icpi_chain as ic
 from conftest import (
-    ROOT,
+    BASELINE,
     FixedTextModel,
+    all_scalars,
+    baseline_script,
     build_tiny_gpt2,
     completions_handler,
     only_run_dir,
     post_handler,
     read_scalars,
-    same_numbers,
 )
 
 # The six domains, their texts and prompts are checked byte for byte against outputs recorded from
@@ -32,6 +34,19 @@ from conftest import (
 
 
 # ---------------------------------------------------------------- domains
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The in-process models on one thread, as the suite runs the scripts (OMP_NUM_THREADS=1): on a small shared
+    machine a tiny model's forward is tens of times slower on two."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 START_STATES = {  # every state each domain's reset can return (point-mass: continuous)
     "chain": [(s,) for s in range(8)],
@@ -476,6 +491,49 @@ def test_malformed_replies_are_counted_and_named(capsys, status, body, headers, 
     assert "is not a completion" in err and named in err and f"HTTP {status}" in err
 
 
+def _trickle(whole_head: bool):
+    """A handler class that answers a completion one byte every 30 ms (the status line and headers at once when
+    `whole_head`): each read is quick, the whole reply takes seconds."""
+
+    class Trickle(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"choices": [{"text": "assert done"}], "usage": {"completion_tokens": 2}}).encode()
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            reply = head + body
+            start = len(head) if whole_head else 1
+            try:
+                self.request.sendall(reply[:start])
+                for k in range(start, len(reply)):
+                    time.sleep(0.03)
+                    self.request.sendall(reply[k : k + 1])
+            except OSError:  # the client gave up
+                pass
+            self.close_connection = True
+
+        def log_message(self, *a):
+            pass
+
+    return Trickle
+
+
+@pytest.mark.parametrize("whole_head", [False, True], ids=["head and body trickled", "body trickled"])
+def test_request_timeout_is_a_deadline_for_the_whole_request(whole_head):
+    """A server that trickles its reply keeps every read short: the deadline still ends each try, the client retries,
+    and then the request is one sentence."""
+    httpd = _serve(_trickle(whole_head), threads=True)
+    try:
+        url = f"http://127.0.0.1:{httpd.server_port}/v1"
+        args = ic.Args(model="openai:tiny", base_url=url, request_timeout=0.5, max_retries=1)
+        be = ic.OpenAIBackend("openai:tiny", args)
+        t0 = time.monotonic()
+        with pytest.raises(ic.UserError, match=r"no complete reply from .* within --request-timeout 0.5 s \(2 tries\)"):
+            be.complete([ic.Request("p", 1)])
+        assert time.monotonic() - t0 < 3.5  # two tries of 0.5 s and the client's pause between them
+    finally:
+        _stop(httpd)
+
+
 def test_replayed_counts_only_answers_an_earlier_run_recorded(tmp_path):
     # a run stopped and started again with the same flags replays its first part from the completion cache:
     # those hits took no model time (the run's wall time covers only the rest) and are counted apart from the
@@ -519,7 +577,7 @@ def test_language_model_requests_follow_the_original():
     assert rec.requests[-1].stop == "()\n"
 
 
-def test_a_real_openai_compatible_server(tmp_path, tiny_gpt2_dir):
+def test_a_real_openai_compatible_server(tmp_path, monkeypatch, capsys, tiny_gpt2_dir):
     """`transformers serve` (the transformers[serving] extras) serves the tiny GPT-2 on /v1/completions; a short run
     goes through it: every reply a well-formed completion, cut at the stop string."""
     import fastapi  # noqa: F401  (pinned in requirements.txt: a broken install fails here, never skips)
@@ -541,16 +599,9 @@ def test_a_real_openai_compatible_server(tmp_path, tiny_gpt2_dir):
             except OSError:
                 time.sleep(0.5)
         assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
-        run = subprocess.run(
-            [sys.executable, os.path.join(ROOT, "icpi_chain.py"), "--model", f"openai:{tiny_gpt2_dir}"]
-            + ["--base-url", f"http://127.0.0.1:{port}/v1", "--cache", str(tmp_path / "c.sqlite")]
-            + ["--total-steps", "12", "--min-successes", "0", "--max-tokens", "8", "--max-invalid", "1"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        monkeypatch.chdir(tmp_path)  # the run itself in this process
+        args = dict(base_url=f"http://127.0.0.1:{port}/v1", cache=str(tmp_path / "c.sqlite"), total_steps=6, seed=8)
+        code = ic.main(ic.Args(model=f"openai:{tiny_gpt2_dir}", **args, min_successes=0, max_tokens=8, max_invalid=1))
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         try:
@@ -561,8 +612,8 @@ def test_a_real_openai_compatible_server(tmp_path, tiny_gpt2_dir):
         log.close()
     # a random tiny model answers nonsense (invalid answers, allowed by --max-invalid 1), but every reply is a
     # well-formed completion, so every one the run computed is in the cache
-    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
-    assert "not a completion" not in run.stderr
+    err = capsys.readouterr().err
+    assert code == 0 and "not a completion" not in err, err[-3000:]
     calls = sum(v for _, v in read_scalars(only_run_dir(str(tmp_path)), "model/calls"))
     with sqlite3.connect(tmp_path / "c.sqlite") as db:
         stored = db.execute("SELECT completion, tokens FROM completions").fetchall()
@@ -583,6 +634,20 @@ _ANSWERS = [
 ]
 # a server whose answer is a fixed function of the prompt (so concurrent requests cannot change a run)
 _Hashed = completions_handler(lambda p: _ANSWERS[int(hashlib.sha256(p.encode()).hexdigest(), 16) % len(_ANSWERS)])
+
+
+@pytest.fixture(scope="module")
+def baseline_icpi(tmp_path_factory):
+    """icpi_chain.py as committed at BASELINE, imported as a module of its own."""
+    path = baseline_script("icpi_chain.py", str(tmp_path_factory.mktemp("baseline_code")))
+    spec = importlib.util.spec_from_file_location("icpi_chain_at_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
 
 
 @pytest.mark.parametrize(
@@ -608,14 +673,28 @@ _Hashed = completions_handler(lambda p: _ANSWERS[int(hashlib.sha256(p.encode()).
     ],
     ids=["oracle", "tabular-q", "llm-reward", "llm-advisor", "fake-server"],
 )
-def test_same_numbers_as_before_the_redesign(tmp_path, flags):
+def test_same_numbers_as_before_the_redesign(tmp_path, monkeypatch, capsys, baseline_icpi, flags):
+    """conftest's same_numbers, in this process: the BASELINE script (a module of its own) and this one run with the
+    same flags, side by side, and every scalar the baseline logged is logged the same, bit for bit."""
+    import tyro
+
     httpd = _serve(_Hashed, threads=True) if "openai:hashed" in flags else None
     try:
         url = () if httpd is None else ("--base-url", f"http://127.0.0.1:{httpd.server_port}/v1")
-        _, run = same_numbers("icpi_chain.py", *flags, *url, tmp_path=tmp_path)
+        folders = []
+        for name, script in (("baseline", baseline_icpi), ("current", ic)):
+            (tmp_path / name).mkdir()
+            monkeypatch.chdir(tmp_path / name)
+            assert script.main(tyro.cli(script.Args, args=[*flags, *url])) in (None, 0)
+            folders.append(only_run_dir(str(tmp_path / name)))
     finally:
         if httpd is not None:
             _stop(httpd)
+    old, new = all_scalars(folders[0]), all_scalars(folders[1])
+    assert old, f"the baseline run logged no scalars in {folders[0]}"
+    for tag, points in old.items():
+        assert new.get(tag) == points, f"icpi_chain.py {' '.join(flags)}: '{tag}' differs from {BASELINE}"
+    run = folders[1]
     assert read_scalars(run, "charts/regret")
     if httpd is not None:  # the server was asked, and some of its answers were valid
         calls, invalid = (sum(v for _, v in read_scalars(run, f"model/{tag}")) for tag in ("calls", "invalid"))
@@ -646,6 +725,31 @@ def test_a_short_run_says_why_the_model_was_not_used(tmp_path, monkeypatch, caps
         table = _hyperparameters(only_run_dir(str(tmp_path)))
         assert ("|prompt_budget|" in table) == (algo == "icpi") and "|model_used|" in table
         shutil.rmtree(tmp_path / "runs")
+
+
+def test_progress_lines_at_every_tenth_of_the_steps_or_after_a_minute(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert ic.main(ic.Args(model="oracle", total_steps=20)) == 0
+    out = capsys.readouterr().out.splitlines()
+    name = os.path.basename(only_run_dir(str(tmp_path)))
+    progress = [line for line in out if line.startswith(f"{name}: step ")]
+    assert [int(line.split()[2].split("/")[0]) for line in progress] == list(range(2, 21, 2)), out
+    assert progress[0].endswith(" steps/s, no episode has finished yet")  # the oracle asked nothing yet
+    assert all(" steps/s, " in line for line in progress) and "mean regret of the last" in progress[-1]
+    assert "mean return of the last 3 episodes 0.00, " in progress[-1] and "; model calls " in progress[-1]
+    assert out[-1].startswith(f"{name}: 20 of 20 steps, ") and " steps/s" in out[-1]
+    # a long run: a line after a minute without one, whatever the tenth
+    args = ic.Args(model="oracle", total_steps=1000)
+    run = ic.Run(args, ic.StopSignal())
+    run.start(ic.Agent(ic.Chain(), ic.make_backend(args, ic.Chain(), None), args, np.random.default_rng(0)))
+    capsys.readouterr()
+    assert run.end_step(1, ic.StepStats(), [], []) is False
+    assert capsys.readouterr().out == ""
+    run.last_line -= 61
+    run.end_step(2, ic.StepStats(), [1], [0.5])
+    line = capsys.readouterr().out
+    assert ": step 2/1000, " in line and "mean return of the last 1 episodes 1.00, mean regret" in line
+    run.close()
 
 
 # ------------------------------------------------------------- hostile inputs: one sentence, exit 2, nothing written
@@ -698,6 +802,8 @@ _NUMBERS = {  # a reward or a next state with a number of hundreds or thousands 
 def _fake_server(name):
     if name == "silent":
         return _serve(_Silent, threads=True)
+    if name == "trickle":
+        return _serve(_trickle(whole_head=False), threads=True)
     if name in _NUMBERS:
         return _serve(_NUMBERS[name], threads=True)
     status, body, headers = _ANSWERS_OF[name]
@@ -787,6 +893,7 @@ HOSTILE = [
     # servers that cannot be used: one sentence that says why
     _bad(("--model", "openai:x", "--base-url", "DEAD", *_RUN), "is the server running? (--base-url)"),
     _bad(("--model", "openai:x", "--base-url", "SERVER:silent", "--request-timeout", "0.2", *_RUN), "within --request"),
+    _bad(("--model", "openai:x", "--base-url", "SERVER:trickle", "--request-timeout", "0.3", *_RUN), "(1 tries)"),
     _bad(("--model", "openai:x", "--base-url", "SERVER:redirect", *_RUN), "a redirect to http://elsewhere/v1/comp"),
     _bad(("--model", "openai:x", "--base-url", "SERVER:refusing", *_RUN), "refused the request (HTTP 404 Not Found"),
     # runs that start and then stop: too many invalid answers, or every one
@@ -916,7 +1023,18 @@ def test_cache_is_a_plain_path_and_says_locked_or_corrupt(tmp_path, monkeypatch)
     assert "locked" not in str(e.value) and "delete" not in str(e.value)
 
 
+def _run_in(folder, flags):
+    """A run of the script in `folder` (a forked process: its modules are loaded already); its exit status."""
+    os.chdir(folder)
+    with open(os.devnull, "w") as null:
+        sys.stdout = sys.stderr = null
+        os._exit(ic.cli(flags))
+
+
 def test_two_runs_share_one_new_cache(tmp_path):
+    """Two processes at once create and fill one new cache."""
+    import multiprocessing
+
     httpd = _serve(_Hashed, threads=True)
     cache = str(tmp_path / "new" / "shared.sqlite")
     try:
@@ -925,21 +1043,18 @@ def test_two_runs_share_one_new_cache(tmp_path):
         procs = []
         for k in range(2):
             os.makedirs(tmp_path / f"r{k}")
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, os.path.join(ROOT, "icpi_chain.py"), *flags, "--seed", str(k)],
-                    cwd=tmp_path / f"r{k}",
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        outs = [p.communicate(timeout=300) for p in procs]
+            fork = multiprocessing.get_context("fork")
+            procs.append(fork.Process(target=_run_in, args=(tmp_path / f"r{k}", [*flags, "--seed", str(k)])))
+            procs[-1].start()
+        for p in procs:
+            p.join(timeout=300)
     finally:
         _stop(httpd)
-    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [p.exitcode for p in procs] == [0, 0]
     with sqlite3.connect(cache) as db:
         assert db.execute("SELECT COUNT(*) FROM completions").fetchone()[0] > 0
+    for k in range(2):  # each run logged its calls, so each wrote into the cache
+        assert sum(v for _, v in read_scalars(only_run_dir(str(tmp_path / f"r{k}")), "model/calls")) > 0
 
 
 def test_run_folders_are_unique(tmp_path):
@@ -950,13 +1065,35 @@ def test_run_folders_are_unique(tmp_path):
 # ---------------------------------------------------------------- signals
 
 
-def test_a_second_signal_quits_at_once():
+def again(cache) -> str:
+    """The end of an interrupted run's final line when it keeps a completion cache."""
+    return f" (run again with the same flags to replay its completions from {cache})"
+
+
+def test_a_second_signal_quits_at_once_and_says_where_the_answers_are(tmp_path, monkeypatch, capsys):
     stop = ic.StopSignal()
     stop.handle(signal.SIGTERM, None)
     assert stop.requested and stop.exit_status == 143
     with pytest.raises(SystemExit) as e:
         stop.handle(signal.SIGINT, None)
     assert e.value.code == 130
+    assert capsys.readouterr().err.endswith(
+        "SIGINT again: quitting at once without saving; no training state was saved\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cache = tmp_path / "c.sqlite"
+    kept = f"the completion cache {cache} holds every completion so far"
+    for model, where in (("openai:x", kept), ("oracle", "this run keeps no completion cache")):
+        args = ic.Args(model=model, cache=str(cache))
+        stop = ic.StopSignal()
+        run = ic.Run(args, stop)
+        run.start(ic.Agent(ic.Chain(), ic.make_backend(args, ic.Chain(), None), args, np.random.default_rng(0)))
+        stop.handle(signal.SIGTERM, None)
+        with pytest.raises(SystemExit) as e:
+            stop.handle(signal.SIGTERM, None)
+        assert e.value.code == 143
+        assert capsys.readouterr().err.endswith(f"SIGTERM again: quitting at once without saving; {where}\n")
+        run.close()
 
 
 class _Slow(BaseHTTPRequestHandler):
@@ -1019,43 +1156,79 @@ def test_a_stopped_run_started_again_continues_from_its_cache(tmp_path, monkeypa
     assert replayed["model/invalid"] == whole["model/invalid"]
 
 
+def _fork_cli(flags, cwd, out):
+    """The script's entry point in a forked process (its modules are loaded already) in `cwd`, its stdout and stderr
+    into the files `out`.stdout and `out`.stderr; its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 99
+    try:  # the child: never returns into pytest
+        os.chdir(cwd)
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            os.dup2(os.open(f"{out}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
+        code = ic.cli(flags)
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def test_sigterm_and_sigint_mid_run_stop_after_the_step_and_keep_the_cache(tmp_path):
+    """Three runs at once, each in its own folder with its own cache: SIGTERM, SIGINT (each stops the run after the
+    step, with every answer so far kept) and SIGTERM then SIGINT at once (the second quits without saving and says
+    where the answers are)."""
     httpd = _serve(_Slow, threads=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     flags = ["--model", "openai:slow", "--base-url", f"http://127.0.0.1:{httpd.server_port}/v1", "--cache"]
     flags += ["c.sqlite", "--total-steps", "1000", "--min-successes", "0", "--max-invalid", "1"]
-    runs = {}
+    cases = {"SIGTERM": [signal.SIGTERM], "SIGINT": [signal.SIGINT], "twice": [signal.SIGTERM, signal.SIGINT]}
+    pids, status = {}, {}
     try:
-        for sig in (signal.SIGTERM, signal.SIGINT):  # both at once, each in its own folder with its own cache
-            cwd = tmp_path / sig.name
-            cwd.mkdir()
-            proc = subprocess.Popen(
-                [sys.executable, os.path.join(ROOT, "icpi_chain.py"), *flags],
-                cwd=cwd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            runs[sig] = (cwd, proc)
+        for name in cases:
+            (tmp_path / name).mkdir()
+            pids[name] = _fork_cli(flags, tmp_path / name, tmp_path / name / "log")
         deadline = time.time() + 120
-        for sig, (cwd, proc) in runs.items():
-            assert "logging to runs/" in proc.stdout.readline()  # the handler is in place, the run folder exists
-            while time.time() < deadline and proc.poll() is None:
+        for name, sigs in cases.items():
+            cwd = tmp_path / name
+            while time.time() < deadline and os.waitpid(pids[name], os.WNOHANG) == (0, 0):
                 time.sleep(0.2)
-                if (cwd / "c.sqlite").exists():
-                    with sqlite3.connect(cwd / "c.sqlite") as db:
+                if "logging to runs/" in (cwd / "log.stdout").read_text() and (cwd / "c.sqlite").exists():
+                    with sqlite3.connect(cwd / "c.sqlite") as db:  # the handler is in place, the run folder exists
                         if db.execute("SELECT COUNT(*) FROM completions").fetchone()[0] >= 5:
                             break
-            proc.send_signal(sig)
-        outs = {sig: proc.communicate(timeout=60) for sig, (_, proc) in runs.items()}
+            for sig in sigs:
+                os.kill(pids[name], sig)
+        for name, pid in pids.items():
+            for _ in range(600):
+                done, code = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    status[name] = os.waitstatus_to_exitcode(code)
+                    break
+                time.sleep(0.1)
     finally:
+        for name, pid in pids.items():
+            if name not in status:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
         _stop(httpd)
-    for sig, (cwd, proc) in runs.items():
-        out, err = outs[sig]
-        assert proc.returncode == 128 + sig and "Traceback" not in err, err
-        assert f"{sig.name}: stopping at the next safe point" in err
-        assert out.strip().splitlines()[-1].endswith("; interrupted") and " of 1000 steps" in out
+    for name, sigs in cases.items():
+        cwd = tmp_path / name
+        out, err = (cwd / "log.stdout").read_text(), (cwd / "log.stderr").read_text()
+        last = out.strip().splitlines()[-1]
+        if name == "twice":  # both pending at once: the kernel hands them over in either order; no final line
+            [first] = [s for s in sigs if f"{s.name}: stopping at the next safe point (again: quit at once)" in err]
+            [second] = [s for s in sigs if s != first]
+            assert first != second and status[name] == 128 + second and "Traceback" not in err, err
+            where = "the completion cache c.sqlite holds every completion so far"
+            assert err.strip().splitlines()[-1] == f"{second.name} again: quitting at once without saving; {where}"
+            assert " of 1000 steps" not in out
+        else:
+            assert status[name] == 128 + sigs[0] and "Traceback" not in err, err
+            assert f"{sigs[0].name}: stopping at the next safe point (again: quit at once)" in err
+            assert " of 1000 steps" in last and last.endswith(f"; interrupted{again('c.sqlite')}"), out[-2000:]
         with sqlite3.connect(cwd / "c.sqlite") as db:
             assert db.execute("SELECT COUNT(*) FROM completions").fetchone()[0] >= 5
         assert read_scalars(only_run_dir(str(cwd)), "model/calls")

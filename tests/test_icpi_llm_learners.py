@@ -347,10 +347,11 @@ def smollm2_backend():
 
 @pytest.mark.parametrize("algo", ["llm-advisor", "llm-reward"])
 def test_smoke_runs_with_the_default_model(tmp_path, monkeypatch, capsys, smollm2_backend, algo):
-    """Both learners with SmolLM2 (offline), one loaded model shared by the two runs."""
+    """Both learners with SmolLM2 (offline), one loaded model shared by the two runs; 8 steps: one episode at least
+    (the time limit)."""
     monkeypatch.setattr(ic, "make_backend", lambda args, domain, rng: smollm2_backend)
     cache = str(tmp_path / "judgements.sqlite")
-    run = run_main(tmp_path, monkeypatch, algo=algo, env="chain", total_steps=10, seed=1, advice_prob=1.0, cache=cache)
+    run = run_main(tmp_path, monkeypatch, algo=algo, env="chain", total_steps=8, seed=1, advice_prob=1.0, cache=cache)
     out = capsys.readouterr().out
     calls = sum(v for _, v in read_scalars(run, "model/calls"))
     assert 1 <= calls <= 8 * (3 if algo == "llm-advisor" else 1)  # at most one judgement per state

@@ -1,0 +1,127 @@
+"""icpi_chain.py --track: the run mirrored into Weights & Biases, offline here (no network, no account), read back
+from the offline run's own file; and the two ways --track cannot start, each one sentence before anything exists."""
+
+import glob
+import json
+import os
+import signal
+import struct
+import sys
+from dataclasses import fields
+
+import pytest
+
+import icpi_chain as ic
+from conftest import all_scalars, only_run_dir
+
+WANDB_ENV = ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_DIR", "WANDB_CACHE_DIR", "NETRC")
+
+
+def wandb_records(path: str) -> list:
+    """The records of a W&B run file (`run-<id>.wandb`): a ":W&B" header of 7 bytes, then LevelDB's log format
+    (blocks of 32 KiB; each chunk a 7-byte header: CRC-32, length, type full/first/middle/last) of protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B", data[:8]
+    pos, part, records = 7, b"", []
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:  # the block's tail, too short for a header: padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:  # zero padding to the block's end
+            pos += left
+            continue
+        part += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # full, or the last chunk of a record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(part)
+            records.append(record)
+            part = b""
+    return records
+
+
+def test_track_mirrors_the_scalars_and_the_flags_into_an_offline_wandb_run(tmp_path, monkeypatch, capsys):
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    for name in WANDB_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("HOME", str(home))):
+        monkeypatch.setenv(name, value)  # no netrc read, nothing uploaded
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # W&B puts its own in place for good: the test's back after
+    flags = ["--model", "oracle", "--total-steps", "12", "--track", "--wandb-project-name", "icpi-test"]
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert ic.cli(flags) == 0, capsys.readouterr().err[-3000:]
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        import wandb
+
+        wandb.teardown()  # W&B's service process, started by this run, ends with it
+    run = only_run_dir(str(work))
+    assert os.listdir(work) == ["runs"]  # W&B's files are in the run folder
+    [path] = glob.glob(os.path.join(run, "wandb", "offline-run-*", "run-*.wandb"))
+    records = wandb_records(path)
+    [info] = [r.run for r in records if r.HasField("run")]
+    assert info.display_name == os.path.basename(run) and info.project == "icpi-test"
+    config = {item.key: json.loads(item.value_json) for item in info.config.update}
+    assert set(config) - {"_wandb"} == {f.name for f in fields(ic.Args)}
+    assert (config["total_steps"], config["model"], config["track"], config["wandb_entity"]) == (
+        12,
+        "oracle",
+        True,
+        None,
+    )
+    history: dict = {}
+    for r in records:
+        if r.HasField("history"):
+            for item in r.history.item:
+                history.setdefault(item.key or "/".join(item.nested_key), []).append(json.loads(item.value_json))
+    scalars = all_scalars(run, ignore=())
+    assert set(scalars) <= set(history) and {"charts/regret", "charts/episodic_return", "model/calls"} <= set(scalars)
+    for tag in ("charts/regret", "charts/episodic_return", "charts/used_model", "model/calls"):
+        assert history[tag] == pytest.approx([v for _, v in scalars[tag]], rel=1e-6), tag
+
+
+@pytest.mark.parametrize("case", ["no wandb package", "no way to log in"])
+def test_track_without_wandb_or_a_login_is_one_sentence_before_anything_exists(tmp_path, monkeypatch, capsys, case):
+    for name in WANDB_ENV:
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc
+    monkeypatch.chdir(tmp_path)
+    if case == "no wandb package":
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    code = ic.cli(["--model", "oracle", "--total-steps", "3", "--track", "--cache", str(tmp_path / "c.sqlite")])
+    err = capsys.readouterr().err
+    message = {
+        "no wandb package": "--track needs the wandb package (pip install wandb)",
+        "no way to log in": "--track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login`",
+    }[case]
+    assert code == 2 and err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
+    assert os.listdir(tmp_path) == ["home"] and os.listdir(tmp_path / "home") == []
+
+
+def test_the_ways_to_log_in(tmp_path, monkeypatch):
+    for name in WANDB_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert not ic.wandb_can_log_in()
+    (tmp_path / ".netrc").write_text("machine example.org login x password y\n")
+    assert not ic.wandb_can_log_in()
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password 0123456789\n")
+    assert ic.wandb_can_log_in()
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login")  # cut short: not a login
+    assert not ic.wandb_can_log_in()
+    for name, value in (("WANDB_API_KEY", "0123456789"), ("WANDB_MODE", "offline"), ("WANDB_MODE", "disabled")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert ic.wandb_can_log_in()
