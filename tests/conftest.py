@@ -18,6 +18,18 @@ sys.path.insert(0, ROOT)
 SCRIPT_ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """Models run in this process on one torch thread, as the scripts run in the suite (OMP_NUM_THREADS=1): a tiny
+    model's forward is many times slower on two threads of a shared 2-core machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def run_script(script: str, *flags: str, cwd: str, timeout: float = 600, check: bool = True):
     """Run `python script flags...` in `cwd` (so its runs/ folder lands there); `script` may be a path."""
     path = script if os.path.isabs(script) else os.path.join(ROOT, script)
