@@ -47,22 +47,46 @@ def test_sample_categorical_matches_softmax():
     assert np.allclose(freq1, [0.5, 0.25, 0.25], atol=0.015)
 
 
-def test_numpy_actor_matches_torch_actor():
-    # the rollout samples from a numpy copy of the actor: it must compute the same logits
+def torch_act(agent, obs, uniforms):
+    """The plain torch version of Agent.act, its reference: the actor in torch, the same inverse-CDF draw."""
+    with torch.inference_mode():
+        return ppo.sample_categorical(agent.actor(torch.from_numpy(obs)).numpy(), uniforms)
+
+
+def test_act_draws_the_actions_of_the_torch_actor_and_follows_every_change_of_its_weights():
     torch.manual_seed(0)
-    agent = ppo.Agent(4, 3, hidden=16)
-    x = torch.randn(7, 4)
-    expected = agent.actor(x).detach().numpy()
-    layers = agent.actor_layers_numpy()
-    got = ppo.mlp_forward_numpy(layers, x.numpy())
-    assert got.shape == (7, 3)
-    assert np.allclose(got, expected, atol=1e-5)
-    # a snapshot, not a view: changing the module afterwards leaves the copy as it was, and a
-    # fresh export sees the change
-    with torch.no_grad():
-        agent.actor[0].weight.add_(1.0)
-    assert np.array_equal(ppo.mlp_forward_numpy(layers, x.numpy()), got)
-    assert not np.allclose(ppo.mlp_forward_numpy(agent.actor_layers_numpy(), x.numpy()), got, atol=1e-3)
+    agent, rng = ppo.Agent(4, 3, hidden=16), np.random.default_rng(0)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=0.05, fused=True)  # main's: its step leaves _version alone
+    obs, uniforms = rng.standard_normal((256, 4)).astype(np.float32), rng.random((256, 1))
+
+    def same_as_torch():
+        return np.array_equal(agent.act(obs, uniforms), torch_act(agent, obs, uniforms))
+
+    assert same_as_torch() and len(set(agent.act(obs, uniforms))) == 3
+    for change in ("optimizer step", "load", "in-place edit"):
+        before = agent.act(obs, uniforms)
+        if change == "optimizer step":
+            for _ in range(5):
+                optimizer.zero_grad()
+                agent.log_probs(torch.from_numpy(obs))[:, 0].sum().backward()
+                optimizer.step()
+        elif change == "load":
+            agent.load_state_dict(ppo.Agent(4, 3, hidden=16).state_dict())
+        else:
+            with torch.no_grad():
+                agent.actor[-1].bias.add_(torch.tensor([3.0, 0.0, -3.0]))
+        assert not np.array_equal(agent.act(obs, uniforms), before), change
+        assert same_as_torch(), change
+    # the logits agree with torch's to float rounding (the draws above agree exactly)
+    x = torch.from_numpy(obs)
+    logits = x
+    for m in agent.actor:
+        logits = m(logits)
+    layers = [(m.weight.detach().numpy(), m.bias.detach().numpy()) for m in agent.actor if hasattr(m, "weight")]
+    h = obs
+    for W, b in layers[:-1]:
+        h = np.maximum(h @ W.T + b, 0.0)
+    assert np.allclose(h @ layers[-1][0].T + layers[-1][1], logits.detach().numpy(), atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,15 +272,14 @@ def _training_state(folder, kind):
     )
     obs = envs.reset(seed=1)[0]
     agent = ppo.Agent(4, 2)
-    state = ppo.training_state(
-        args, 1, 512, obs, agent, torch.optim.Adam(agent.parameters()), envs, np.random.default_rng(1)
-    )
+    objects = dict(agent=agent, optimizer=torch.optim.Adam(agent.parameters()), action_rng=np.random.default_rng(1))
+    state = ppo.training_state(args, 1, 512, {**objects, "envs": envs, "next_obs": obs})
     if kind == "foreign":
         state["script"] = "another.py"
     elif kind == "missing_key":
-        del state["optimizer"]
+        del state["objects"]["optimizer"]
     elif kind == "misshapen":
-        state["model"]["actor.0.weight"] = torch.zeros(3, 3)
+        state["objects"]["agent"]["actor.0.weight"] = torch.zeros(3, 3)
     elif kind == "other_num_envs":  # the flags say 8 envs, the envs saved are 4
         state["args"]["num_envs"] = 8
     elif kind == "out_of_range":
@@ -455,7 +478,7 @@ def test_the_stop_message_says_continue_only_when_updates_remain(tmp_path, monke
     assert ("1024 of 1024 steps" if last else "512 of 1024 steps") in summary and "checkpoint saved to" in summary
     assert ("interrupted (continue it: --resume" in summary) != last and "eval:" not in out
     run = only_run_dir(str(tmp_path))
-    assert torch.load(os.path.join(run, "training_state.pt"), weights_only=True)["iteration"] == len(updates)
+    assert torch.load(os.path.join(run, "training_state.pt"), weights_only=True)["update"] == len(updates)
 
 
 def test_the_logged_events_are_on_disk_before_each_training_state(tmp_path, monkeypatch):
@@ -515,16 +538,22 @@ def test_the_training_state_restores_exactly(tmp_path):
     optimizer.step()
     np.random.rand(3)
     path = str(tmp_path / "state.pt")
-    ppo.save_checkpoint(path, ppo.training_state(args, 5, 640, obs, agent, optimizer, envs, rng))
+
+    def objects(envs, agent, optimizer, rng):
+        return dict(agent=agent, optimizer=optimizer, action_rng=rng, envs=envs)
+
+    ppo.save_checkpoint(
+        path, ppo.training_state(args, 5, 640, {**objects(envs, agent, optimizer, rng), "next_obs": obs})
+    )
     twin_envs, twin_agent, twin_optimizer, twin_rng = fresh()
     twin_envs.reset(seed=123)
-    restored = ppo.restore_training_state(
-        path, ppo.load_checkpoint(path), twin_agent, twin_optimizer, twin_envs, twin_rng
-    )
-    iteration, step, twin_obs = restored
+    twin = objects(twin_envs, twin_agent, twin_optimizer, twin_rng)
+    state = ppo.load_checkpoint(path)
+    iteration, step, values = ppo.restore_training_state(path, state, twin, {"next_obs": obs * 0}, args)
+    twin_obs = values["next_obs"]
     assert (iteration, step) == (5, 640) and np.array_equal(twin_obs, obs)
-    a = ppo.training_state(args, 5, 640, obs, agent, optimizer, envs, rng)
-    b = ppo.training_state(args, 5, 640, twin_obs, twin_agent, twin_optimizer, twin_envs, twin_rng)
+    a = ppo.training_state(args, 5, 640, {**objects(envs, agent, optimizer, rng), "next_obs": obs})
+    b = ppo.training_state(args, 5, 640, {**twin, "next_obs": twin_obs})
     assert repr(a) == repr(b)  # tensors, numbers and generator states alike
     for _ in range(40):  # and the two copies go on the same way
         action = rng.integers(0, 2, 3)
@@ -584,7 +613,7 @@ def test_an_env_whose_state_is_not_saved_restarts_its_episodes_on_resume(tmp_pat
     proc = stop_when_printed("ppo_cartpole.py", *flags, cwd=tmp_path, line="update 2/20", sig=signal.SIGTERM)
     run = only_run_dir(str(tmp_path))
     state = torch.load(os.path.join(run, "training_state.pt"), weights_only=True)
-    assert proc.returncode == 143 and state["envs"] is None and state["iteration"] < 20
+    assert proc.returncode == 143 and state["objects"]["envs"] is None and state["update"] < 20
     out = run_script("ppo_cartpole.py", "--resume", run, cwd=str(tmp_path)).stdout
     assert "2560 of 2560 steps" in out
     assert [step for step, _ in read_scalars(run, "losses/policy_loss")] == [128 * k for k in range(1, 21)]
