@@ -19,8 +19,15 @@ import signal
 import sys
 
 if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, not a traceback
-    signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
+    signal.signal(
+        signal.SIGINT,
+        lambda *_: (
+            print("\ninterrupted while starting", file=sys.stderr),
+            os._exit(130),
+        ),
+    )
 
+import fcntl
 import random
 import re
 import stat
@@ -154,7 +161,10 @@ class Agent(nn.Module):
         versions = [(m.weight._version, m.bias._version, m.weight.data_ptr()) for m in linears]
         if self._numpy_actor is None or self._numpy_actor[0] != versions:
             weights = [(m.weight.detach().cpu().numpy(), m.bias.detach().cpu().numpy()) for m in linears]
-            self._numpy_actor = versions, [(np.array(W, order="F"), np.array(b)) for W, b in weights]
+            self._numpy_actor = (
+                versions,
+                [(np.array(W, order="F"), np.array(b)) for W, b in weights],
+            )
         x = obs
         for W, b in self._numpy_actor[1][:-1]:
             x = np.maximum(x @ W.T + b, 0.0)
@@ -180,7 +190,10 @@ def compute_gae(rewards, values, next_values, terminations, dones, gamma, gae_la
     """
     deltas = rewards + gamma * next_values * (1.0 - terminations) - values  # the TD errors, all at once
     decay = gamma * gae_lambda * (1.0 - dones)
-    advantages, last = rewards * 0.0, 0.0  # zeros of the rewards' type: numpy arrays and torch tensors alike
+    advantages, last = (
+        rewards * 0.0,
+        0.0,
+    )  # zeros of the rewards' type: numpy arrays and torch tensors alike
     for t in reversed(range(rewards.shape[0])):
         advantages[t] = last = deltas[t] + decay[t] * last
     return advantages, advantages + values
@@ -193,9 +206,16 @@ def clipped_surrogate_loss(new_logprob, old_logprob, advantages, clip_coef):
     """
     logratio = new_logprob - old_logprob
     ratio = logratio.exp()
-    loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
+    loss = torch.max(
+        -advantages * ratio,
+        -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef),
+    ).mean()
     with torch.no_grad():
-        return loss, ((ratio - 1) - logratio).mean(), ((ratio - 1.0).abs() > clip_coef).float().mean()
+        return (
+            loss,
+            ((ratio - 1) - logratio).mean(),
+            ((ratio - 1.0).abs() > clip_coef).float().mean(),
+        )
 
 
 def value_loss(new_values, old_values, returns, clip_coef, clip_vloss):
@@ -212,7 +232,8 @@ def make_envs(env_id: str, num_envs: int):
     info["final_obs"]; the episode statistics log every finished episode."""
     return gym.wrappers.vector.RecordEpisodeStatistics(
         gym.vector.SyncVectorEnv(
-            [make_env(env_id) for _ in range(num_envs)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
+            [make_env(env_id) for _ in range(num_envs)],
+            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
         )
     )
 
@@ -242,7 +263,10 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = True
     envs = make_envs(args.env_id, N)
-    obs_dim, n_actions = envs.single_observation_space.shape[0], int(envs.single_action_space.n)
+    obs_dim, n_actions = (
+        envs.single_observation_space.shape[0],
+        int(envs.single_action_space.n),
+    )
     agent = Agent(obs_dim, n_actions).to(device)
     params = list(agent.parameters())
     optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=1e-5, fused=True)
@@ -256,7 +280,13 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     dones_buf = np.zeros((T, N), dtype=np.float32)
     next_obs = envs.reset(seed=args.seed)[0].astype(np.float32)
     # the run folder and its log; a resumed run puts its weights, optimizer, random streams and envs back in place
-    begin = run.start(agent=agent, optimizer=optimizer, action_rng=action_rng, envs=envs, next_obs=next_obs)
+    begin = run.start(
+        agent=agent,
+        optimizer=optimizer,
+        action_rng=action_rng,
+        envs=envs,
+        next_obs=next_obs,
+    )
     global_step, next_obs, writer = begin.global_step, begin.next_obs, run.writer
     first_step, start_time = global_step, time.time()
     for update in range(begin.update + 1, num_updates + 1):
@@ -271,7 +301,11 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
             next_obs, reward, terminations, truncations, infos = envs.step(action)
             next_obs_buf[step] = next_obs = next_obs.astype(np.float32)
             dones = np.logical_or(terminations, truncations)
-            rewards_buf[step], terminations_buf[step], dones_buf[step] = reward, terminations, dones
+            rewards_buf[step], terminations_buf[step], dones_buf[step] = (
+                reward,
+                terminations,
+                dones,
+            )
             for i in np.flatnonzero(dones):
                 next_obs_buf[step, i] = infos["final_obs"][i]  # the real last observation, for the bootstrap
                 writer.add_scalar("charts/episodic_return", infos["episode"]["r"][i], global_step)
@@ -319,7 +353,13 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
                 )
                 clipfracs.append(clipfrac.item())
                 newvalue = agent.get_value(mb_obs)
-                v_loss = value_loss(newvalue, b_values[mb_inds], b_returns[mb_inds], args.clip_coef, args.clip_vloss)
+                v_loss = value_loss(
+                    newvalue,
+                    b_values[mb_inds],
+                    b_returns[mb_inds],
+                    args.clip_coef,
+                    args.clip_vloss,
+                )
                 entropy_loss = entropy.mean()
                 loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
                 optimizer.zero_grad()
@@ -339,7 +379,11 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         writer.add_scalar("losses/approx_kl", approx_kl.item(), global_step)
         writer.add_scalar("losses/clipfrac", np.mean(clipfracs), global_step)
         writer.add_scalar("losses/explained_variance", explained_var, global_step)
-        writer.add_scalar("charts/SPS", int((global_step - first_step) / (time.time() - start_time)), global_step)
+        writer.add_scalar(
+            "charts/SPS",
+            int((global_step - first_step) / (time.time() - start_time)),
+            global_step,
+        )
         writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
         writer.add_scalar("time/update_seconds", time.time() - update_start, global_step)
         if run.end_update(update, global_step, next_obs=next_obs):  # logs flushed, the state saved when due
@@ -377,9 +421,22 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
     "target_kl": (0, 1e6, True),
 }
 CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
-EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads"}  # all that --eval-checkpoint takes
+EVAL_FLAGS = {
+    "eval_checkpoint",
+    "eval_episodes",
+    "seed",
+    "cuda",
+    "torch_threads",
+}  # all that --eval-checkpoint takes
 # the flags a resumed run may change: they change only how the run computes, not what it trains
-RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes"}
+RESUME_FLAGS = {
+    "resume",
+    "checkpoint_every",
+    "cuda",
+    "torch_threads",
+    "save_model",
+    "eval_episodes",
+}
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
 
 
@@ -505,10 +562,18 @@ class StopSignal:
     def handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested:
-            print(f"\n{name} again: quitting at once without saving; {self.last_state}", file=sys.stderr, flush=True)
+            print(
+                f"\n{name} again: quitting at once without saving; {self.last_state}",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(128 + signum)
         self.signum = signum
-        print(f"\n{name}: stopping at the next safe point (again: quit at once)", file=sys.stderr, flush=True)
+        print(
+            f"\n{name}: stopping at the next safe point (again: quit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     @property
     def requested(self) -> bool:
@@ -525,7 +590,10 @@ def save_checkpoint(path: str, obj: dict) -> None:
     try:
         torch.save(obj, tmp)
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # a full disk: OSError from open, RuntimeError from torch's writer
+    except (
+        OSError,
+        RuntimeError,
+    ) as e:  # a full disk: OSError from open, RuntimeError from torch's writer
         why = e.strerror if isinstance(e, OSError) and e.strerror else "the write failed: is the disk full?"
         raise UserError(f"could not save the checkpoint {path} ({why}); the file there, if any, is unchanged")
     finally:
@@ -556,8 +624,15 @@ def load_checkpoint(path: str) -> dict:
     return checkpoint
 
 
-CHECKPOINT = {"model": dict[str, torch.Tensor], "args": dict[str, Any], "run_name": str}  # a --save-model file
-CHECKPOINT_ARGS = {"env_id": str, "seed": int}  # the flags of its run that the evaluation reads
+CHECKPOINT = {
+    "model": dict[str, torch.Tensor],
+    "args": dict[str, Any],
+    "run_name": str,
+}  # a --save-model file
+CHECKPOINT_ARGS = {
+    "env_id": str,
+    "seed": int,
+}  # the flags of its run that the evaluation reads
 
 
 def agent_from_checkpoint(path: str) -> tuple[Agent, dict, str]:
@@ -646,10 +721,12 @@ class Run:
 
     def start(self, **objects) -> types.SimpleNamespace:
         """Before the loop, given what a training state holds: the objects restored in place (networks, optimizers,
-        random generators, vector envs) and the loop's arrays (such as the current observation). A new run gets its
-        folder and its writer, with the hyperparameters logged; a resumed run gets its training state put back into
-        the objects, and its log continued. Returns the counters the loop starts from (update, global_step) and the
-        loop's arrays."""
+        random generators, vector envs) and the loop's arrays (such as the current observation).
+
+        A new run gets its folder, locked, and its writer, with the hyperparameters logged. A resumed run gets its
+        training state checked against the objects (before anything is written), put back into them, its folder
+        locked and checked writable, the temporary files of a killed save removed, and its log continued. Returns
+        the counters the loop starts from (update, global_step) and the loop's arrays."""
         args, state = self.args, self.state
         self.objects = {name: obj for name, obj in objects.items() if not isinstance(obj, np.ndarray)}
         values = {name: obj for name, obj in objects.items() if isinstance(obj, np.ndarray)}
@@ -657,12 +734,18 @@ class Run:
             update, global_step = 0, 0
             base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}"
             self.run_dir = os.path.join("runs", make_run_dir(base))
+            self.lock = lock_run_dir(self.run_dir)
         else:
-            update, global_step, values = restore_training_state(self.state_path, state, self.objects, values, args)
+            validate_training_state(self.state_path, state, args, objects)
+            update, global_step, values = restore_training_state(state, self.objects, values, args)
+            self.lock = lock_run_dir(self.run_dir)
             self.stop.last_state = f"the last training state is {self.state_path} (update {update})"
         self.run_name = os.path.basename(os.path.abspath(self.run_dir))
         devices = {str(p.device) for obj in objects.values() if isinstance(obj, nn.Module) for p in obj.parameters()}
-        print(f"device: {', '.join(sorted(devices))}, logging to {self.run_dir}", flush=True)
+        print(
+            f"device: {', '.join(sorted(devices))}, logging to {self.run_dir}",
+            flush=True,
+        )
         # imported here, not at the top: tensorboard is slow to import, and neither importing this file nor a refused
         # run should wait for it
         from torch.utils.tensorboard import SummaryWriter
@@ -674,7 +757,11 @@ class Run:
         if state is None:
             table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
             self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-        self.update, self.global_step, self.first_step = update, global_step, global_step
+        self.update, self.global_step, self.first_step = (
+            update,
+            global_step,
+            global_step,
+        )
         self.start_time = self.last_line = time.time()
         return types.SimpleNamespace(update=update, global_step=global_step, **values)
 
@@ -710,7 +797,14 @@ class Run:
         self.writer.flush()
         model_path = os.path.join(self.run_dir, f"{args.exp_name}.pt")
         if args.save_model:
-            save_checkpoint(model_path, {"model": agent.state_dict(), "args": asdict(args), "run_name": self.run_name})
+            save_checkpoint(
+                model_path,
+                {
+                    "model": agent.state_dict(),
+                    "args": asdict(args),
+                    "run_name": self.run_name,
+                },
+            )
         saved = f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"
         budget = self.num_updates * args.num_envs * args.num_steps
         print(
@@ -720,12 +814,26 @@ class Run:
             flush=True,
         )
         if args.save_model and not self.stop.requested:
-            evaluate(agent.cpu().eval(), args.env_id, args.eval_episodes, 10_000 + args.seed, self.writer, self.stop)
+            evaluate(
+                agent.cpu().eval(),
+                args.env_id,
+                args.eval_episodes,
+                10_000 + args.seed,
+                self.writer,
+                self.stop,
+            )
         self.writer.close()
+        os.close(self.lock)  # the folder is free for another process
         return self.stop.exit_status
 
 
-def training_state(args: Args, update: int, global_step: int, objects: dict) -> dict:
+def training_state(
+    args: Args,
+    update: int,
+    global_step: int,
+    objects: dict,
+    wandb_id: Optional[str] = None,
+) -> dict:
     """Everything a run needs to continue exactly: its flags, counters, the global random streams and the saved form
     of each object the loop carries (weights, optimizer, random generators, envs, arrays)."""
     _, keys, *rest = np.random.get_state()
@@ -734,6 +842,7 @@ def training_state(args: Args, update: int, global_step: int, objects: dict) -> 
         "args": asdict(args),
         "update": update,
         "global_step": global_step,
+        "wandb_id": wandb_id,
         "torch_rng": torch.get_rng_state(),
         "numpy_rng": [torch.from_numpy(keys.copy()), *rest],
         "objects": {name: saved_form(obj) for name, obj in objects.items()},
@@ -753,35 +862,237 @@ def saved_form(obj):
     raise TypeError(f"a training state cannot hold a {type(obj).__name__}")
 
 
-def restore_training_state(path: str, state: dict, objects: dict, values: dict, args: Args):
-    """Put the training state read from `path` back into freshly made objects; (updates done, steps done, the loop's
-    arrays). UserError when it does not fit them.
+def restore_training_state(state: dict, objects: dict, values: dict, args: Args) -> tuple[int, int, dict]:
+    """Put a training state (checked by validate_training_state) back into freshly made objects; (updates done, steps
+    done, the loop's arrays).
 
     Envs whose state was not saved (Box2D's LunarLander, MuJoCo) start new episodes, seeded by the run's seed and the
     update: the episodes in progress are cut off, unlogged."""
-    try:
-        saved = state["objects"]
-        for name, obj in objects.items():
-            if isinstance(obj, gym.vector.VectorEnv):
-                if saved[name] is not None:
-                    restore_env_state(obj, saved[name])
-            elif isinstance(obj, np.random.Generator):
-                obj.bit_generator.state = saved[name]
-            else:
-                obj.load_state_dict(saved[name])
-        torch.set_rng_state(state["torch_rng"])
-        keys, *rest = state["numpy_rng"]
-        np.random.set_state(("MT19937", keys.numpy(), *rest))
-        values = {name: saved[name].numpy() for name in values}
-        update, envs = state["update"], objects["envs"]
-        if saved["envs"] is None:  # new episodes, the same in every resume of this state
-            values["next_obs"] = envs.reset(seed=args.seed + envs.num_envs * update)[0].astype(np.float32)
-        if values["next_obs"].shape != envs.observation_space.shape:
-            raise ValueError(f"an observation of shape {tuple(values['next_obs'].shape)} for {envs.num_envs} envs")
-        return update, state["global_step"], values
-    except (KeyError, ValueError, RuntimeError, TypeError, IndexError) as e:
-        why = f"no {e}" if isinstance(e, KeyError) else " ".join(str(e).split()) or type(e).__name__
-        raise UserError(f"'{path}' is a damaged training state ({why[:200].rstrip('.')})")
+    saved, update = state["objects"], state["update"]
+    for name, obj in objects.items():
+        if isinstance(obj, gym.vector.VectorEnv):
+            if saved[name] is not None:
+                restore_env_state(obj, saved[name])
+        elif isinstance(obj, np.random.Generator):
+            obj.bit_generator.state = saved[name]
+        else:
+            obj.load_state_dict(saved[name])
+    torch.set_rng_state(state["torch_rng"])
+    keys, *rest = state["numpy_rng"]
+    np.random.set_state(("MT19937", keys.numpy(), *rest))
+    values = {name: saved[name].numpy() for name in values}
+    if saved["envs"] is None:  # new episodes, the same in every resume of this state
+        envs = objects["envs"]
+        values["next_obs"] = envs.reset(seed=args.seed + envs.num_envs * update)[0].astype(np.float32)
+    return update, state["global_step"], values
+
+
+TRAINING_STATE = {  # the keys of a training state and their types
+    "script": str,
+    "args": dict[str, Any],
+    "update": int,
+    "global_step": int,
+    "wandb_id": Optional[str],
+    "torch_rng": torch.Tensor,
+    "numpy_rng": list,
+    "objects": dict[str, Any],
+}
+
+
+def validate_training_state(path: str, state: dict, args: Args, objects: dict) -> None:
+    """UserError "'{path}' is a damaged training state (why)" unless `state` fits the run's flags `args` and the freshly
+    made `objects` (those `Run.start` is given) in every key, type, shape and range. Reads only: nothing is written."""
+    why = training_state_problem(state, args, objects)
+    if why is not None:
+        raise UserError(f"'{path}' is a damaged training state ({why})")
+
+
+def training_state_problem(state: dict, args: Args, objects: dict) -> Optional[str]:
+    """What is wrong with a training state for these flags and objects, or None."""
+    for key, hint in TRAINING_STATE.items():
+        if key not in state:
+            return f"no {key}"
+        if not fits(state[key], hint):
+            return f"its {key} is {short(state[key])}, not of type {getattr(hint, '__name__', hint)}"
+    if set(state) != set(TRAINING_STATE):
+        return f"unknown keys {', '.join(sorted(map(str, set(state) - set(TRAINING_STATE))))}"
+    update, steps = state["update"], state["global_step"]
+    per_update, budget = args.num_envs * args.num_steps, budget_in_updates(args)
+    if update < 0 or steps < 0:
+        return f"negative counters: update {update}, global_step {steps}"
+    if steps != update * per_update:
+        return f"global_step {steps} is not update {update} times the {per_update} steps of an update"
+    if update > budget:
+        return f"update {update} is past the run's budget of {budget} updates"
+    fresh = training_state(args, 0, 0, objects)
+    for key in ("torch_rng", "numpy_rng"):
+        why = differs(state[key], fresh[key], key)
+        if why is not None:
+            return why
+    if not 0 <= state["numpy_rng"][1] <= 624:
+        return f"numpy_rng's position {state['numpy_rng'][1]} is outside [0, 624]"
+    saved = state["objects"]
+    if set(saved) != set(objects):
+        return f"objects {', '.join(sorted(map(str, saved)))} where the run has {', '.join(sorted(objects))}"
+    for name, obj in objects.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            why = optimizer_state_problem(saved[name], obj, name)
+        elif isinstance(obj, gym.vector.VectorEnv):
+            why = env_state_problem(saved[name], fresh["objects"][name], env_layers(obj), name)
+        else:  # weights, a random generator's state, an array: the structure of the fresh object's, finite
+            why = differs(saved[name], fresh["objects"][name], name)
+            if why is None and isinstance(obj, np.random.Generator):
+                try:  # the generator's own check of its numbers, on a scratch generator
+                    np.random.default_rng().bit_generator.state = saved[name]
+                except (ValueError, TypeError, OverflowError):
+                    why = f"{name} is not a state of its random generator"
+        if why is not None:
+            return why
+    return None
+
+
+def short(value) -> str:
+    text = repr(value) if isinstance(value, (bool, int, float, str, type(None))) else f"a {type(value).__name__}"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def differs(saved, fresh, where: str, nonnegative: bool = False) -> Optional[str]:
+    """Where `saved` differs from `fresh` in structure (dict keys, list lengths, types, tensor shapes and dtypes), or
+    holds a number that is not finite (or, with `nonnegative`, below 0); None when it does not."""
+    if isinstance(fresh, dict):
+        if not isinstance(saved, dict):
+            return f"{where} is {short(saved)}, not a dict"
+        if set(saved) != set(fresh):
+            extra, missing = set(saved) - set(fresh), set(fresh) - set(saved)
+            return f"{where} has no {sorted(map(str, missing))[0]}" if missing else f"{where} has {sorted(extra)[0]}"
+        for key in fresh:
+            why = differs(saved[key], fresh[key], f"{where}.{key}", nonnegative)
+            if why is not None:
+                return why
+        return None
+    if isinstance(fresh, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(fresh):
+            return f"{where} is {short(saved)}, not a list of {len(fresh)}"
+        for i, (s, f) in enumerate(zip(saved, fresh)):
+            why = differs(s, f, f"{where}[{i}]", nonnegative)
+            if why is not None:
+                return why
+        return None
+    if torch.is_tensor(fresh):
+        if not torch.is_tensor(saved) or saved.dtype != fresh.dtype or saved.shape != fresh.shape:
+            what = f"a {saved.dtype} tensor of shape {tuple(saved.shape)}" if torch.is_tensor(saved) else short(saved)
+            return f"{where} is {what}, not a {fresh.dtype} tensor of shape {tuple(fresh.shape)}"
+        return number_problem(saved, where, nonnegative)
+    if not fits(saved, type(fresh)) or type(saved) is not type(fresh) and type(fresh) is not float:
+        return f"{where} is {short(saved)}, not of type {type(fresh).__name__}"
+    if type(fresh) is str and saved != fresh:
+        return f"{where} is {short(saved)}, not {short(fresh)}"
+    return number_problem(saved, where, nonnegative)
+
+
+def number_problem(value, where: str, nonnegative: bool) -> Optional[str]:
+    """Not finite, or below 0 where it must not be: what is wrong with a number or tensor; None otherwise."""
+    if torch.is_tensor(value) and (value.is_floating_point() or value.dtype in (torch.int32, torch.int64)):
+        if not bool(value.isfinite().all()):
+            return f"{where} holds a value that is not finite"
+        if nonnegative and value.numel() and bool((value < 0).any()):
+            return f"{where} holds a negative value"
+    elif type(value) in (int, float):
+        if type(value) is float and not np.isfinite(value):
+            return f"{where} is {value}, not finite"
+        if nonnegative and value < 0:
+            return f"{where} is {value}, below 0"
+    return None
+
+
+def optimizer_state_problem(saved, optimizer: torch.optim.Optimizer, where: str) -> Optional[str]:
+    """An optimizer's state dict against the optimizer made for the run: its groups as the fresh one's, and per
+    parameter its moments of the parameter's shape, finite (second moments and step counts not negative)."""
+    fresh = optimizer.state_dict()
+    if not isinstance(saved, dict) or set(saved) != {"state", "param_groups"}:
+        return f"{where} is not an optimizer's state"
+    groups = saved["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(fresh["param_groups"]):
+        return f"{where} has {short(groups)} as its parameter groups"
+    for i, (group, fresh_group) in enumerate(zip(groups, fresh["param_groups"])):
+        why = differs(group, fresh_group, f"{where}.param_groups[{i}]", nonnegative=True)
+        if why is None and group["params"] != fresh_group["params"]:
+            why = f"{where}.param_groups[{i}] holds other parameters"
+        if why is not None:
+            return why
+    shapes = [p.shape for group in optimizer.param_groups for p in group["params"]]
+    if not isinstance(saved["state"], dict) or not set(saved["state"]) <= set(range(len(shapes))):
+        return f"{where}.state is not a state per parameter of the {len(shapes)}"
+    for index, moments in saved["state"].items():
+        if not isinstance(moments, dict) or not all(torch.is_tensor(m) for m in moments.values()):
+            return f"{where}.state[{index}] is not a dict of tensors"
+        for name, value in moments.items():
+            if value.ndim and value.shape != shapes[index]:
+                return f"{where}.state[{index}].{name} has shape {tuple(value.shape)}, not {tuple(shapes[index])}"
+            why = number_problem(
+                value,
+                f"{where}.state[{index}].{name}",
+                nonnegative=name in ("exp_avg_sq", "step"),
+            )
+            if why is not None:
+                return why
+    return None
+
+
+def env_state_problem(saved, fresh, layers: list, where: str) -> Optional[str]:
+    """An env state (env_state's form) against the fresh envs': the same layers and keys, each value of the same kind
+    and shape, numbers finite and counters not negative, episode queues no longer than theirs."""
+    if fresh is None or saved is None:
+        return None if saved is fresh else f"{where} is {short(saved)}, where the envs' state is {short(fresh)}"
+    if not isinstance(saved, list) or len(saved) != len(fresh):
+        return f"{where} has {len(saved) if isinstance(saved, list) else short(saved)} env layers, not {len(fresh)}"
+    for i, (plain, fresh_plain, layer) in enumerate(zip(saved, fresh, layers)):
+        if not isinstance(plain, dict):
+            return f"{where}[{i}] is {short(plain)}, not a dict"
+        for key in set(plain) | set(fresh_plain):
+            value, fresh_value, at = (
+                plain.get(key),
+                fresh_plain.get(key),
+                f"{where}[{i}].{key}",
+            )
+            if fresh_value is None:  # an attribute set later in an episode: a plain value or none
+                if not (value is None or type(value) in (bool, int, float, str)):
+                    return f"{at} is {short(value)}, not a plain value"
+                continue
+            if isinstance(fresh_value, dict) and "deque" in fresh_value:
+                ok = isinstance(value, dict) and set(value) == {"deque"} and torch.is_tensor(value["deque"])
+                if not ok or value["deque"].ndim != 1 or len(value["deque"]) > (getattr(layer, key).maxlen or 2**62):
+                    return f"{at} is not an episode queue of at most {getattr(layer, key).maxlen} numbers"
+                why = number_problem(value["deque"], at, nonnegative=False)
+            elif number_kind(fresh_value):
+                if number_kind(value) != number_kind(fresh_value):
+                    return f"{at} is {short(value)}, not a number"
+                number = value["scalar"] if isinstance(value, dict) else value
+                why = number_problem(number, at, nonnegative=number_kind(fresh_value) == "int")
+            elif torch.is_tensor(fresh_value):
+                if not (
+                    torch.is_tensor(value)
+                    and value.shape == fresh_value.shape
+                    and kind_of(value) == kind_of(fresh_value)
+                ):
+                    return f"{at} is {short(value)}, not a tensor of shape {tuple(fresh_value.shape)}"
+                why = number_problem(value, at, nonnegative=kind_of(value) == "int")
+            else:  # a generator's state, a flag, a name
+                why = differs(value, fresh_value, at)
+            if why is not None:
+                return why
+    return None
+
+
+def number_kind(value) -> Optional[str]:
+    """'int' or 'float' for a plain number or env_state's {"scalar": tensor}; None for anything else."""
+    if isinstance(value, dict) and set(value) == {"scalar"} and torch.is_tensor(value["scalar"]):
+        return kind_of(value["scalar"]) if value["scalar"].ndim == 0 and kind_of(value["scalar"]) != "bool" else None
+    return type(value).__name__ if type(value) in (int, float) else None
+
+
+def kind_of(tensor: torch.Tensor) -> str:
+    return "bool" if tensor.dtype == torch.bool else "float" if tensor.is_floating_point() else "int"
 
 
 def env_layers(envs) -> list:
@@ -899,6 +1210,42 @@ def make_run_dir(base: str, root: str = "runs") -> str:
             k += 1
         except OSError as e:
             raise UserError(f"cannot create the run folder {os.path.join(root, name)} ({e.strerror or e})")
+
+
+def lock_run_dir(run_dir: str) -> int:
+    """Hold `run_dir`/.lock (flock) for the life of this process's run, with its pid in it; the file descriptor.
+
+    UserError when another process holds it, or the folder cannot be written (read-only, full): checked by writing
+    a small file before anything else is, and the temporary files of a killed save are removed."""
+    path = os.path.join(run_dir, ".lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror or e})")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise UserError(f"another process (pid {holder or 'unknown'}) is running {run_dir}")
+    probe = os.path.join(run_dir, f".write-test.tmp{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+        for name in os.listdir(run_dir):  # another process's save that was killed before its rename
+            if re.fullmatch(r".+\.tmp\d+", name):
+                os.remove(os.path.join(run_dir, name))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:
+        if os.path.exists(probe):
+            os.remove(probe)
+        os.close(fd)
+        raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror or e})")
+    return fd
 
 
 def cli(argv: Optional[list[str]] = None) -> int:
