@@ -61,6 +61,14 @@ class Args:
     """path of a checkpoint to evaluate instead of training"""
     eval_episodes: int = 10
     """number of greedy evaluation episodes (`--eval-checkpoint`, `--save-model`)"""
+    track: bool = False
+    """log to Weights & Biases as well: the TensorBoard scalars are mirrored (WANDB_MODE=offline: no network)"""
+    wandb_project_name: str = "llm-rl"
+    """the W&B project (--track)"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity, a user or team (--track; default: the account's)"""
+    capture_video: bool = False
+    """record the evaluation episodes (--save-model, --eval-checkpoint) as MP4 files in the run folder's videos/"""
     checkpoint_every: int = 10
     """save the training state (for `--resume`) every this many updates, and when the run ends or is stopped"""
     resume: Optional[str] = None
@@ -421,22 +429,11 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
     "target_kl": (0, 1e6, True),
 }
 CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
-EVAL_FLAGS = {
-    "eval_checkpoint",
-    "eval_episodes",
-    "seed",
-    "cuda",
-    "torch_threads",
-}  # all that --eval-checkpoint takes
-# the flags a resumed run may change: they change only how the run computes, not what it trains
-RESUME_FLAGS = {
-    "resume",
-    "checkpoint_every",
-    "cuda",
-    "torch_threads",
-    "save_model",
-    "eval_episodes",
-}
+# all that --eval-checkpoint takes
+EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads", "capture_video"}
+# the flags a resumed run may change: they change only how the run computes (threads, device, checkpointing, saving,
+# evaluation), not what it trains
+RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes", "capture_video"}
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
 
 
@@ -479,9 +476,80 @@ def check_args(args: Args) -> None:
             raise UserError(
                 f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}"
             )
-        return  # the env and its sizes are the checkpoint's
+        return  # the env and its sizes are the checkpoint's (its renderer: evaluate_checkpoint checks it)
     obs_space, _ = env_spaces(args.env_id)
     check_memory(args, obs_space)
+    if args.track:
+        check_wandb()
+    if args.capture_video:
+        check_renderer(args.env_id)
+
+
+def check_wandb() -> None:
+    """UserError unless `wandb` imports and has a way to log in (never a prompt: there may be no one to answer it)."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise UserError("--track needs the wandb package (pip install wandb)")
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        if netrc.netrc().authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise UserError(
+        f"--track needs a way to log in to Weights & Biases: WANDB_API_KEY, `wandb login` (a {host} entry in "
+        f"~/.netrc), or WANDB_MODE=offline"
+    )
+
+
+def check_renderer(env_id: str) -> None:
+    """UserError unless the env renders a frame (--capture-video): made with render_mode="rgb_array", reset, one
+    frame. MuJoCo without a display renders through OSMesa."""
+    entry_point = str(getattr(gym.spec(env_id), "entry_point", ""))
+    if "mujoco" in entry_point and not os.environ.get("DISPLAY") and not os.environ.get("MUJOCO_GL"):
+        os.environ.setdefault("MUJOCO_GL", "osmesa")
+        os.environ.setdefault("PYOPENGL_PLATFORM", "osmesa")
+    if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):  # pygame draws into arrays alone
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    try:
+        env = gym.make(env_id, render_mode="rgb_array")
+        try:
+            env.reset(seed=0)
+            frame = env.render()
+        finally:
+            env.close()
+        if not isinstance(frame, np.ndarray) or frame.ndim != 3:
+            raise RuntimeError(f"it gave {type(frame).__name__}, not an image")
+    except Exception as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0].rstrip(".")
+        hint = (
+            "set MUJOCO_GL=osmesa and install OSMesa (Debian: apt-get install libosmesa6)"
+            if "mujoco" in entry_point
+            else "install pygame (pip install pygame)"
+        )
+        raise UserError(f"--capture-video cannot render {env_id} ({why}); {hint}")
+
+
+def check_writable(folder: str, what: str) -> None:
+    """UserError unless a small file can be made, written to disk and removed in `folder` (made when missing)."""
+    probe = os.path.join(folder, f".write-test.tmp{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        if os.path.lexists(probe):
+            os.remove(probe)
+        raise UserError(f"cannot write into {what} {folder} ({e.strerror or e})")
 
 
 def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
@@ -660,12 +728,17 @@ def agent_from_checkpoint(path: str) -> tuple[Agent, dict, str]:
     return agent, train, checkpoint["run_name"]
 
 
-def evaluate(agent: Agent, env_id: str, episodes: int, seed: int, writer, stop: "StopSignal") -> list[float]:
-    """Greedy episodes on the CPU, episode i reset with seed + i, logged as eval/episodic_return.
+def evaluate(
+    agent: Agent, env_id: str, episodes: int, seed: int, writer, stop: "StopSignal", videos: Optional[str] = None
+) -> list[float]:
+    """Greedy episodes on the CPU, episode i reset with seed + i, logged as eval/episodic_return; with `videos` (a
+    folder), each episode recorded as an MP4 file in it (eval-episode-{i}.mp4).
 
     A stop request ends the evaluation after the current episode.
     """
-    env, returns = gym.make(env_id), []
+    env, returns = gym.make(env_id, render_mode=None if videos is None else "rgb_array"), []
+    if videos is not None:
+        env = gym.wrappers.RecordVideo(env, video_folder=videos, episode_trigger=lambda e: True, name_prefix="eval")
     with torch.inference_mode():
         for ep in range(episodes):
             if stop.requested:
@@ -677,10 +750,11 @@ def evaluate(agent: Agent, env_id: str, episodes: int, seed: int, writer, stop: 
                 obs, reward, terminated, truncated, _ = env.step(int(action[0]))
                 returns[-1], done = returns[-1] + float(reward), terminated or truncated
             writer.add_scalar("eval/episodic_return", returns[-1], ep)
-    env.close()
+    env.close()  # the last video is written here
     mean, std = np.mean(returns or [np.nan]), np.std(returns or [np.nan])
     print(
-        f"eval: {mean:.2f} +- {std:.2f} over {len(returns)} of {episodes} episodes (env {env_id}, seeds from {seed})",
+        f"eval: {mean:.2f} +- {std:.2f} over {len(returns)} of {episodes} episodes (env {env_id}, seeds from {seed})"
+        + ("" if videos is None else f"; videos in {videos}"),
         flush=True,
     )
     return returns
@@ -691,11 +765,14 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
     from torch.utils.tensorboard import SummaryWriter
 
     agent, train, run = agent_from_checkpoint(args.eval_checkpoint)
+    if args.capture_video:
+        check_renderer(train["env_id"])
     seed = 10_000 + (args.seed if args.seed != 1 else train["seed"])  # a --seed given replaces the run's
-    run_name = make_run_dir(f"{run}-eval__{seed}")
-    print(f"device: cpu (evaluation), logging to runs/{run_name}", flush=True)
-    with SummaryWriter(f"runs/{run_name}") as writer:
-        evaluate(agent, train["env_id"], args.eval_episodes, seed, writer, stop)
+    run_dir = os.path.join("runs", make_run_dir(f"{run}-eval__{seed}"))
+    print(f"device: cpu (evaluation), logging to {run_dir}", flush=True)
+    videos = os.path.join(run_dir, "videos") if args.capture_video else None
+    with SummaryWriter(run_dir) as writer:
+        evaluate(agent, train["env_id"], args.eval_episodes, seed, writer, stop, videos)
     return stop.exit_status
 
 
@@ -719,6 +796,10 @@ class Run:
     def state_path(self) -> str:
         return os.path.join(self.run_dir, "training_state.pt")
 
+    @property
+    def videos(self) -> str:
+        return os.path.join(self.run_dir, "videos")
+
     def start(self, **objects) -> types.SimpleNamespace:
         """Before the loop, given what a training state holds: the objects restored in place (networks, optimizers,
         random generators, vector envs) and the loop's arrays (such as the current observation).
@@ -738,6 +819,8 @@ class Run:
         else:
             validate_training_state(self.state_path, state, args, objects)
             update, global_step, values = restore_training_state(state, self.objects, values, args)
+            if args.capture_video and os.path.lexists(self.videos):  # what a resumed run's evaluation writes into
+                check_writable(self.videos, "the videos folder")
             self.lock = lock_run_dir(self.run_dir)
             self.stop.last_state = f"the last training state is {self.state_path} (update {update})"
         self.run_name = os.path.basename(os.path.abspath(self.run_dir))
@@ -752,6 +835,25 @@ class Run:
 
         if state is not None:  # TensorBoard reads a run's event files in name order, which begins with their second
             wait_for_a_new_second(self.run_dir)
+        self.wandb_id = None if state is None else state["wandb_id"]
+        if args.track:  # before the writer: W&B mirrors what it logs; a resumed run continues its W&B run
+            import wandb
+            from wandb.sdk.lib.runid import generate_id
+
+            self.wandb_id = self.wandb_id or generate_id()
+            if not wandb.patched["tensorboard"]:  # the scalars only: a copy of the event files would land in W&B's
+                wandb.tensorboard.patch(save=False)  # folder inside the run folder, where W&B would read it again
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=vars(args),
+                name=self.run_name,
+                save_code=True,
+                dir=self.run_dir,
+                id=self.wandb_id,
+                resume="allow",
+            )
         # a resumed run hides what was logged after its last training state, so no step appears twice
         self.writer = SummaryWriter(self.run_dir, purge_step=None if state is None else global_step + 1)
         if state is None:
@@ -773,7 +875,7 @@ class Run:
         self.update, self.global_step = update, global_step
         if stopping or update % self.args.checkpoint_every == 0 or update == self.num_updates:
             self.writer.flush()  # the logged events of the updates the state holds are on disk before it
-            state = training_state(self.args, update, global_step, {**self.objects, **loop_state})
+            state = training_state(self.args, update, global_step, {**self.objects, **loop_state}, self.wandb_id)
             save_checkpoint(self.state_path, state)
             self.stop.last_state = f"the last training state is {self.state_path} (update {update})"
         due = update % max(1, self.num_updates // 10) == 0 or time.time() - self.last_line >= 60
@@ -814,15 +916,18 @@ class Run:
             flush=True,
         )
         if args.save_model and not self.stop.requested:
-            evaluate(
-                agent.cpu().eval(),
-                args.env_id,
-                args.eval_episodes,
-                10_000 + args.seed,
-                self.writer,
-                self.stop,
-            )
+            videos = self.videos if args.capture_video else None
+            seed = 10_000 + args.seed
+            evaluate(agent.cpu().eval(), args.env_id, args.eval_episodes, seed, self.writer, self.stop, videos)
         self.writer.close()
+        if args.track:
+            import wandb
+
+            if args.save_model and args.capture_video and os.path.isdir(self.videos):
+                for name in sorted(os.listdir(self.videos)):
+                    wandb.log({"videos/eval": wandb.Video(os.path.join(self.videos, name), format="mp4")})
+            wandb.finish()
+            wandb.tensorboard.unpatch()
         os.close(self.lock)  # the folder is free for another process
         return self.stop.exit_status
 
@@ -1228,22 +1333,17 @@ def lock_run_dir(run_dir: str) -> int:
         holder = os.read(fd, 32).decode(errors="replace").strip()
         os.close(fd)
         raise UserError(f"another process (pid {holder or 'unknown'}) is running {run_dir}")
-    probe = os.path.join(run_dir, f".write-test.tmp{os.getpid()}")
     try:
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
+        check_writable(run_dir, "the run folder")
         for name in os.listdir(run_dir):  # another process's save that was killed before its rename
             if re.fullmatch(r".+\.tmp\d+", name):
                 os.remove(os.path.join(run_dir, name))
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError as e:
-        if os.path.exists(probe):
-            os.remove(probe)
+    except (OSError, UserError) as e:
         os.close(fd)
+        if isinstance(e, UserError):
+            raise
         raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror or e})")
     return fd
 

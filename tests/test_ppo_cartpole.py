@@ -4,7 +4,9 @@ import glob
 import io
 import os
 import signal
+import struct
 import subprocess
+import sys
 import time
 from dataclasses import asdict, fields
 from typing import Optional
@@ -225,6 +227,88 @@ def test_save_model_eval_equals_eval_checkpoint(tmp_path):
     assert all(torch.equal(v, saved[k]) for k, v in agent.state_dict().items())
 
 
+def wandb_records(path: str):
+    """The records of an offline W&B run's .wandb file, read with W&B's own protobuf: a LevelDB-style log (a 7-byte
+    file header, 32 KiB blocks of chunks, each with a 7-byte header: checksum, length, type 1 full, 2 first, 3 middle,
+    4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B", data[:7]
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # too little room for a chunk header: the block's tail is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory):
+    """A tiny run with --track (W&B offline, no network, a home without credentials), --save-model and
+    --capture-video; then its resume (complete: no update) and --eval-checkpoint --capture-video of its model.
+    (working folder, run folder, the outputs)."""
+    cwd = str(tmp_path_factory.mktemp("tracked"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("WANDB_SILENT", "true")
+        mp.setenv("HOME", os.path.join(cwd, "home"))
+        mp.delenv("WANDB_API_KEY", raising=False)
+        flags = ("--total-timesteps", "512", "--save-model", "--capture-video", "--eval-episodes", "2", "--seed", "3")
+        outs = [run_here(cwd, *flags, "--track")]
+        run = only_run_dir(cwd)
+        outs.append(run_here(cwd, "--resume", run))
+    ckpt = os.path.join(run, "ppo_cartpole.pt")
+    outs.append(run_here(cwd, "--eval-checkpoint", ckpt, "--capture-video", "--eval-episodes", "1"))
+    return cwd, run, outs
+
+
+def test_track_mirrors_the_scalars_and_the_flags_into_an_offline_wandb_run_that_a_resume_continues(tracked):
+    cwd, run, _ = tracked
+    first, again = sorted(glob.glob(os.path.join(run, "wandb", "offline-run-*")))  # W&B's files: in the run folder
+    run_id = torch.load(os.path.join(run, "training_state.pt"), weights_only=True)["wandb_id"]
+    assert first.endswith(f"-{run_id}") and again.endswith(f"-{run_id}")  # the resume continued the same W&B run
+    history, config, names = set(), set(), set()
+    for record in wandb_records(glob.glob(os.path.join(first, "run-*.wandb"))[0]):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history |= {item.key or "/".join(item.nested_key) for item in record.history.item}
+        elif kind == "run":
+            config |= {item.key for item in record.run.config.update}
+            names.add(record.run.display_name)
+        elif kind == "config":
+            config |= {item.key for item in record.config.update}
+    assert names == {os.path.basename(run)} and {f.name for f in fields(ppo.Args)} <= config
+    assert set(all_scalars(run, ignore=())) <= history  # every TensorBoard scalar, eval/episodic_return included
+    assert "losses/policy_loss" in history and "charts/episodic_return" in history and "videos/eval/path" in history
+    assert not glob.glob(os.path.join(cwd, "wandb")) and not glob.glob(os.path.join(run, "wandb", "**", "*.tfevents*"))
+
+
+def test_capture_video_records_every_evaluation_episode_as_an_mp4(tracked):
+    import imageio
+
+    cwd, run, outs = tracked
+    eval_runs = glob.glob(os.path.join(cwd, "runs", os.path.basename(run) + "-eval__10003__*"))
+    assert len(eval_runs) == 1 and "videos in " in outs[0] and "videos in " in outs[2]
+    for folder, episodes in ((run, 2), (eval_runs[0], 1)):
+        lengths = [v for _, v in read_scalars(folder, "eval/episodic_return")]  # CartPole: return = length
+        videos = sorted(glob.glob(os.path.join(folder, "videos", "*.mp4")))
+        assert [os.path.basename(v) for v in videos] == [f"eval-episode-{i}.mp4" for i in range(episodes)]
+        for video, length in zip(videos, lengths):
+            shapes = [frame.shape for frame in imageio.get_reader(video, "ffmpeg")]
+            # the reset's frame and one per step, as CartPole renders them
+            assert len(shapes) == length + 1 and set(shapes) == {(400, 600, 3)}, video
+
+
 # ---------------------------------------------------------------------------------------------
 # Safeguards: hostile inputs end in one sentence, before anything is written
 # ---------------------------------------------------------------------------------------------
@@ -388,7 +472,16 @@ def _bad(flags, message):
         _bad(("--env-id", "Pendulum-v1"), "needs a flat Box observation and Discrete actions"),
         # flags that are not (or no longer) flags: tyro's own message, exit 2
         _bad(("--batch-size", "3"), None),
-        _bad(("--track",), None),
+        # --track and --capture-video: what they need is checked before anything is made
+        _bad(("--track", "!no_wandb"), "--track needs the wandb package (pip install wandb)"),
+        _bad(
+            ("--track", "!no_login"), "--track needs a way to log in to Weights & Biases: WANDB_API_KEY, `wandb login`"
+        ),
+        _bad(("--capture-video", "!no_pygame"), "--capture-video cannot render CartPole-v1 (pygame is not installed"),
+        _bad(
+            ("--eval-checkpoint", "ckpt:good", "--capture-video", "!no_pygame"), "install pygame (pip install pygame)"
+        ),
+        _bad(("--eval-checkpoint", "ckpt:good", "--track"), "takes no training flags, got --track"),
         _bad(("--seed", "1.5"), None),
         # checkpoints: missing, foreign, spoiled; --eval-checkpoint takes no training flags
         _bad(("--eval-checkpoint", "ckpt:missing_file"), "cannot read the checkpoint"),
@@ -450,6 +543,7 @@ def _bad(flags, message):
         _bad(("--resume", "resume:locked"), f"another process (pid {os.getpid()}) is running "),
         _bad(("--resume", "resume:read_only"), "cannot write into the run folder "),
         _bad(("--resume", "resume:full_disk"), "(No space left on device)"),
+        _bad(("--resume", "resume:videos_read_only", "--save-model", "--capture-video"), "into the videos folder "),
         _bad(("--resume", "resume:good", "--eval-checkpoint", "x"), "takes no training flags, got --resume"),
         # a run folder that cannot be made (a file named runs stands where the folder would go)
         _bad(("--total-timesteps", "512", "runs-is-a-file"), "cannot create the run folder"),
@@ -478,7 +572,10 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
                         with pytest.raises(OSError):
                             while True:
                                 filler.write(b"\0" * 4096)
-                if f == "resume:read_only":
+                if f in ("resume:read_only", "resume:videos_read_only"):
+                    if f == "resume:videos_read_only":
+                        folder = folder / "videos"
+                        folder.mkdir()
                     _mount("--bind", str(folder), str(folder))
                     mounted.append(folder)
                     _mount("-o", "remount,ro,bind", str(folder))
@@ -497,7 +594,15 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
                 return str(given / f[7:] / ("run" if f == "resume:full_disk" else ""))
             return {"given": str(given), "fifo": str(given / "fifo.pt")}.get(f, f)
 
-        flags = [path_of(f) for f in flags]
+        if "!no_wandb" in flags:  # as if the package were not installed
+            monkeypatch.setitem(sys.modules, "wandb", None)
+        if "!no_pygame" in flags:
+            monkeypatch.setitem(sys.modules, "pygame", None)
+        if "!no_login" in flags:  # no key, no netrc (a home without one), not offline
+            for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_BASE_URL"):
+                monkeypatch.delenv(name, raising=False)
+            monkeypatch.setenv("HOME", str(tmp_path / "no-home"))
+        flags = [path_of(f) for f in flags if not f.startswith("!")]
         # the probe of a full disk makes and removes a file: the folder's time changes, nothing in it does
         before = _files(tmp_path, folder_times=not full_disk)
         monkeypatch.chdir(tmp_path)
