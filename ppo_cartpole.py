@@ -19,13 +19,7 @@ import signal
 import sys
 
 if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, not a traceback
-    signal.signal(
-        signal.SIGINT,
-        lambda *_: (
-            print("\ninterrupted while starting", file=sys.stderr),
-            os._exit(130),
-        ),
-    )
+    signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
 
 import fcntl
 import random
@@ -169,10 +163,7 @@ class Agent(nn.Module):
         versions = [(m.weight._version, m.bias._version, m.weight.data_ptr()) for m in linears]
         if self._numpy_actor is None or self._numpy_actor[0] != versions:
             weights = [(m.weight.detach().cpu().numpy(), m.bias.detach().cpu().numpy()) for m in linears]
-            self._numpy_actor = (
-                versions,
-                [(np.array(W, order="F"), np.array(b)) for W, b in weights],
-            )
+            self._numpy_actor = versions, [(np.array(W, order="F"), np.array(b)) for W, b in weights]
         x = obs
         for W, b in self._numpy_actor[1][:-1]:
             x = np.maximum(x @ W.T + b, 0.0)
@@ -198,10 +189,7 @@ def compute_gae(rewards, values, next_values, terminations, dones, gamma, gae_la
     """
     deltas = rewards + gamma * next_values * (1.0 - terminations) - values  # the TD errors, all at once
     decay = gamma * gae_lambda * (1.0 - dones)
-    advantages, last = (
-        rewards * 0.0,
-        0.0,
-    )  # zeros of the rewards' type: numpy arrays and torch tensors alike
+    advantages, last = rewards * 0.0, 0.0  # zeros of the rewards' type: numpy arrays and torch tensors alike
     for t in reversed(range(rewards.shape[0])):
         advantages[t] = last = deltas[t] + decay[t] * last
     return advantages, advantages + values
@@ -214,16 +202,9 @@ def clipped_surrogate_loss(new_logprob, old_logprob, advantages, clip_coef):
     """
     logratio = new_logprob - old_logprob
     ratio = logratio.exp()
-    loss = torch.max(
-        -advantages * ratio,
-        -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef),
-    ).mean()
+    loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
     with torch.no_grad():
-        return (
-            loss,
-            ((ratio - 1) - logratio).mean(),
-            ((ratio - 1.0).abs() > clip_coef).float().mean(),
-        )
+        return loss, ((ratio - 1) - logratio).mean(), ((ratio - 1.0).abs() > clip_coef).float().mean()
 
 
 def value_loss(new_values, old_values, returns, clip_coef, clip_vloss):
@@ -240,8 +221,7 @@ def make_envs(env_id: str, num_envs: int):
     info["final_obs"]; the episode statistics log every finished episode."""
     return gym.wrappers.vector.RecordEpisodeStatistics(
         gym.vector.SyncVectorEnv(
-            [make_env(env_id) for _ in range(num_envs)],
-            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+            [make_env(env_id) for _ in range(num_envs)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
         )
     )
 
@@ -271,10 +251,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = True
     envs = make_envs(args.env_id, N)
-    obs_dim, n_actions = (
-        envs.single_observation_space.shape[0],
-        int(envs.single_action_space.n),
-    )
+    obs_dim, n_actions = envs.single_observation_space.shape[0], int(envs.single_action_space.n)
     agent = Agent(obs_dim, n_actions).to(device)
     params = list(agent.parameters())
     optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=1e-5, fused=True)
@@ -288,13 +265,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     dones_buf = np.zeros((T, N), dtype=np.float32)
     next_obs = envs.reset(seed=args.seed)[0].astype(np.float32)
     # the run folder and its log; a resumed run puts its weights, optimizer, random streams and envs back in place
-    begin = run.start(
-        agent=agent,
-        optimizer=optimizer,
-        action_rng=action_rng,
-        envs=envs,
-        next_obs=next_obs,
-    )
+    begin = run.start(agent=agent, optimizer=optimizer, action_rng=action_rng, envs=envs, next_obs=next_obs)
     global_step, next_obs, writer = begin.global_step, begin.next_obs, run.writer
     first_step, start_time = global_step, time.time()
     for update in range(begin.update + 1, num_updates + 1):
@@ -309,11 +280,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
             next_obs, reward, terminations, truncations, infos = envs.step(action)
             next_obs_buf[step] = next_obs = next_obs.astype(np.float32)
             dones = np.logical_or(terminations, truncations)
-            rewards_buf[step], terminations_buf[step], dones_buf[step] = (
-                reward,
-                terminations,
-                dones,
-            )
+            rewards_buf[step], terminations_buf[step], dones_buf[step] = reward, terminations, dones
             for i in np.flatnonzero(dones):
                 next_obs_buf[step, i] = infos["final_obs"][i]  # the real last observation, for the bootstrap
                 writer.add_scalar("charts/episodic_return", infos["episode"]["r"][i], global_step)
@@ -361,13 +328,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
                 )
                 clipfracs.append(clipfrac.item())
                 newvalue = agent.get_value(mb_obs)
-                v_loss = value_loss(
-                    newvalue,
-                    b_values[mb_inds],
-                    b_returns[mb_inds],
-                    args.clip_coef,
-                    args.clip_vloss,
-                )
+                v_loss = value_loss(newvalue, b_values[mb_inds], b_returns[mb_inds], args.clip_coef, args.clip_vloss)
                 entropy_loss = entropy.mean()
                 loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
                 optimizer.zero_grad()
@@ -387,11 +348,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         writer.add_scalar("losses/approx_kl", approx_kl.item(), global_step)
         writer.add_scalar("losses/clipfrac", np.mean(clipfracs), global_step)
         writer.add_scalar("losses/explained_variance", explained_var, global_step)
-        writer.add_scalar(
-            "charts/SPS",
-            int((global_step - first_step) / (time.time() - start_time)),
-            global_step,
-        )
+        writer.add_scalar("charts/SPS", int((global_step - first_step) / (time.time() - start_time)), global_step)
         writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
         writer.add_scalar("time/update_seconds", time.time() - update_start, global_step)
         if run.end_update(update, global_step, next_obs=next_obs):  # logs flushed, the state saved when due
@@ -630,18 +587,10 @@ class StopSignal:
     def handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested:
-            print(
-                f"\n{name} again: quitting at once without saving; {self.last_state}",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"\n{name} again: quitting at once without saving; {self.last_state}", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
         self.signum = signum
-        print(
-            f"\n{name}: stopping at the next safe point (again: quit at once)",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"\n{name}: stopping at the next safe point (again: quit at once)", file=sys.stderr, flush=True)
 
     @property
     def requested(self) -> bool:
@@ -658,10 +607,7 @@ def save_checkpoint(path: str, obj: dict) -> None:
     try:
         torch.save(obj, tmp)
         os.replace(tmp, path)
-    except (
-        OSError,
-        RuntimeError,
-    ) as e:  # a full disk: OSError from open, RuntimeError from torch's writer
+    except (OSError, RuntimeError) as e:  # a full disk: OSError from open, RuntimeError from torch's writer
         why = e.strerror if isinstance(e, OSError) and e.strerror else "the write failed: is the disk full?"
         raise UserError(f"could not save the checkpoint {path} ({why}); the file there, if any, is unchanged")
     finally:
@@ -692,15 +638,8 @@ def load_checkpoint(path: str) -> dict:
     return checkpoint
 
 
-CHECKPOINT = {
-    "model": dict[str, torch.Tensor],
-    "args": dict[str, Any],
-    "run_name": str,
-}  # a --save-model file
-CHECKPOINT_ARGS = {
-    "env_id": str,
-    "seed": int,
-}  # the flags of its run that the evaluation reads
+CHECKPOINT = {"model": dict[str, torch.Tensor], "args": dict[str, Any], "run_name": str}  # a --save-model file
+CHECKPOINT_ARGS = {"env_id": str, "seed": int}  # the flags of its run that the evaluation reads
 
 
 def agent_from_checkpoint(path: str) -> tuple[Agent, dict, str]:
@@ -825,10 +764,7 @@ class Run:
             self.stop.last_state = f"the last training state is {self.state_path} (update {update})"
         self.run_name = os.path.basename(os.path.abspath(self.run_dir))
         devices = {str(p.device) for obj in objects.values() if isinstance(obj, nn.Module) for p in obj.parameters()}
-        print(
-            f"device: {', '.join(sorted(devices))}, logging to {self.run_dir}",
-            flush=True,
-        )
+        print(f"device: {', '.join(sorted(devices))}, logging to {self.run_dir}", flush=True)
         # imported here, not at the top: tensorboard is slow to import, and neither importing this file nor a refused
         # run should wait for it
         from torch.utils.tensorboard import SummaryWriter
@@ -859,11 +795,7 @@ class Run:
         if state is None:
             table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
             self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-        self.update, self.global_step, self.first_step = (
-            update,
-            global_step,
-            global_step,
-        )
+        self.update, self.global_step, self.first_step = update, global_step, global_step
         self.start_time = self.last_line = time.time()
         return types.SimpleNamespace(update=update, global_step=global_step, **values)
 
@@ -899,14 +831,7 @@ class Run:
         self.writer.flush()
         model_path = os.path.join(self.run_dir, f"{args.exp_name}.pt")
         if args.save_model:
-            save_checkpoint(
-                model_path,
-                {
-                    "model": agent.state_dict(),
-                    "args": asdict(args),
-                    "run_name": self.run_name,
-                },
-            )
+            save_checkpoint(model_path, {"model": agent.state_dict(), "args": asdict(args), "run_name": self.run_name})
         saved = f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"
         budget = self.num_updates * args.num_envs * args.num_steps
         print(
@@ -932,13 +857,7 @@ class Run:
         return self.stop.exit_status
 
 
-def training_state(
-    args: Args,
-    update: int,
-    global_step: int,
-    objects: dict,
-    wandb_id: Optional[str] = None,
-) -> dict:
+def training_state(args: Args, update: int, global_step: int, objects: dict, wandb_id: Optional[str] = None) -> dict:
     """Everything a run needs to continue exactly: its flags, counters, the global random streams and the saved form
     of each object the loop carries (weights, optimizer, random generators, envs, arrays)."""
     _, keys, *rest = np.random.get_state()
@@ -1134,11 +1053,7 @@ def optimizer_state_problem(saved, optimizer: torch.optim.Optimizer, where: str)
         for name, value in moments.items():
             if value.ndim and value.shape != shapes[index]:
                 return f"{where}.state[{index}].{name} has shape {tuple(value.shape)}, not {tuple(shapes[index])}"
-            why = number_problem(
-                value,
-                f"{where}.state[{index}].{name}",
-                nonnegative=name in ("exp_avg_sq", "step"),
-            )
+            why = number_problem(value, f"{where}.state[{index}].{name}", nonnegative=name in ("exp_avg_sq", "step"))
             if why is not None:
                 return why
     return None
@@ -1155,11 +1070,7 @@ def env_state_problem(saved, fresh, layers: list, where: str) -> Optional[str]:
         if not isinstance(plain, dict):
             return f"{where}[{i}] is {short(plain)}, not a dict"
         for key in set(plain) | set(fresh_plain):
-            value, fresh_value, at = (
-                plain.get(key),
-                fresh_plain.get(key),
-                f"{where}[{i}].{key}",
-            )
+            value, fresh_value, at = plain.get(key), fresh_plain.get(key), f"{where}[{i}].{key}"
             if fresh_value is None:  # an attribute set later in an episode: a plain value or none
                 if not (value is None or type(value) in (bool, int, float, str)):
                     return f"{at} is {short(value)}, not a plain value"
