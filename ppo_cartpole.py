@@ -138,10 +138,10 @@ class Agent(nn.Module):
             layer_init(nn.Linear(hidden, n_actions), std=0.01),
         )
         # act's numpy copy of the actor is taken again after anything that can change the weights: a backward pass
-        # (which comes before every optimizer step), a load, an in-place edit (a version counter; fused Adam's step
-        # leaves those unchanged, hence the backward hook)
-        self._numpy_actor = None
-        for p in self.actor.parameters():
+        # (which comes before every optimizer step), a load, a move, an in-place edit (a version counter; fused Adam's
+        # step leaves those unchanged, hence the backward hook)
+        self._numpy_actor, self._actor_params = None, tuple(self.actor.parameters())
+        for p in self._actor_params:
             p.register_post_accumulate_grad_hook(self._forget_numpy_actor)
         self.register_load_state_dict_post_hook(self._forget_numpy_actor)
 
@@ -159,9 +159,9 @@ class Agent(nn.Module):
         more in overhead than the arithmetic. Each weight keeps torch's layout, W of shape (out, in), stored in
         column order so that x @ W.T multiplies row-ordered arrays (the rounding the run's numbers are made with).
         """
-        linears = [m for m in self.actor if isinstance(m, nn.Linear)]
-        versions = [(m.weight._version, m.bias._version, m.weight.data_ptr()) for m in linears]
+        versions = [p._version for p in self._actor_params]
         if self._numpy_actor is None or self._numpy_actor[0] != versions:
+            linears = [m for m in self.actor if isinstance(m, nn.Linear)]
             weights = [(m.weight.detach().cpu().numpy(), m.bias.detach().cpu().numpy()) for m in linears]
             self._numpy_actor = versions, [(np.array(W, order="F"), np.array(b)) for W, b in weights]
         x = obs
@@ -172,6 +172,10 @@ class Agent(nn.Module):
 
     def _forget_numpy_actor(self, *_) -> None:
         self._numpy_actor = None
+
+    def _apply(self, fn, recurse=True):  # .to(device), .cuda(), .double(): the weights move or change
+        self._forget_numpy_actor()
+        return super()._apply(fn, recurse)
 
 
 def sample_categorical(logits: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
