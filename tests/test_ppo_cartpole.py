@@ -83,16 +83,18 @@ def test_act_draws_the_actions_of_the_torch_actor_and_follows_every_change_of_it
                 agent.actor[-1].bias.add_(torch.tensor([3.0, 0.0, -3.0]))
         assert not np.array_equal(agent.act(obs, uniforms), before), change
         assert same_as_torch(), change
-    # the logits agree with torch's to float rounding (the draws above agree exactly)
-    x = torch.from_numpy(obs)
-    logits = x
-    for m in agent.actor:
-        logits = m(logits)
-    layers = [(m.weight.detach().numpy(), m.bias.detach().numpy()) for m in agent.actor if hasattr(m, "weight")]
-    h = obs
-    for W, b in layers[:-1]:
-        h = np.maximum(h @ W.T + b, 0.0)
-    assert np.allclose(h @ layers[-1][0].T + layers[-1][1], logits.detach().numpy(), atol=1e-5)
+    # act's copy keeps torch's layout, W of shape (out, in), and its x @ W.T rounds as a product with a row-ordered
+    # (in, out) copy does, for one env as for many: the bits the same-numbers runs are made with
+    copy = agent._numpy_actor[1]
+    assert [W.shape for W, _ in copy] == [tuple(m.weight.shape) for m in agent.actor if hasattr(m, "weight")]
+    for rows in (1, 4):
+        x = y = obs[:rows]
+        for i, (W, b) in enumerate(copy):
+            x, y = x @ W.T + b, y @ np.ascontiguousarray(W.T) + b
+            x, y = (np.maximum(x, 0.0), np.maximum(y, 0.0)) if i < len(copy) - 1 else (x, y)
+        assert np.array_equal(x, y), rows
+        with torch.inference_mode():  # and torch's logits to float rounding
+            assert np.allclose(x, agent.actor(torch.from_numpy(obs[:rows])).numpy(), atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
