@@ -812,7 +812,7 @@ def test_the_training_state_restores_exactly(tmp_path):
     assert list(envs.return_queue) == list(twin_envs.return_queue)
 
 
-RESUMED = ("--total-timesteps", "5120", "--num-steps", "32", "--seed", "4", "--checkpoint-every", "5")  # 40 updates
+RESUMED = ("--total-timesteps", "2560", "--num-steps", "32", "--seed", "4", "--checkpoint-every", "5")  # 20 updates
 
 
 @pytest.fixture(scope="module")
@@ -828,13 +828,13 @@ def test_a_stopped_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, 
     """SIGTERM saves the state at the update it stops after; SIGKILL loses the updates since the last checkpoint
     (the last one before 12: 10), which the resumed run does again, hiding their first logging. Either way the resumed
     run's TensorBoard series equal, bit for bit, those of a run that was never stopped."""
-    proc = stop_when_printed("ppo_cartpole.py", *RESUMED, cwd=tmp_path, line="update 12/40", sig=sig)
+    proc = stop_when_printed("ppo_cartpole.py", *RESUMED, cwd=tmp_path, line="update 12/20", sig=sig)
     run = only_run_dir(str(tmp_path))
     assert proc.returncode == (143 if sig == signal.SIGTERM else -9)
     out = run_script("ppo_cartpole.py", "--resume", run, cwd=str(tmp_path)).stdout
-    assert "5120 of 5120 steps" in out and only_run_dir(str(tmp_path)) == run
+    assert "2560 of 2560 steps" in out and only_run_dir(str(tmp_path)) == run
     resumed = all_scalars(run)
-    assert len(uninterrupted["losses/policy_loss"]) == 40 and resumed == uninterrupted
+    assert len(uninterrupted["losses/policy_loss"]) == 20 and resumed == uninterrupted
 
 
 def test_resuming_a_complete_run_from_inside_its_folder_finishes_it_and_clears_a_killed_save(tmp_path):
