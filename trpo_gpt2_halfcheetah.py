@@ -22,6 +22,7 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, not a traceback
     signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
 
+import fcntl
 import importlib.util
 import math
 import random
@@ -980,7 +981,7 @@ class Run:
 
     def __init__(self, args: Args, stop: StopSignal):
         """Reads (writes nothing): with --resume, the run's own flags (`self.args`) and training state."""
-        self.stop, self.state, self.objects, self.writer = stop, None, {}, None
+        self.stop, self.state, self.objects, self.writer, self.lock = stop, None, {}, None, None
         if args.resume is not None:
             args, self.state = load_training_state(args)
         if args.policy == "gpt2":  # a local model folder is saved with the run as an absolute path
@@ -998,9 +999,16 @@ class Run:
         if self.state is None:
             base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__policy-{args.policy}__{args.seed}"
             self.run_dir = os.path.join("runs", make_run_dir(base))
+            self.lock = lock_run_dir(self.run_dir)
             start = types.SimpleNamespace(update=0, global_step=0, next_obs=objects["next_obs"])
         else:
             path = os.path.join(self.run_dir, "training_state.pt")
+            validate_training_state(path, self.state, args, objects)  # before anything in the folder is touched
+            self.lock = lock_run_dir(self.run_dir)
+            check_writable(self.run_dir)
+            for name in os.listdir(self.run_dir):  # what a save killed mid-write left
+                if re.fullmatch(r".+\.pt\.tmp\d+", name):
+                    os.remove(os.path.join(self.run_dir, name))
             update, global_step, objects["next_obs"] = restore_training_state(path, self.state, objects)
             start = types.SimpleNamespace(update=update, global_step=global_step, next_obs=objects["next_obs"])
             self.stop.last_state = f"the last training state is {path} (update {update})"
@@ -1077,6 +1085,7 @@ class Run:
                 policy, obs_rms, args.env_id, args.eval_episodes, 10_000 + args.seed, device, self.writer, self.stop
             )
         self.writer.close()
+        os.close(self.lock)  # the run folder is free for another process
         return self.stop.exit_status
 
 
@@ -1128,13 +1137,18 @@ def save_checkpoint(path: str, checkpoint: dict) -> None:
 def load_checkpoint(path: str) -> dict:
     """The dict in a checkpoint file, read without running code (weights_only); UserError for anything else."""
     try:
-        mode = os.stat(path).st_mode
+        os.lstat(path)
+        mode = os.stat(path).st_mode  # (a symlink loop or an unreadable folder on the way: the reason, from the OS)
+    except FileNotFoundError:
+        raise UserError(f"cannot read the checkpoint '{path}' (it does not exist)")
     except OSError as e:
         raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
     if not stat.S_ISREG(mode):  # a folder, a FIFO or a device: opening a FIFO would wait forever
         raise UserError(f"cannot read the checkpoint '{path}' (not a regular file)")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except PermissionError as e:
+        raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
     except Exception:
         raise UserError(f"cannot read the checkpoint '{path}' (not a torch file)")
     if not isinstance(checkpoint, dict):
@@ -1418,7 +1432,7 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
     path = os.path.join(args.resume, "training_state.pt")
     if not os.path.isdir(args.resume):
         raise UserError(f"--resume {args.resume} is not a run folder")
-    if not os.path.exists(path):
+    if not os.path.lexists(path):  # (a symlink loop exists: load_checkpoint says why it cannot be read)
         raise UserError(f"--resume {args.resume} holds no training_state.pt (it stopped before its first checkpoint)")
     state = load_checkpoint(path)
     saved = state.get("args")
@@ -1428,6 +1442,9 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
         or set(saved) != {f.name for f in fields(Args)}
     ):
         raise UserError(f"'{path}' is not a training state of this version of trpo_gpt2_halfcheetah.py")
+    mistyped = [flag(f.name) for f in fields(Args) if not fits(saved[f.name], f.type)]
+    if mistyped:
+        raise UserError(f"'{path}' is a damaged training state (its flags {' '.join(mistyped)} are mistyped)")
     # a flag at its default cannot be told from one not given: the run's value stands
     given = {f.name: getattr(args, f.name) for f in fields(Args) if getattr(args, f.name) != f.default}
     for name, value in given.items():
@@ -1438,9 +1455,171 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
     resumed = Args(**{**saved, **{name: value for name, value in given.items() if name in RESUME_FLAGS}})
     try:
         check_args(resumed)
-    except (UserError, TypeError) as e:  # flags out of range, inconsistent, or of the wrong type
+    except UserError as e:  # flags out of range or inconsistent
         raise UserError(f"'{path}' is a damaged training state ({e})")
     return resumed, state
+
+
+STATE_TYPES = {  # every key of a training state and its type
+    "script": str,
+    "args": dict,
+    "iteration": int,
+    "global_step": int,
+    "next_obs": torch.Tensor,
+    "policy": dict,
+    "llm_config": Optional[dict],
+    "value": dict,
+    "obs_rms": dict,
+    "episode_return": torch.Tensor,
+    "episode_length": torch.Tensor,
+    "recent_returns": torch.Tensor,
+    "python_rng": list,
+    "numpy_rng": list,
+    "torch_rng": torch.Tensor,
+    "cuda_rng": Optional[torch.Tensor],
+    "envs": Optional[list],
+}
+
+
+def validate_training_state(path: str, state: dict, args: Args, objects: dict) -> None:
+    """UserError "'{path}' is a damaged training state (why)" unless `state` fits the run's flags and the freshly built
+    `objects` (as Run.start takes them): every key and type; counters that are ints, consistent with each other and
+    within the budget; weights finite and of the model's shapes; observation statistics finite, of the observation's
+    shape, with a positive count and non-negative sums of squares; episodes of the envs' number; random streams of
+    their generators' kinds and sizes; env states of the fresh envs' own structure."""
+
+    def damaged(why: str) -> UserError:
+        return UserError(f"'{path}' is a damaged training state ({why})")
+
+    wrong = sorted(set(state) ^ set(STATE_TYPES)) + [
+        k for k, t in STATE_TYPES.items() if k in state and not fits(state[k], t)
+    ]
+    if wrong:
+        raise damaged(f"missing, unexpected or mistyped: {', '.join(wrong)}")
+    update, step, num_updates = state["iteration"], state["global_step"], -(-args.total_timesteps // args.batch_size)
+    if not (0 <= update <= num_updates and step == update * args.batch_size):
+        raise damaged(f"update {update} and {step} steps do not fit {num_updates} updates of {args.batch_size} steps")
+    N, envs = args.num_envs, objects["envs"]
+    obs_shape = envs.single_observation_space.shape
+    for name, model in (("policy", objects["policy"]), ("value", objects["value_net"])):
+        fresh, saved = model.state_dict(), state[name]
+        if saved.keys() != fresh.keys():
+            raise damaged(f"the {name}'s weights are not those of this model")
+        for key, value in saved.items():
+            same_kind = torch.is_tensor(value) and value.is_floating_point() == fresh[key].is_floating_point()
+            if not (same_kind and value.shape == fresh[key].shape):
+                raise damaged(f"the {name}'s {key} is not a tensor of shape {tuple(fresh[key].shape)}")
+            if value.is_floating_point() and not bool(value.isfinite().all()):
+                raise damaged(f"the {name}'s {key} is not finite")
+    stats = state["obs_rms"]
+    if not (fits(stats.get("count"), int) and set(stats) == {"count", "mean", "m2"} and stats["count"] > 0):
+        raise damaged("the observation statistics' count is not a positive int")
+    for key in ("mean", "m2"):
+        value = stats[key]
+        if not (torch.is_tensor(value) and value.dtype == torch.float64 and value.shape == obs_shape):
+            raise damaged(f"the observation statistics' {key} is not a float64 tensor of shape {obs_shape}")
+        if not bool(value.isfinite().all()) or (key == "m2" and bool((value < 0).any())):
+            raise damaged(f"the observation statistics' {key} is not finite and non-negative")
+    arrays = {
+        "next_obs": ((N, *obs_shape), torch.float32),
+        "episode_return": ((N,), torch.float64),
+        "episode_length": ((N,), torch.int64),
+    }
+    for key, (shape, dtype) in arrays.items():
+        value = state[key]
+        if value.shape != shape or value.dtype != dtype or not bool(value.isfinite().all()):
+            raise damaged(f"{key} is not a finite {dtype} tensor of shape {shape}")
+    if bool((state["episode_length"] < 0).any()):
+        raise damaged("episode_length is negative")
+    recent = state["recent_returns"]
+    if recent.dim() != 1 or len(recent) > 20 or recent.dtype != torch.float64 or not bool(recent.isfinite().all()):
+        raise damaged("recent_returns is not a finite float64 tensor of up to 20 returns")
+    python_rng, numpy_rng = state["python_rng"], state["numpy_rng"]
+    if not (
+        len(python_rng) == 3
+        and fits(python_rng[0], int)
+        and torch.is_tensor(python_rng[1])
+        and python_rng[1].shape == (625,)
+        and python_rng[1].dtype == torch.int64
+        and fits(python_rng[2], Optional[float])
+    ):
+        raise damaged("python_rng is not the state of Python's random generator")
+    if not (
+        len(numpy_rng) == 4
+        and torch.is_tensor(numpy_rng[0])
+        and numpy_rng[0].shape == (624,)
+        and numpy_rng[0].dtype == torch.from_numpy(np.random.get_state()[1]).dtype
+        and fits(numpy_rng[1], int)
+        and 0 <= numpy_rng[1] <= 624
+        and fits(numpy_rng[2], int)
+        and fits(numpy_rng[3], float)
+    ):
+        raise damaged("numpy_rng is not the state of numpy's random generator")
+    torch_rng = state["torch_rng"]
+    if torch_rng.dtype != torch.uint8 or torch_rng.shape != torch.get_rng_state().shape:
+        raise damaged("torch_rng is not the state of torch's random generator")
+    if (state["envs"] is None) == envs_continue_exactly(envs):
+        raise damaged("its env state does not fit these envs")
+    if state["envs"] is not None and not same_structure(state["envs"], env_state(envs)):
+        raise damaged(f"its env state does not have the structure of {N} '{args.env_id}' envs")
+
+
+def same_structure(saved, fresh) -> bool:
+    """Whether `saved` has the structure of `fresh` (an env state): every key of the fresh one (an env may add
+    attributes once it has stepped), the same lengths, tensors of the same shape and dtype, numbers and strings of
+    the same type (None where the fresh one has None or a value)."""
+    if isinstance(fresh, dict):
+        return isinstance(saved, dict) and all(k in saved and same_structure(saved[k], fresh[k]) for k in fresh)
+    if isinstance(fresh, (list, tuple)):
+        return isinstance(saved, (list, tuple)) and len(saved) == len(fresh) and all(map(same_structure, saved, fresh))
+    if torch.is_tensor(fresh):
+        return torch.is_tensor(saved) and saved.shape == fresh.shape and saved.dtype == fresh.dtype
+    return saved is None or fresh is None or type(saved) is type(fresh)
+
+
+def lock_run_dir(run_dir: str) -> int:
+    """Take the run folder's lock (`.lock`, the holder's pid in it) for this process's life; UserError when another
+    process holds it or the folder cannot be written."""
+    path, made = os.path.join(run_dir, ".lock"), False
+    try:
+        try:
+            fd, made = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            fd = os.open(path, os.O_RDWR)
+    except OSError as e:
+        raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror})")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise UserError(f"another process (pid {holder}) is running {run_dir}")
+    try:
+        pid = f"{os.getpid()}\n".encode()
+        os.pwrite(fd, pid, 0)  # (over the last holder's pid: no new space needed)
+        os.ftruncate(fd, len(pid))
+    except OSError as e:  # (a full disk: the lock file this call made goes again)
+        os.close(fd)
+        if made:
+            os.remove(path)
+        raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror})")
+    return fd
+
+
+def check_writable(run_dir: str) -> None:
+    """UserError when a file cannot be written into `run_dir` (a read-only mount, a full disk): a small file made,
+    written, synced and removed."""
+    probe = os.path.join(run_dir, f".write-probe{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror})")
+    finally:
+        if os.path.lexists(probe):
+            os.remove(probe)
 
 
 def wait_for_a_new_second(run_dir: str) -> None:

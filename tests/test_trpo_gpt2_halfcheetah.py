@@ -436,17 +436,47 @@ def _training_state(folder, kind) -> str:
     os.makedirs(folder)
     args = trpo.Args(policy="mlp", env_id="InvertedPendulum-v5", num_envs=2, batch_size=10, total_timesteps=50)
     objects = _objects(args)
-    objects["next_obs"] = objects["envs"].reset(seed=1)[0].astype(np.float32)
+    raw = objects["envs"].reset(seed=1)[0]
+    objects["obs_rms"].update(raw)
+    objects["next_obs"] = objects["obs_rms"].normalize(raw)
     state = trpo.training_state(args, 1, 10, objects)
+    mujoco = next(layer for layer in state["envs"] if "data" in layer)["data"]["mujoco"]
     edits = {
         "foreign": lambda s: s.update(script="ppo_cartpole.py"),
         "missing_value": lambda s: s.pop("value"),
+        "unexpected_key": lambda s: s.update(extra=1),
         "misshapen": lambda s: s["policy"].update({"net.0.weight": s["policy"]["net.0.weight"].T.clone()}),
         "other_num_envs": lambda s: s["args"].update(num_envs=5),  # 5 envs now, the state's arrays hold 2
         "nan_gamma": lambda s: s["args"].update(gamma=float("nan")),
+        "mistyped_seed": lambda s: s["args"].update(seed="1"),
+        # counters: of the wrong type, negative, inconsistent with each other, beyond the budget
+        "str_counter": lambda s: s.update(iteration="1"),
+        "float_counter": lambda s: s.update(global_step=10.0),
+        "bool_counter": lambda s: s.update(iteration=True),
+        "negative_counters": lambda s: s.update(iteration=-1, global_step=-10),
+        "steps_not_updates": lambda s: s.update(global_step=20),
+        "beyond_budget": lambda s: s.update(iteration=6, global_step=60),
+        # weights, statistics, episodes, random streams
+        "nan_weights": lambda s: s["policy"]["net.0.bias"].fill_(float("nan")),
+        "nan_value_weights": lambda s: s["value"]["net.0.bias"].fill_(float("inf")),
+        "nan_obs_stats": lambda s: s["obs_rms"]["mean"].fill_(float("nan")),
+        "negative_m2": lambda s: s["obs_rms"]["m2"].fill_(-1.0),
+        "zero_count": lambda s: s["obs_rms"].update(count=0),
+        "misshapen_next_obs": lambda s: s.update(next_obs=s["next_obs"][:1]),
+        "negative_episode_length": lambda s: s["episode_length"].fill_(-3),
+        "short_torch_rng": lambda s: s.update(torch_rng=s["torch_rng"][:100]),
+        "numpy_rng_position": lambda s: s["numpy_rng"].__setitem__(1, 1000),
+        # env states not of the envs' own structure
+        "env_entry_misshapen": lambda s: mujoco.update(integration=mujoco["integration"][:3]),
+        "env_layer_missing": lambda s: s["envs"].pop(),
+        "env_key_missing": lambda s: s["envs"][-1].pop("data"),
+        "no_env_state": lambda s: s.update(envs=None),
     }
     edits.get(kind, lambda s: None)(state)
     trpo.save_checkpoint(os.path.join(folder, "training_state.pt"), state)
+    if kind == "symlink_loop":
+        os.remove(os.path.join(folder, "training_state.pt"))
+        os.symlink("training_state.pt", os.path.join(folder, "training_state.pt"))
     return folder
 
 
@@ -467,6 +497,7 @@ def _bad(flags, message):
 
 
 NOT_OURS = "is not a trpo_gpt2_halfcheetah.py checkpoint"
+DAMAGED = "is a damaged training state"
 MLP = ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2", "--batch-size", "10")
 
 
@@ -575,10 +606,34 @@ MLP = ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2", 
         _bad(("--resume", "resume:foreign"), "is not a training state of this version of trpo_gpt2_halfcheetah.py"),
         _bad(("--resume", "resume:good", "--num-envs", "5"), "but --num-envs 5 differs from its 2"),
         _bad(("--resume", "resume:good", "--eval-checkpoint", "x"), "takes no training flags, got --resume"),
-        _bad(("--resume", "resume:missing_value"), "is a damaged training state (KeyError: 'value')"),
-        _bad(("--resume", "resume:misshapen"), "is a damaged training state (RuntimeError: Error(s) in loading"),
-        _bad(("--resume", "resume:other_num_envs"), "is a damaged training state (ValueError: "),
-        _bad(("--resume", "resume:nan_gamma"), "is a damaged training state (--gamma must be in [0, 1], got nan)"),
+        _bad(("--resume", "resume:missing_value"), f"{DAMAGED} (missing, unexpected or mistyped: value)"),
+        _bad(("--resume", "resume:unexpected_key"), f"{DAMAGED} (missing, unexpected or mistyped: extra)"),
+        _bad(
+            ("--resume", "resume:misshapen"), f"{DAMAGED} (the policy's net.0.weight is not a tensor of shape (64, 4))"
+        ),
+        _bad(("--resume", "resume:other_num_envs"), f"{DAMAGED} (next_obs is not a finite torch.float32 tensor"),
+        _bad(("--resume", "resume:nan_gamma"), f"{DAMAGED} (--gamma must be in [0, 1], got nan)"),
+        _bad(("--resume", "resume:mistyped_seed"), f"{DAMAGED} (its flags --seed are mistyped)"),
+        _bad(("--resume", "resume:str_counter"), f"{DAMAGED} (missing, unexpected or mistyped: iteration)"),
+        _bad(("--resume", "resume:float_counter"), f"{DAMAGED} (missing, unexpected or mistyped: global_step)"),
+        _bad(("--resume", "resume:bool_counter"), f"{DAMAGED} (missing, unexpected or mistyped: iteration)"),
+        _bad(("--resume", "resume:negative_counters"), f"{DAMAGED} (update -1 and -10 steps do not fit 5 updates"),
+        _bad(("--resume", "resume:steps_not_updates"), f"{DAMAGED} (update 1 and 20 steps do not fit 5 updates"),
+        _bad(("--resume", "resume:beyond_budget"), f"{DAMAGED} (update 6 and 60 steps do not fit 5 updates of 10"),
+        _bad(("--resume", "resume:nan_weights"), f"{DAMAGED} (the policy's net.0.bias is not finite)"),
+        _bad(("--resume", "resume:nan_value_weights"), f"{DAMAGED} (the value's net.0.bias is not finite)"),
+        _bad(("--resume", "resume:nan_obs_stats"), f"{DAMAGED} (the observation statistics' mean is not finite"),
+        _bad(("--resume", "resume:negative_m2"), f"{DAMAGED} (the observation statistics' m2 is not finite and"),
+        _bad(("--resume", "resume:zero_count"), f"{DAMAGED} (the observation statistics' count is not a positive"),
+        _bad(("--resume", "resume:misshapen_next_obs"), f"{DAMAGED} (next_obs is not a finite torch.float32 tensor"),
+        _bad(("--resume", "resume:negative_episode_length"), f"{DAMAGED} (episode_length is negative)"),
+        _bad(("--resume", "resume:short_torch_rng"), f"{DAMAGED} (torch_rng is not the state of torch's random"),
+        _bad(("--resume", "resume:numpy_rng_position"), f"{DAMAGED} (numpy_rng is not the state of numpy's random"),
+        _bad(("--resume", "resume:env_entry_misshapen"), f"{DAMAGED} (its env state does not have the structure of 2"),
+        _bad(("--resume", "resume:env_layer_missing"), f"{DAMAGED} (its env state does not have the structure of 2"),
+        _bad(("--resume", "resume:env_key_missing"), f"{DAMAGED} (its env state does not have the structure of 2"),
+        _bad(("--resume", "resume:no_env_state"), f"{DAMAGED} (its env state does not fit these envs)"),
+        _bad(("--resume", "resume:symlink_loop"), "(Too many levels of symbolic links)"),
         # a run folder that cannot be made (a file named runs stands where the folder would go)
         _bad((*MLP, "--total-timesteps", "10", "runs-is-a-file"), "cannot create the run folder"),
         _bad(("--eval-checkpoint", "ckpt:good", "runs-is-a-file"), "cannot create the run folder"),
@@ -690,6 +745,85 @@ def test_offline_hub_id_fails_with_one_sentence(tmp_path):
     assert "could not load the language model 'gpt2'" in proc.stderr and "--llm-init random" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not os.path.exists(tmp_path / "runs")
+
+
+def test_a_second_signal_quits_at_once_and_says_where_the_last_state_is(capsys):
+    stop = trpo.StopSignal()
+    stop.handle(signal.SIGTERM, None)
+    with pytest.raises(SystemExit) as e:
+        stop.handle(signal.SIGTERM, None)
+    assert e.value.code == 143
+    stop.last_state = "the last training state is runs/x/training_state.pt (update 3)"
+    with pytest.raises(SystemExit):
+        stop.handle(signal.SIGINT, None)
+    assert [line for line in capsys.readouterr().err.splitlines() if line] == [
+        "SIGTERM: stopping at the next safe point (again: quit at once)",
+        "SIGTERM again: quitting at once without saving; no training state was saved",
+        "SIGINT again: quitting at once without saving; the last training state is runs/x/training_state.pt (update 3)",
+    ]
+
+
+def test_a_resume_removes_what_a_killed_save_left_and_holds_the_folder_while_it_runs(tmp_path, monkeypatch, capsys):
+    """One process per run folder: a second resume while the lock is held is refused, naming the holder's pid, with
+    the folder untouched; the resume that holds it removes the temporary file of a save killed mid-write."""
+    import fcntl
+
+    run = _training_state(str(tmp_path / "run"), "good")
+    (tmp_path / "run" / "training_state.pt.tmp4242").write_bytes(b"half a state")
+    with open(os.path.join(run, ".lock"), "w") as holder:
+        holder.write("4242\n")
+        holder.flush()
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        before = _files(tmp_path)
+        assert call_cli(["--resume", run], tmp_path, monkeypatch) == 2
+        assert capsys.readouterr().err == f"error: another process (pid 4242) is running {run}.\n"
+        assert _files(tmp_path) == before
+    assert call_cli(["--resume", run], tmp_path, monkeypatch) == 0
+    assert "50 of 50 steps" in capsys.readouterr().out
+    assert not glob.glob(os.path.join(run, "*.tmp*")) and open(os.path.join(run, ".lock")).read() == f"{os.getpid()}\n"
+
+
+def _mount(*args) -> None:
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"mount is not permitted here: {proc.stderr.strip()[:200]}")
+
+
+@pytest.mark.parametrize("kind", ["read-only", "full disk"])
+def test_a_resume_into_a_folder_that_cannot_be_written_is_one_sentence(tmp_path, monkeypatch, capsys, kind):
+    """A read-only mount (a bind mount remounted read-only: chmod does not stop root) or a full disk (a small tmpfs
+    filled up): one sentence before anything is written, the folder as it was."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if kind == "read-only":
+        run = _training_state(str(tmp_path / "run"), "good")
+        _mount("--bind", run, str(mnt))
+    else:
+        _mount("-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt))
+    try:
+        if kind == "read-only":
+            _mount("-o", "remount,ro,bind", str(mnt))
+            why = "Read-only file system"
+        else:
+            _training_state(str(mnt / "run"), "good")
+            (mnt / "run" / ".lock").write_text("99999\n")  # as the run's first process left it
+            with pytest.raises(OSError):  # the rest of the disk
+                with open(mnt / "filler", "wb") as f:
+                    while True:
+                        f.write(b"\0" * 4096)
+                        f.flush()
+            why = "No space left on device"
+        folder = str(mnt) if kind == "read-only" else str(mnt / "run")
+        before = _files(mnt)
+        assert call_cli(["--resume", folder], tmp_path, monkeypatch) == 2
+        assert capsys.readouterr().err == f"error: cannot write into the run folder {folder} ({why}).\n"
+        # every file as it was, but the folder's own time (its probe came and went) and the lock (the holder's pid)
+        kept = {folder, os.path.join(folder, ".lock")}
+        assert {k: v for k, v in _files(mnt).items() if k not in kept} == {
+            k: v for k, v in before.items() if k not in kept
+        }
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
 def test_run_folders_are_unique(tmp_path):
