@@ -32,6 +32,8 @@ import stat
 import threading
 import time
 import types
+import uuid
+import warnings
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, fields
@@ -68,6 +70,14 @@ class Args:
     """number of evaluation episodes (`--eval-checkpoint`, `--save-model`)"""
     checkpoint_every: int = 10
     """save the training state (for `--resume`) every this many updates, and when the run ends or is stopped"""
+    track: bool = False
+    """log to Weights & Biases as well: the TensorBoard scalars are mirrored (WANDB_MODE=offline: no network)"""
+    wandb_project_name: str = "llm-rl"
+    """the W&B project (--track)"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity, a user or team (--track; default: the account's)"""
+    capture_video: bool = False
+    """record the evaluation episodes (--save-model, --eval-checkpoint) as MP4 files in the run folder's videos/"""
     resume: Optional[str] = None
     """a run folder to continue, with its own flags, to its original budget (in the same folder and log); a flag given
     at a non-default value must equal the run's, except those that change only how the run computes (threads, device,
@@ -821,7 +831,14 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
     "finetune_blocks": (-1, 10**4, False),
 }
 CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
-EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads"}  # all that --eval-checkpoint takes
+EVAL_FLAGS = {
+    "eval_checkpoint",
+    "eval_episodes",
+    "seed",
+    "cuda",
+    "torch_threads",
+    "capture_video",
+}  # all that --eval-checkpoint takes
 RESUME_FLAGS = {  # the flags a resumed run may change (given, they replace the run's): how it computes, not what
     "resume",
     "checkpoint_every",
@@ -832,6 +849,7 @@ RESUME_FLAGS = {  # the flags a resumed run may change (given, they replace the 
     "update_chunk",
     "overlap_value_fit",
     "compile",
+    "capture_video",
 }
 LM_FLAGS = (  # the flags of a language-model policy (--policy gpt2)
     "llm",
@@ -854,6 +872,9 @@ def flag(name: str) -> str:
 def check_args(args: Args) -> None:
     """Raise UserError for the first bad value, before any folder or model exists: ranges, choices, names, the env's
     fit and the memory a batch needs."""
+    if args.capture_video and "DISPLAY" not in os.environ and "MUJOCO_GL" not in os.environ:
+        os.environ["MUJOCO_GL"] = "osmesa"  # MuJoCo without a display renders through OSMesa (read at its import)
+        os.environ.setdefault("PYOPENGL_PLATFORM", "osmesa")
     for name, (low, high, low_excluded) in RANGES.items():
         value = getattr(args, name)
         if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
@@ -886,9 +907,66 @@ def check_args(args: Args) -> None:
     given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
     if args.eval_checkpoint is not None and given:
         raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
+    if args.track:
+        check_wandb()
     if args.eval_checkpoint is None:
+        if args.capture_video:  # (before the first MuJoCo env: MuJoCo reads MUJOCO_GL once)
+            check_renderer(args.env_id)
         obs_space, act_space = env_spaces(args.env_id)
         check_memory(args, obs_space.shape[0], act_space.shape[0])
+
+
+def check_wandb() -> None:
+    """--track: the wandb package, and a way to log in that asks nothing (no prompt: there may be no one to answer)."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise UserError("--track needs the wandb package (pip install wandb)")
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
+        return
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        if netrc.netrc(os.path.expanduser("~/.netrc")).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise UserError(
+        f"--track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login` (an entry for "
+        f"{host} in ~/.netrc), or set WANDB_MODE=offline (upload later with `wandb sync`)"
+    )
+
+
+def check_renderer(env_id: str) -> None:
+    """--capture-video: one frame of `env_id` rendered (rgb_array), or UserError naming what to install."""
+    try:
+        env = gym.make(env_id, render_mode="rgb_array")
+        env.reset(seed=0)
+        frame = env.render()
+        env.close()
+        if not (isinstance(frame, np.ndarray) and frame.ndim == 3):
+            raise RuntimeError(f"it gave {type(frame).__name__}, not an image")
+    except Exception as e:  # renderers raise many types (ImportError, RuntimeError, GL errors, missing packages)
+        try:
+            why = (str(e).splitlines() or [type(e).__name__])[0].rstrip(".")
+        except Exception:  # (some GL errors cannot even be printed)
+            why = type(e).__name__
+        mujoco = env_id in gym.registry and "mujoco" in str(gym.registry[env_id].entry_point)
+        fix = "set MUJOCO_GL=osmesa and install OSMesa (Debian: apt-get install libosmesa6)"
+        raise UserError(f"--capture-video cannot render '{env_id}' ({why}); {fix if mujoco else 'pip install pygame'}")
+
+
+def video_folder(run_dir: str) -> str:
+    """`run_dir`/videos, made and written to once; UserError when it cannot be."""
+    folder = os.path.join(run_dir, "videos")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write the videos into {folder} ({e.strerror})")
+    check_writable(folder, "the videos folder")
+    return folder
 
 
 def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
@@ -981,7 +1059,7 @@ class Run:
 
     def __init__(self, args: Args, stop: StopSignal):
         """Reads (writes nothing): with --resume, the run's own flags (`self.args`) and training state."""
-        self.stop, self.state, self.objects, self.writer, self.lock = stop, None, {}, None, None
+        self.stop, self.state, self.objects, self.writer, self.lock, self.videos = stop, None, {}, None, None, None
         if args.resume is not None:
             args, self.state = load_training_state(args)
         if args.policy == "gpt2":  # a local model folder is saved with the run as an absolute path
@@ -995,6 +1073,15 @@ class Run:
         """A new run: the run folder, the writer, the hyperparameters. A resumed one: its training state put back into
         `objects` (policy, value_net, obs_rms, envs, episode_return, episode_length, recent_returns, next_obs), the
         writer hiding what was logged after that state. Returns where the loop starts."""
+        try:
+            return self.begin(objects)
+        except BaseException:  # (a refused start lets the folder go at once, not when the process ends)
+            if self.lock is not None:
+                os.close(self.lock)
+                self.lock = None
+            raise
+
+    def begin(self, objects: dict) -> types.SimpleNamespace:
         args, self.objects = self.args, objects
         if self.state is None:
             base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__policy-{args.policy}__{args.seed}"
@@ -1014,6 +1101,24 @@ class Run:
             self.stop.last_state = f"the last training state is {path} (update {update})"
             wait_for_a_new_second(self.run_dir)  # TensorBoard reads event files in name order: the second of each
         self.run_name = os.path.basename(os.path.abspath(self.run_dir))
+        if args.capture_video and args.save_model:  # the evaluation's videos: a folder that cannot be written, now
+            self.videos = video_folder(self.run_dir)
+        if args.track:  # before the writer, whose scalars W&B mirrors; a resumed run continues its W&B run
+            import wandb
+
+            # (the id from uuid4, not from the seeded random streams)
+            objects["wandb_id"] = (self.state or {}).get("wandb_id") or uuid.uuid4().hex[:12]
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=vars(args),
+                name=self.run_name,
+                save_code=True,
+                dir=self.run_dir,
+                id=objects["wandb_id"],
+                resume="allow",
+            )
         from torch.utils.tensorboard import SummaryWriter
 
         # a resumed run hides what was logged after its last training state, so no step appears twice
@@ -1081,10 +1186,15 @@ class Run:
         )
         if args.save_model and not self.stop.requested:
             device = next(policy.parameters()).device
+            seed = 10_000 + args.seed
             evaluate(
-                policy, obs_rms, args.env_id, args.eval_episodes, 10_000 + args.seed, device, self.writer, self.stop
+                policy, obs_rms, args.env_id, args.eval_episodes, seed, device, self.writer, self.stop, self.videos
             )
         self.writer.close()
+        if args.track:
+            import wandb
+
+            wandb.finish()
         os.close(self.lock)  # the run folder is free for another process
         return self.stop.exit_status
 
@@ -1230,10 +1340,21 @@ def policy_from_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
     return policy.eval(), obs_rms, {**asdict(train), "run_name": ckpt["run_name"]}
 
 
-def evaluate(policy, obs_rms, env_id: str, episodes: int, seed: int, device, writer, stop: StopSignal) -> list[float]:
+def evaluate(
+    policy, obs_rms, env_id: str, episodes: int, seed: int, device, writer, stop: StopSignal, videos=None
+) -> list[float]:
     """Mean-action episodes with frozen observation statistics, episode i reset with seed + i, logged as
-    eval/episodic_return. A stop request ends the evaluation at once (the unfinished episode is not counted)."""
-    env, returns, dtype = gym.make(env_id), [], next(policy.parameters()).dtype
+    eval/episodic_return. A stop request ends the evaluation at once (the unfinished episode is not counted).
+    `videos`: a folder to record each episode into (eval-episode-<i>.mp4), logged to W&B too when a run is open."""
+    env, returns, dtype = (
+        gym.make(env_id, render_mode="rgb_array" if videos else None),
+        [],
+        next(policy.parameters()).dtype,
+    )
+    if videos:
+        with warnings.catch_warnings():  # (it warns that the folder exists: it was made and checked at the start)
+            warnings.simplefilter("ignore")
+            env = gym.wrappers.RecordVideo(env, video_folder=videos, episode_trigger=lambda e: True, name_prefix="eval")
     with torch.no_grad():
         for ep in range(episodes):
             obs, _ = env.reset(seed=seed + ep)
@@ -1249,6 +1370,11 @@ def evaluate(policy, obs_rms, env_id: str, episodes: int, seed: int, device, wri
             writer.add_scalar("eval/episodic_return", total, ep)
             returns.append(total)
     env.close()
+    if videos and "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+        import wandb
+
+        for name in sorted(os.listdir(videos)):
+            wandb.log({"videos/eval": wandb.Video(os.path.join(videos, name))})
     mean, std = np.mean(returns or [np.nan]), np.std(returns or [np.nan])
     print(
         f"eval: {mean:.2f} +- {std:.2f} over {len(returns)} of {episodes} episodes (env {env_id}, seeds from {seed})"
@@ -1264,11 +1390,14 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
 
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     policy, obs_rms, train = policy_from_checkpoint(args.eval_checkpoint)
+    if args.capture_video:
+        check_renderer(train["env_id"])
     seed = 10_000 + (train["seed"] if args.seed == 1 else args.seed)  # a seed at its default: the run's
     run_name = make_run_dir(f"{train['run_name']}-eval__{seed}")
+    videos = video_folder(os.path.join("runs", run_name)) if args.capture_video else None
     print(f"device: {device} (evaluation), logging to runs/{run_name}", flush=True)
     with SummaryWriter(f"runs/{run_name}") as writer:
-        evaluate(policy.to(device), obs_rms, train["env_id"], args.eval_episodes, seed, device, writer, stop)
+        evaluate(policy.to(device), obs_rms, train["env_id"], args.eval_episodes, seed, device, writer, stop, videos)
     return stop.exit_status
 
 
@@ -1299,6 +1428,7 @@ def training_state(args: Args, update: int, global_step: int, objects: dict) -> 
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
         "envs": env_state(envs) if envs_continue_exactly(envs) else None,
+        "wandb_id": objects.get("wandb_id"),
     }
 
 
@@ -1478,6 +1608,7 @@ STATE_TYPES = {  # every key of a training state and its type
     "torch_rng": torch.Tensor,
     "cuda_rng": Optional[torch.Tensor],
     "envs": Optional[list],
+    "wandb_id": Optional[str],
 }
 
 
@@ -1606,7 +1737,7 @@ def lock_run_dir(run_dir: str) -> int:
     return fd
 
 
-def check_writable(run_dir: str) -> None:
+def check_writable(run_dir: str, what: str = "the run folder") -> None:
     """UserError when a file cannot be written into `run_dir` (a read-only mount, a full disk): a small file made,
     written, synced and removed."""
     probe = os.path.join(run_dir, f".write-probe{os.getpid()}")
@@ -1616,7 +1747,7 @@ def check_writable(run_dir: str) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror})")
+        raise UserError(f"cannot write into {what} {run_dir} ({e.strerror})")
     finally:
         if os.path.lexists(probe):
             os.remove(probe)

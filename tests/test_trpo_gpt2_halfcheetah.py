@@ -823,7 +823,8 @@ def test_a_resume_into_a_folder_that_cannot_be_written_is_one_sentence(tmp_path,
             k: v for k, v in before.items() if k not in kept
         }
     finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True)
+        umount = subprocess.run(["umount", str(mnt)], capture_output=True, text=True)
+    assert umount.returncode == 0, umount.stderr  # nothing of the refused run holds the folder open
 
 
 def test_run_folders_are_unique(tmp_path):
