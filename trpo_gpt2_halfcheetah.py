@@ -185,10 +185,15 @@ class MLPPolicy(nn.Module):
     def forward(self, obs: Optional[torch.Tensor], enc: Optional[dict] = None) -> torch.Tensor:
         return self.mean_from(self.encode(obs) if enc is None else enc)
 
+    def compile_rollout(self) -> None:
+        """torch.compile the forward that `act` runs on a GPU (on a CPU `act` runs in numpy)."""
+        self.__dict__["rollout_forward"] = torch.compile(self, mode="reduce-overhead")  # not a submodule: no weights
+
     def act(self, obs: np.ndarray) -> np.ndarray:
         """The action mean (float32) of the rollout's observations: `forward` itself, computed in numpy on a CPU."""
         if self.action_mean.weight.device.type != "cpu":
-            return self(torch.from_numpy(obs).to(self.action_mean.weight)).float().cpu().numpy()
+            x = torch.from_numpy(obs).to(self.action_mean.weight)
+            return self.__dict__.get("rollout_forward", self)(x).float().cpu().numpy()
         return mlp_forward_numpy([(m.weight.detach().numpy(), m.bias.detach().numpy()) for m in self.layers()], obs)
 
     def layers(self) -> list[nn.Linear]:

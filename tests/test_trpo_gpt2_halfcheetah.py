@@ -99,6 +99,16 @@ def test_mlp_closed_form_fvp_equals_explicit_fisher_and_gauss_newton():
         trpo.make_mlp_fvp(policy, params[1:], [obs], 6, 0.1)  # a parameter missing
 
 
+def test_the_mlp_rollout_compiles_for_a_gpu_and_stays_in_numpy_on_a_cpu(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(trpo.torch, "compile", lambda module, mode: compiled.append(mode) or module)
+    policy = _mlp_policy()
+    policy.compile_rollout()
+    assert compiled == ["reduce-overhead"] and "rollout_forward" not in dict(policy.named_modules())
+    obs = np.zeros((2, 3), dtype=np.float32)
+    assert np.array_equal(policy.act(obs), policy(torch.from_numpy(obs).double()).detach().float().numpy())
+
+
 def test_act_runs_the_module_in_numpy_bit_for_bit():
     """The MLP's rollout forward (`act`: numpy on a CPU) against the module's forward, its reference: the same float32
     means, bit for bit (the rollout's numbers depend on them)."""
