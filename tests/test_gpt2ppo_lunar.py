@@ -208,18 +208,16 @@ def test_fast_dropout_attention_matches_sdpa_and_drops_at_the_right_rate():
     allowed[0, :, :, :3] = False  # window 0 is left-padded by 3 steps
     allowed[0, :, :3, 0] = True  # (its padded rows attend somewhere: only their finiteness matters)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)
-    tiny, _ = g2.attention_with_fast_dropout(None, q, k, v, allowed, dropout=1e-12)  # the math path
+    tiny, _ = g2.GPT2Critic.attention(None, q, k, v, allowed, dropout=1e-12)  # the math path
     assert torch.allclose(tiny, ref, atol=1e-6)
-    causal, _ = g2.attention_with_fast_dropout(None, q, k, v, None, dropout=1e-12)  # mask None: causal
+    causal, _ = g2.GPT2Critic.attention(None, q, k, v, None, dropout=1e-12)  # mask None: causal
     ref_causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
     assert torch.allclose(causal, ref_causal, atol=1e-6)
     # with dropout p the kept weights are scaled by 1/(1-p): with v = one-hot columns the output IS
     # the dropped-and-rescaled weight matrix, so the rate and the scale can be read off it
     p, L = 0.5, 64
     eye = torch.eye(L).expand(40, 1, L, L)
-    w, _ = g2.attention_with_fast_dropout(
-        None, torch.zeros(40, 1, L, L), torch.zeros(40, 1, L, L), eye, None, dropout=p
-    )
+    w, _ = g2.GPT2Critic.attention(None, torch.zeros(40, 1, L, L), torch.zeros(40, 1, L, L), eye, None, dropout=p)
     w = w.transpose(1, 2)[:, 0]  # (40, L, L): row i = uniform 1/(i+1) weights, dropped, rescaled
     base = torch.ones(L, L).tril() / torch.arange(1, L + 1)[:, None]
     kept = w > 0
@@ -588,7 +586,7 @@ def test_a_signal_in_the_last_update_ends_a_complete_run_not_a_stopped_one(tmp_p
     assert code == 143 and "Traceback" not in err and "eval:" not in out
     assert f"{256 * update} of 512 steps" in last and f"checkpoint saved to {rel}" in last
     if update == 1:
-        assert "stopped by SIGTERM after" in last and last.endswith(f"; continue it: --resume {rel}")
+        assert "stopped by SIGTERM after" in last and last.endswith(f"; interrupted (continue it: --resume {rel})")
     else:
         assert "stopped" not in last and "--resume" not in last
     assert g2.load_checkpoint(os.path.join(run, "training_state.pt"))["iteration"] == update
@@ -707,25 +705,30 @@ def _checkpoint(folder, kind):
     return path
 
 
-def _loop_objects(args: g2.Args):
-    """What main builds and carries from one update into the next, for `args`, as training_state takes them:
-    (models, shuffle_rng, history, episodes, envs)."""
-    max_t, obs_dim, act_dim, discrete = g2.env_sizes(args.env_id)
+def _loop_objects(args: g2.Args) -> dict:
+    """What main builds and carries from one update into the next, for `args`, as Run.start takes them (the objects a
+    training state holds)."""
     N, mode = args.num_envs, gym.vector.AutoresetMode.SAME_STEP
     envs = gym.vector.SyncVectorEnv([g2.make_env(args.env_id)] * N, autoreset_mode=mode)
+    max_t, obs_dim, act_dim, discrete = g2.env_dims(envs)
     actor = g2.Actor(obs_dim, act_dim, discrete, args.hidden_size)
     critic = g2.make_critic(args.critic, obs_dim, act_dim, {**asdict(args), "max_timestep": max_t})
-    models = {
-        "actor": actor,
-        "critic": critic,
-        "actor_optimizer": torch.optim.Adam(actor.parameters(), eps=1e-5),
-        "critic_optimizer": torch.optim.Adam([p for p in critic.parameters() if p.requires_grad], eps=1e-5),
-    }
     T = args.steps_per_epoch // N
     K, S = (args.context_len, args.value_stride) if args.critic == "gpt2" else (1, 1)  # as main: the MLP's window
-    history = g2.History(N, T, K, S, obs_dim, act_dim)
-    episodes = (np.zeros(N), np.zeros(N, dtype=np.int64), deque(maxlen=100))
-    return models, np.random.default_rng(args.seed), history, episodes, envs
+    return {
+        "actor": actor,
+        "critic": critic,
+        "actor_optimizer": torch.optim.Adam(actor.parameters(), lr=args.actor_lr, eps=1e-5),
+        "critic_optimizer": torch.optim.Adam(
+            [p for p in critic.parameters() if p.requires_grad], lr=args.critic_lr, eps=1e-5
+        ),
+        "shuffle_rng": np.random.default_rng(args.seed),
+        "history": g2.History(N, T, K, S, obs_dim, act_dim),
+        "episode_return": np.zeros(N),
+        "episode_length": np.zeros(N, dtype=np.int64),
+        "recent_returns": deque(maxlen=100),
+        "envs": envs,
+    }
 
 
 def _training_state(folder, kind):
@@ -733,8 +736,8 @@ def _training_state(folder, kind):
     folder.mkdir()
     args = g2.Args(seed=1, critic="mlp", total_timesteps=20480)
     objects = _loop_objects(args)
-    obs = objects[-1].reset(seed=1)[0]
-    state = g2.training_state(args, 1, 2048, obs, *objects)
+    obs = objects["envs"].reset(seed=1)[0]
+    state = g2.training_state(args, 1, 2048, objects, obs)
     saved = state["args"]
     if kind == "foreign":
         state["script"] = "another.py"
@@ -791,15 +794,15 @@ def _bad(flags, message):
         _bad(("--n-head", "3"), "--n-head 3 must divide --hidden-size 64"),
         _bad(("--hidden-size", "65536", "--n-layer", "96"), "GiB, more than this machine's"),
         _bad(("--context-len", "4096", "--minibatch-size", "2048"), "GiB, more than this machine's"),
-        # choices: one table
-        _bad(("--critic", "lstm"), "--critic must be one of gpt2, mlp, got 'lstm'"),
-        _bad(("--update-schedule", "random"), "--update-schedule must be one of shuffled, authors, got 'random'"),
+        # choices: Literal flags, listed and enforced by tyro (its own message, exit 2)
+        _bad(("--critic", "lstm"), None),
+        _bad(("--update-schedule", "random"), None),
         # run names are plain names
         _bad(("--exp-name", "../up"), "--exp-name must be a plain name"),
         _bad(("--exp-name", "a/b"), "--exp-name must be a plain name"),
         _bad(("--exp-name", ".."), "--exp-name must be a plain name"),
         _bad(("--exp-name", ""), "--exp-name must be a plain name"),
-        _bad(("--exp-name", "x" * 65), "--exp-name must be a plain name"),
+        _bad(("--exp-name", "x" * 201), "--exp-name must be a plain name"),
         _bad(("--exp-name", "training_state"), "--exp-name training_state is the name of the run's training state"),
         # envs that do not exist or do not fit
         _bad(("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
@@ -952,7 +955,8 @@ def test_the_training_state_restores_exactly(tmp_path, env_id):
     classic-control env, whose copies then step the same. Box2D envs restart their episodes, the same way each time."""
     args = g2.Args(env_id=env_id, seed=7, num_envs=2, steps_per_epoch=16, value_stride=2, **TINY_ARGS)
     objects = _loop_objects(args)
-    models, shuffle_rng, history, (returns, lengths, recent), envs = objects
+    models, shuffle_rng, history, envs = objects, objects["shuffle_rng"], objects["history"], objects["envs"]
+    returns, lengths, recent = objects["episode_return"], objects["episode_length"], objects["recent_returns"]
     n, rng = envs.single_action_space.n, np.random.default_rng(0)
     obs = envs.reset(seed=7)[0].astype(np.float32)
     for step in range(8):  # a rollout: the windows' rows, episodes in progress
@@ -971,27 +975,27 @@ def test_the_training_state_restores_exactly(tmp_path, env_id):
     list(g2.minibatch_plan("shuffled", 16, 4, 8, 2, shuffle_rng))
     history.carry_over()
     path = str(tmp_path / "training_state.pt")
-    g2.save_checkpoint(path, g2.training_state(args, 3, 48, obs, *objects))
-    saved = g2.training_state(args, 3, 48, obs, *objects)
+    g2.save_checkpoint(path, g2.training_state(args, 3, 48, objects, obs))
+    saved = g2.training_state(args, 3, 48, objects, obs)
     twins = []
     for k in range(2):
         twin = _loop_objects(args)  # fresh weights, drawn from torch's stream
-        twin[-1].reset(seed=123 + k)  # and envs in other states
-        iteration, step, twin_obs = g2.restore_training_state(str(tmp_path), g2.load_checkpoint(path), *twin)
+        twin["envs"].reset(seed=123 + k)  # and envs in other states
+        iteration, step, twin_obs = g2.restore_training_state(path, g2.load_checkpoint(path), twin)
         assert (iteration, step) == (3, 48)
-        twins.append((twin, g2.training_state(args, iteration, step, twin_obs, *twin)))
+        twins.append((twin, g2.training_state(args, iteration, step, twin, twin_obs)))
     (one, one_state), (two, two_state) = twins
     assert _same(one_state, two_state)
     if env_id == "Acrobot-v1":  # classic control: the episodes go on
         assert saved["envs"] is not None and _same(saved, one_state)
-        stepped, others = envs, [one[-1], two[-1]]
+        stepped, others = envs, [one["envs"], two["envs"]]
     else:  # Box2D: all else the same, but new episodes, from a reset seeded by the seed and the update
         restarted = ("next_obs", "episode_return", "episode_length")
         kept = [{k: v for k, v in state.items() if k not in restarted} for state in (saved, one_state)]
         assert saved["envs"] is None and _same(*kept)
         assert not torch.equal(one_state["next_obs"], saved["next_obs"])
         assert not one_state["episode_return"].any() and not one_state["episode_length"].any()
-        stepped, others = one[-1], [two[-1]]
+        stepped, others = one["envs"], [two["envs"]]
     for _ in range(30):
         action = rng.integers(0, n, 2)
         expected = stepped.step(action)
