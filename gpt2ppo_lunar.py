@@ -25,6 +25,7 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, not a traceback
     signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
 
+import fcntl
 import random
 import re
 import stat
@@ -597,8 +598,15 @@ class Run:
             suffix = "" if args.update_schedule == "shuffled" else f"-{args.update_schedule}-schedule"
             base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__critic-{args.critic}{suffix}__{args.seed}"
             self.run_dir = os.path.join("runs", make_run_dir(base))
-        else:
-            update, global_step, next_obs = restore_training_state(self.state_path, state, objects)
+            self.take_lock()
+        else:  # nothing is written into the folder before the state is known to fit and the folder to be writable
+            validate_training_state(self.state_path, state, args, objects)
+            self.take_lock()
+            for name in os.listdir(self.run_dir):  # a save killed mid-write leaves its temporary file
+                if re.fullmatch(r".+\.pt\.tmp\d+", name):
+                    os.remove(os.path.join(self.run_dir, name))
+            update, global_step, next_obs = restore_training_state(state, objects)
+            self.stop.last_state = f"the last training state is {self.state_path} (update {update})"
             # TensorBoard reads event files in name order, which starts with the second of their making
             wait_for_a_new_second(self.run_dir)
         self.run_name = os.path.basename(os.path.abspath(self.run_dir))
@@ -625,6 +633,39 @@ class Run:
     def state_path(self) -> str:
         return os.path.join(self.run_dir, "training_state.pt")
 
+    def take_lock(self) -> None:
+        """One process per run folder: an advisory lock on <run folder>/.lock, held until the run ends, with the
+        holder's pid in it; the folder is checked to be writable (a small file written, synced, removed) before the
+        pid is written."""
+        try:
+            self.lock = open(os.path.join(self.run_dir, ".lock"), "a+")
+        except OSError as e:
+            raise UserError(f"cannot write into the run folder {self.run_dir} ({e.strerror})")
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.lock.seek(0)
+            holder = self.lock.read().strip() or "unknown"
+            self.lock.close()
+            raise UserError(f"another process (pid {holder}) is running {self.run_dir}")
+        probe = os.path.join(self.run_dir, f".probe{os.getpid()}")
+        try:
+            try:
+                with open(probe, "wb") as f:
+                    f.write(b"\0" * 4096)
+                    f.flush()
+                    os.fsync(f.fileno())
+            finally:
+                if os.path.lexists(probe):
+                    os.remove(probe)
+            self.lock.seek(0)
+            self.lock.truncate()
+            self.lock.write(f"{os.getpid()}\n")
+            self.lock.flush()
+        except OSError as e:
+            self.lock.close()
+            raise UserError(f"cannot write into the run folder {self.run_dir} ({e.strerror})")
+
     def steps_per_second(self) -> int:
         return int((self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9))
 
@@ -636,6 +677,7 @@ class Run:
         if stopping or update % self.args.checkpoint_every == 0 or update == self.num_updates:
             self.writer.flush()  # what the updates in this state logged is on disk before the state is
             save_checkpoint(self.state_path, training_state(self.args, update, global_step, self.objects, **loop_state))
+            self.stop.last_state = f"the last training state is {self.state_path} (update {update})"
         tenth = update * 10 // self.num_updates > (update - 1) * 10 // self.num_updates
         if not stopping and update < self.num_updates and (tenth or time.time() - self.last_line >= 60):
             self.last_line = time.time()
@@ -679,6 +721,7 @@ class Run:
             actor = objects["actor"].cpu().eval()
             evaluate(actor, args.env_id, args.eval_episodes, 10_000 + args.seed, self.writer, self.stop)
         self.writer.close()
+        self.lock.close()
         return self.stop.exit_status
 
 
@@ -796,6 +839,7 @@ class StopSignal:
 
     def __init__(self):
         self.signum = 0
+        self.last_state = "no training state was saved"  # set by the run after each save
 
     def install(self) -> "StopSignal":
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -804,6 +848,8 @@ class StopSignal:
 
     def handle(self, signum, frame) -> None:
         if self.requested:
+            name = signal.Signals(signum).name
+            print(f"{name} again: quitting at once without saving; {self.last_state}", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
         self.signum = signum
         print(
@@ -836,11 +882,22 @@ def save_checkpoint(path: str, checkpoint: dict) -> None:
 def load_checkpoint(path: str) -> dict:
     """The dict in a checkpoint file, read without running code (weights_only); UserError for anything else."""
     try:
-        mode = os.stat(path).st_mode
+        os.lstat(path)
+    except FileNotFoundError:
+        raise UserError(f"cannot read the checkpoint '{path}' (it does not exist)")
+    except OSError as e:
+        raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
+    try:
+        mode = os.stat(path).st_mode  # a symbolic link followed: a loop or a dangling link says so
     except OSError as e:
         raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
     if not stat.S_ISREG(mode):  # a folder, a FIFO or a device: opening a FIFO would wait forever
         raise UserError(f"cannot read the checkpoint '{path}' (not a regular file)")
+    try:
+        with open(path, "rb") as f:  # unreadable (permissions, an I/O error): say why
+            f.read(1)
+    except OSError as e:
+        raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:
@@ -1014,43 +1071,237 @@ def training_state(args: Args, iteration: int, global_step: int, objects: dict, 
 HISTORY = ("obs", "act", "ts", "reach")
 
 
-def restore_training_state(path: str, state: dict, objects: dict) -> tuple[int, int, np.ndarray]:
-    """Put the training state `state` (of the file `path`) back into freshly made `objects`; (updates done, steps
-    done, the current observation). UserError when it does not fit them (a damaged file).
+TRAINING_STATE_TYPES = {
+    "script": str,
+    "args": dict,
+    "iteration": int,
+    "global_step": int,
+    "next_obs": torch.Tensor,
+    "actor": dict[str, torch.Tensor],
+    "critic": dict[str, torch.Tensor],
+    "actor_optimizer": dict,
+    "critic_optimizer": dict,
+    "torch_rng": torch.Tensor,
+    "cuda_rng": Optional[torch.Tensor],
+    "shuffle_rng": dict,
+    "history": dict[str, torch.Tensor],
+    "episode_return": torch.Tensor,
+    "episode_length": torch.Tensor,
+    "recent_returns": torch.Tensor,
+    "envs": Optional[list[dict]],
+}
+ADAM_STATE = {"step": torch.Tensor, "exp_avg": torch.Tensor, "exp_avg_sq": torch.Tensor}
+
+
+def validate_training_state(path: str, state: dict, args: Args, objects: dict) -> None:
+    """UserError "'{path}' is a damaged training state ({why})" unless every key, type, shape and range of `state`
+    fits the run's own flags `args` and the freshly built `objects` (those Run.start was given). Reads only."""
+    why = training_state_damage(state, args, objects)
+    if why is not None:
+        raise UserError(f"'{path}' is a damaged training state ({why})")
+
+
+def training_state_damage(state: dict, args: Args, objects: dict) -> Optional[str]:
+    """What is wrong with `state` (see validate_training_state), or None."""
+    for key, hint in TRAINING_STATE_TYPES.items():
+        if key not in state:
+            return f"no {key!r}"
+        if not fits(state[key], hint):
+            return f"{key} is not of the type {getattr(hint, '__name__', hint)}"
+    if set(state) != set(TRAINING_STATE_TYPES):
+        return f"unknown keys {sorted(set(state) - set(TRAINING_STATE_TYPES))}"
+    updates, per_update = -(-args.total_timesteps // args.steps_per_epoch), args.steps_per_epoch
+    update, steps = state["iteration"], state["global_step"]
+    if not (1 <= update <= updates and steps == update * per_update):
+        return f"update {update} at step {steps}: not one of this run's {updates} updates of {per_update} steps"
+    for name in ("actor", "critic"):
+        why = tensors_damage(name, state[name], objects[name].state_dict())
+        if why is not None:
+            return why
+    for name in ("actor_optimizer", "critic_optimizer"):
+        why = adam_damage(name, state[name], objects[name])
+        if why is not None:
+            return why
+    if not like(state["torch_rng"], torch.get_rng_state()):
+        return "torch_rng is not a random state of torch"
+    if state["cuda_rng"] is not None and (state["cuda_rng"].dtype != torch.uint8 or state["cuda_rng"].dim() != 1):
+        return "cuda_rng is not a random state of CUDA"
+    why = structure_damage("shuffle_rng", state["shuffle_rng"], objects["shuffle_rng"].bit_generator.state)
+    if why is not None:
+        return why
+    history, envs = objects["history"], objects["envs"]
+    max_timestep = env_dims(envs)[0]
+    expected = {f"history.{name}": torch.from_numpy(getattr(history, name)) for name in HISTORY}
+    expected["next_obs"] = torch.zeros(envs.num_envs, *envs.single_observation_space.shape)
+    expected["episode_return"] = torch.from_numpy(objects["episode_return"])
+    expected["episode_length"] = torch.from_numpy(objects["episode_length"])
+    if set(state["history"]) != set(HISTORY):
+        return f"history holds {sorted(state['history'])}, not {list(HISTORY)}"
+    saved = {f"history.{name}": state["history"][name] for name in HISTORY}
+    saved.update({k: state[k] for k in ("next_obs", "episode_return", "episode_length")})
+    for name, want in expected.items():
+        if not like(saved[name], want) or not bool(saved[name].isfinite().all()):
+            return f"{name} is not a finite {want.dtype} tensor of shape {tuple(want.shape)}"
+    ts, reach, length = saved["history.ts"], saved["history.reach"], saved["episode_length"]
+    if not (bool((ts >= 0).all()) and bool((ts <= max_timestep).all()) and bool((length <= max_timestep).all())):
+        return f"timesteps outside 0..{max_timestep}, the episode limit"
+    if not (
+        bool((length >= 0).all()) and bool((reach >= 0).all()) and bool((reach <= ts.clamp(max=history.K - 1)).all())
+    ):
+        return "windows that reach outside their episodes"
+    recent = state["recent_returns"]
+    if recent.dtype != torch.float64 or recent.dim() != 1 or len(recent) > 100 or not bool(recent.isfinite().all()):
+        return "recent_returns is not up to 100 finite float64 returns"
+    fresh = env_state(envs)
+    if (state["envs"] is None) != (fresh is None):
+        return "envs are not those of this run"
+    if fresh is not None:
+        return envs_damage(state["envs"], fresh, env_layers(envs))
+    return None
+
+
+def envs_damage(saved: list, fresh: list, layers: list) -> Optional[str]:
+    """The saved envs (env_state) against the fresh envs': the same layers; each env's own attributes exactly the fresh
+    env's keys, of the same structure; a wrapper's shared keys of the same structure (wrappers cache some attributes
+    on first use, so their key sets vary) and its others plain values or saved arrays."""
+    if len(saved) != len(fresh):
+        return "envs has other layers than this run's"
+    for i, (layer, ours, theirs) in enumerate(zip(layers, saved, fresh)):
+        if not isinstance(ours, dict):
+            return f"envs[{i}] is not a dict"
+        own = isinstance(layer, gym.Env) and not isinstance(layer, gym.Wrapper)
+        if own and set(ours) != set(theirs):
+            return f"envs[{i}] has other keys than this run's"
+        for key in set(ours) & set(theirs):
+            why = structure_damage(f"envs[{i}].{key}", ours[key], theirs[key])
+            if why is not None:
+                return why
+        for key in set(ours) - set(theirs):
+            if not fits(ours[key], Union[None, bool, int, float, str, torch.Tensor]):
+                return f"envs[{i}].{key} is not a plain value"
+    return None
+
+
+def like(saved: torch.Tensor, fresh: torch.Tensor) -> bool:
+    """A tensor of the dtype and shape of `fresh`."""
+    return torch.is_tensor(saved) and saved.dtype == fresh.dtype and saved.shape == fresh.shape
+
+
+def tensors_damage(name: str, saved: dict, fresh: dict) -> Optional[str]:
+    """The weights `saved` against a fresh model's state_dict: the same names, dtypes and shapes, finite values."""
+    if set(saved) != set(fresh):
+        return f"{name} has other weights than this run's model"
+    for key, want in fresh.items():
+        if not like(saved[key], want) or (want.is_floating_point() and not bool(saved[key].isfinite().all())):
+            return f"{name}.{key} is not a finite {want.dtype} tensor of shape {tuple(want.shape)}"
+    return None
+
+
+def adam_damage(name: str, saved: dict, optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """An Adam state_dict against a fresh optimizer of the run's flags: its hyperparameters and parameter groups, and
+    for each parameter a finite step count and finite moments of the parameter's shape (the second non-negative)."""
+    fresh = optimizer.state_dict()
+    if set(saved) != {"state", "param_groups"} or not fits(saved["param_groups"], list[dict]):
+        return f"{name} is not an Adam state"
+    if not _same(saved["param_groups"], fresh["param_groups"]):
+        return f"{name} has other hyperparameters or parameter groups than this run's"
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not fits(saved["state"], dict[int, dict]) or not set(saved["state"]) <= set(range(len(params))):
+        return f"{name} holds the state of other parameters"
+    for i, moments in saved["state"].items():
+        zero = torch.zeros_like(params[i], device="cpu")
+        if not (
+            set(moments) == set(ADAM_STATE)
+            and all(fits(moments[k], t) for k, t in ADAM_STATE.items())
+            and moments["step"].numel() == 1
+            and bool(moments["step"].isfinite().all())
+            and float(moments["step"]) >= 0
+            and like(moments["exp_avg"], zero)
+            and like(moments["exp_avg_sq"], zero)
+            and bool(moments["exp_avg"].isfinite().all())
+            and bool(moments["exp_avg_sq"].isfinite().all())
+            and bool((moments["exp_avg_sq"] >= 0).all())
+        ):
+            return f"{name}'s moments of parameter {i} are not finite, of its shape {tuple(zero.shape)}"
+    return None
+
+
+def _same(a, b) -> bool:
+    """Equal through dicts, lists and tuples, types included (True is not 1)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
+
+
+def structure_damage(name: str, saved, fresh) -> Optional[str]:
+    """`saved` against what the fresh objects give (`env_state`, a generator's state): the same dicts (keys), lists
+    (lengths) and generator kinds, tensors of the same dtype and shape (a deque's of any length) with finite values,
+    and plain values of the same type (None allowed for either)."""
+    if isinstance(fresh, dict):
+        if not isinstance(saved, dict) or set(saved) != set(fresh):
+            return f"{name} has other keys than this run's"
+        if "bit_generator" in fresh and saved["bit_generator"] != fresh["bit_generator"]:
+            return f"{name} is not a {fresh['bit_generator']} random state"
+        for key in fresh:
+            why = structure_damage(f"{name}.{key}", saved[key], fresh[key])
+            if why is not None:
+                return why
+        return None
+    if isinstance(fresh, list):
+        if not isinstance(saved, list) or len(saved) != len(fresh):
+            return f"{name} has other layers than this run's"
+        for i, (s_, f_) in enumerate(zip(saved, fresh)):
+            why = structure_damage(f"{name}[{i}]", s_, f_)
+            if why is not None:
+                return why
+        return None
+    if torch.is_tensor(fresh):
+        # an env's arrays keep their shape but not always their precision (a state reset as float32 is stepped in
+        # float64); a queue's length and, when empty, its dtype vary
+        kind = "float" if fresh.is_floating_point() else "bool" if fresh.dtype == torch.bool else "integer"
+        fits_it = torch.is_tensor(saved) and (
+            saved.shape[1:] == fresh.shape[1:] if name.endswith(".deque") else saved.shape == fresh.shape
+        )
+        if not name.endswith(".deque") and fits_it:
+            fits_it = kind == (
+                "float" if saved.is_floating_point() else "bool" if saved.dtype == torch.bool else "integer"
+            )
+        if not fits_it:
+            return f"{name} is not a {kind} tensor of shape {tuple(fresh.shape)}"
+        if saved.is_floating_point() and not bool(saved.isfinite().all()):
+            return f"{name} is not finite"
+        return None
+    if saved is None or fresh is None:
+        return None if saved is None or isinstance(saved, (bool, int, float, str)) else f"{name} is not a plain value"
+    return None if type(saved) is type(fresh) else f"{name} is not a {type(fresh).__name__}"
+
+
+def restore_training_state(state: dict, objects: dict) -> tuple[int, int, np.ndarray]:
+    """Put a training state that validate_training_state passed back into the freshly made `objects`, in place;
+    (updates done, steps done, the current observation).
 
     Envs whose state was not saved (Box2D, MuJoCo) start new episodes, seeded by the run's seed and the update."""
     envs, episode_return, episode_length = objects["envs"], objects["episode_return"], objects["episode_length"]
-    try:
-        for name in MODELS:
-            objects[name].load_state_dict(state[name])
-        torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"] is not None and next(objects["actor"].parameters()).is_cuda:
-            torch.cuda.set_rng_state(state["cuda_rng"])
-        objects["shuffle_rng"].bit_generator.state = state["shuffle_rng"]
-        for name in HISTORY:  # in place: History's torch views share this memory
-            copy_into(getattr(objects["history"], name), state["history"][name], f"history.{name}")
-        copy_into(episode_return, state["episode_return"], "episode_return")
-        copy_into(episode_length, state["episode_length"], "episode_length")
-        objects["recent_returns"].clear()
-        objects["recent_returns"].extend(state["recent_returns"].numpy())
-        if state["envs"] is None:  # the episodes in progress are cut off, unlogged; the windows start afresh
-            episode_return[:], episode_length[:] = 0.0, 0
-            next_obs = envs.reset(seed=state["args"]["seed"] + envs.num_envs * state["iteration"])[0]
-        else:
-            restore_env_state(envs, state["envs"])
-            next_obs = np.zeros((envs.num_envs, *envs.single_observation_space.shape), dtype=np.float32)
-            copy_into(next_obs, state["next_obs"], "next_obs")
-    except (KeyError, ValueError, RuntimeError, TypeError, IndexError, AttributeError) as e:
-        reason = f"no {e}" if isinstance(e, KeyError) else (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"'{path}' is a damaged training state ({reason.rstrip('.:')})")
+    for name in MODELS:
+        objects[name].load_state_dict(state[name])
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] is not None and next(objects["actor"].parameters()).is_cuda:
+        torch.cuda.set_rng_state(state["cuda_rng"])
+    objects["shuffle_rng"].bit_generator.state = state["shuffle_rng"]
+    for name in HISTORY:  # in place: History's torch views share this memory
+        getattr(objects["history"], name)[...] = state["history"][name].numpy()
+    episode_return[...], episode_length[...] = state["episode_return"].numpy(), state["episode_length"].numpy()
+    objects["recent_returns"].clear()
+    objects["recent_returns"].extend(state["recent_returns"].numpy())
+    if state["envs"] is None:  # the episodes in progress are cut off, unlogged; the windows start afresh
+        episode_return[:], episode_length[:] = 0.0, 0
+        next_obs = envs.reset(seed=state["args"]["seed"] + envs.num_envs * state["iteration"])[0]
+    else:
+        restore_env_state(envs, state["envs"])
+        next_obs = state["next_obs"].numpy()
     return state["iteration"], state["global_step"], next_obs.astype(np.float32)
-
-
-def copy_into(array: np.ndarray, saved: torch.Tensor, name: str) -> None:
-    """array[...] = saved, a tensor of the same shape (no broadcasting); ValueError otherwise."""
-    if not torch.is_tensor(saved) or tuple(saved.shape) != array.shape:
-        raise ValueError(f"{name} is not a tensor of shape {array.shape}")
-    array[...] = saved.numpy()
 
 
 def env_layers(envs) -> list:
@@ -1120,7 +1371,7 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
     path = os.path.join(args.resume, "training_state.pt")
     if not os.path.isdir(args.resume):
         raise UserError(f"--resume {args.resume} is not a run folder")
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise UserError(f"--resume {args.resume} holds no training_state.pt (it stopped before its first checkpoint)")
     state = load_checkpoint(path)
     saved = state.get("args")
@@ -1144,15 +1395,6 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
         check_args(run_args)
     except UserError as e:
         raise UserError(f"the flags saved in '{path}' cannot run: {e}")
-    updates = -(-run_args.total_timesteps // run_args.steps_per_epoch)
-    iteration, steps, per_update = state.get("iteration"), state.get("global_step"), run_args.steps_per_epoch
-    if not (
-        fits(iteration, int) and 1 <= iteration <= updates and fits(steps, int) and steps == iteration * per_update
-    ):
-        raise UserError(
-            f"'{path}' is a damaged training state (update {iteration} at step {steps}: not one of this run's "
-            f"{updates} updates of {per_update} steps)"
-        )
     return run_args, state
 
 

@@ -623,9 +623,11 @@ def test_a_signal_during_evaluation_stops_after_the_episode_and_a_second_quits(c
     returns = g2.evaluate(g2.Actor(4, 2, True, 8), "CartPole-v1", 3, 0, writer, stop)
     assert len(returns) == 1 and "stopped after 1 of 3 episodes" in capsys.readouterr().out
     assert not writer.closed and stop.exit_status == 130  # the caller's writer stays the caller's
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         stop.handle(signal.SIGTERM, None)
     assert e.value.code == 143
+    assert capsys.readouterr().err == "SIGTERM again: quitting at once without saving; no training state was saved\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -692,12 +694,14 @@ def _checkpoint(folder, kind):
     elif kind == "gpt2":  # a GPT-2 critic of the default sizes
         args["critic"] = "gpt2"
         ckpt["critic"] = g2.make_critic("gpt2", 8, 4, args).state_dict()
-    if kind == "text":
+    if kind == "loop":  # a symbolic link to itself
+        os.symlink(f"{kind}.pt", path)
+    elif kind == "text":
         with open(path, "w") as f:
             f.write("not a checkpoint\n")
     elif kind == "fifo":  # a named pipe: opening it would wait for a writer forever
         os.mkfifo(path)
-    elif kind != "missing_file":
+    elif kind not in ("missing_file", "loop"):
         g2.save_checkpoint(path, ckpt)
     if kind == "truncated":
         with open(path, "r+b") as f:
@@ -732,13 +736,45 @@ def _loop_objects(args: g2.Args) -> dict:
 
 
 def _training_state(folder, kind):
-    """A run folder holding a training state (update 1 of 10), good or spoiled as `kind` says."""
+    """A run folder holding a training state (update 1 of 10, with Adam's moments; Acrobot's kinds with the envs'
+    own state), good or spoiled as `kind` says."""
     folder.mkdir()
-    args = g2.Args(seed=1, critic="mlp", total_timesteps=20480)
+    env_id = "Acrobot-v1" if kind.startswith("acrobot") else "LunarLander-v3"
+    args = g2.Args(seed=1, critic="mlp", total_timesteps=20480, env_id=env_id)
     objects = _loop_objects(args)
+    for name in ("actor_optimizer", "critic_optimizer"):  # one step with zero gradients: moments, weights unchanged
+        for group in objects[name].param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        objects[name].step()
     obs = objects["envs"].reset(seed=1)[0]
     state = g2.training_state(args, 1, 2048, objects, obs)
-    saved = state["args"]
+    saved, first = state["args"], state["critic_optimizer"]["state"][0]
+    env_layer = next((e for e in state["envs"] or [] if torch.is_tensor(e.get("state"))), {})  # Acrobot's own
+    damage = {  # kind: what is changed in the state
+        "str_update": lambda: state.update(iteration="1"),
+        "bool_update": lambda: state.update(iteration=True),
+        "float_steps": lambda: state.update(global_step=2048.0),
+        "negative": lambda: state.update(iteration=-1, global_step=-2048),
+        "unknown_key": lambda: state.update(extra=1),
+        "nan_weight": lambda: state["critic"]["net.0.bias"].fill_(float("nan")),
+        "adam_shape": lambda: first.update(exp_avg=torch.zeros(3)),
+        "adam_nan": lambda: first["exp_avg_sq"].fill_(float("nan")),
+        "adam_lr": lambda: state["actor_optimizer"]["param_groups"][0].update(lr=0.5),
+        "torch_rng": lambda: state.update(torch_rng=torch.zeros(8, dtype=torch.uint8)),
+        "shuffle_rng": lambda: state["shuffle_rng"].update(bit_generator="MT19937"),
+        "history_nan": lambda: state["history"]["obs"].fill_(float("nan")),
+        "timesteps": lambda: state["history"]["ts"].fill_(-1),
+        "episode_length": lambda: state["episode_length"].fill_(10**6),
+        "recent_returns": lambda: state.update(recent_returns=torch.zeros(3, dtype=torch.float32)),
+        "bad_choice": lambda: saved.update(critic="lstm"),
+        "acrobot_env_shape": lambda: env_layer.update(state=torch.zeros(3)),
+        "acrobot_env_key": lambda: env_layer.pop("state"),
+        "acrobot_no_envs": lambda: state.update(envs=None),
+    }
+    if kind in damage:
+        assert kind.startswith("acrobot_") == bool(env_layer)
+        damage[kind]()
     if kind == "foreign":
         state["script"] = "another.py"
     elif kind == "mistyped":
@@ -757,11 +793,20 @@ def _training_state(folder, kind):
         state["actor"]["body.0.weight"] = torch.zeros(3, 3)
     elif kind == "eight_envs":  # flags that run, but not with this state's history
         saved["num_envs"] = 8
-    g2.save_checkpoint(str(folder / "training_state.pt"), state)
+    if kind == "loop":  # a symbolic link to itself
+        os.symlink("training_state.pt", folder / "training_state.pt")
+    else:
+        g2.save_checkpoint(str(folder / "training_state.pt"), state)
 
 
-def _tree(folder) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+def _tree(folder, folder_times: bool = True) -> list[tuple]:
+    """Every path under `folder` with its size and modification time (of files only when not `folder_times`)."""
+    return sorted(
+        (str(p.relative_to(folder)), p.lstat().st_size, p.lstat().st_mtime_ns)
+        if folder_times or not p.is_dir()
+        else (str(p.relative_to(folder)),)
+        for p in folder.rglob("*")
+    )
 
 
 def _bad(flags, message):
@@ -816,7 +861,8 @@ def _bad(flags, message):
         _bad(("--progress-every", "1"), None),
         _bad(("--seed", "1.5"), None),
         # checkpoints: missing, not a file, foreign, spoiled; --eval-checkpoint takes no training flags
-        _bad(("--eval-checkpoint", "ckpt:missing_file"), "cannot read the checkpoint"),
+        _bad(("--eval-checkpoint", "ckpt:missing_file"), "missing_file.pt' (it does not exist)"),
+        _bad(("--eval-checkpoint", "ckpt:loop"), "loop.pt' (Too many levels of symbolic links)"),
         _bad(("--eval-checkpoint", "given"), "not a regular file"),
         _bad(("--eval-checkpoint", "ckpt:fifo"), "not a regular file"),
         _bad(("--eval-checkpoint", "ckpt:text"), "not a torch file"),
@@ -849,11 +895,35 @@ def _bad(flags, message):
         ),
         _bad(("--resume", "resume:steps"), "is a damaged training state (update 1 at step 2000: not one"),
         _bad(("--resume", "resume:no_optimizer"), "is a damaged training state (no 'critic_optimizer')"),
-        _bad(("--resume", "resume:misshapen"), "damaged training state (Error(s) in loading state_dict for Actor)"),
+        _bad(
+            ("--resume", "resume:misshapen"),
+            "damaged training state (actor.body.0.weight is not a finite torch.float32 tensor of shape (64, 8))",
+        ),
         _bad(
             ("--resume", "resume:eight_envs"),
-            "is a damaged training state (history.obs is not a tensor of shape (8, 257, 8))",
+            "is a damaged training state (history.obs is not a finite torch.float32 tensor of shape (8, 257, 8))",
         ),
+        _bad(("--resume", "resume:loop"), "training_state.pt' (Too many levels of symbolic links)"),
+        _bad(("--resume", "resume:bad_choice"), "is not a training state of this version of gpt2ppo_lunar.py"),
+        # every key, type, shape and range of a training state, against the run's flags and fresh objects
+        _bad(("--resume", "resume:str_update"), "damaged training state (iteration is not of the type int)"),
+        _bad(("--resume", "resume:bool_update"), "damaged training state (iteration is not of the type int)"),
+        _bad(("--resume", "resume:float_steps"), "damaged training state (global_step is not of the type int)"),
+        _bad(("--resume", "resume:negative"), "damaged training state (update -1 at step -2048: not one of this"),
+        _bad(("--resume", "resume:unknown_key"), "damaged training state (unknown keys ['extra'])"),
+        _bad(("--resume", "resume:nan_weight"), "(critic.net.0.bias is not a finite torch.float32 tensor of shape"),
+        _bad(("--resume", "resume:adam_shape"), "(critic_optimizer's moments of parameter 0 are not finite, of its"),
+        _bad(("--resume", "resume:adam_nan"), "(critic_optimizer's moments of parameter 0 are not finite, of its"),
+        _bad(("--resume", "resume:adam_lr"), "(actor_optimizer has other hyperparameters or parameter groups"),
+        _bad(("--resume", "resume:torch_rng"), "damaged training state (torch_rng is not a random state of torch)"),
+        _bad(("--resume", "resume:shuffle_rng"), "damaged training state (shuffle_rng is not a PCG64 random state)"),
+        _bad(("--resume", "resume:history_nan"), "(history.obs is not a finite torch.float32 tensor of shape"),
+        _bad(("--resume", "resume:timesteps"), "damaged training state (timesteps outside 0..1000"),
+        _bad(("--resume", "resume:episode_length"), "damaged training state (timesteps outside 0..1000"),
+        _bad(("--resume", "resume:recent_returns"), "(recent_returns is not up to 100 finite float64 returns)"),
+        _bad(("--resume", "resume:acrobot_env_shape"), "(envs[4].state is not a float tensor of shape (4,))"),
+        _bad(("--resume", "resume:acrobot_env_key"), "damaged training state (envs[4] has other keys than this"),
+        _bad(("--resume", "resume:acrobot_no_envs"), "damaged training state (envs are not those of this run)"),
         _bad(("--resume", "resume:good", "--eval-checkpoint", "x"), "takes no training flags, got --resume"),
         # a run folder that cannot be made (a file named runs stands where the folder would go)
         _bad(("--critic", "mlp", "runs-is-a-file"), "cannot create the run folder runs/"),
@@ -981,7 +1051,7 @@ def test_the_training_state_restores_exactly(tmp_path, env_id):
     for k in range(2):
         twin = _loop_objects(args)  # fresh weights, drawn from torch's stream
         twin["envs"].reset(seed=123 + k)  # and envs in other states
-        iteration, step, twin_obs = g2.restore_training_state(path, g2.load_checkpoint(path), twin)
+        iteration, step, twin_obs = g2.restore_training_state(g2.load_checkpoint(path), twin)
         assert (iteration, step) == (3, 48)
         twins.append((twin, g2.training_state(args, iteration, step, twin, twin_obs)))
     (one, one_state), (two, two_state) = twins
@@ -1077,11 +1147,101 @@ def test_resuming_a_complete_run_updates_nothing_and_does_what_its_end_does(tmp_
     """A run stopped after its last update (its training state holds it) but before its end is resumed, not refused:
     no update runs again; --save-model, given now (it does not change the training), saves and evaluates the model."""
     run = _copy_of(complete_mlp_run, tmp_path)
+    stale = os.path.join(run, "training_state.pt.tmp99999")  # left by a save that was killed mid-write
+    with open(stale, "wb") as f:
+        f.write(b"part of a training state")
     code, out, err = cli_in_process(("--resume", run, "--save-model", "--eval-episodes", "2"), tmp_path)
     assert code == 0 and "continued after update 2" in out and "512 of 512 steps" in out, err
+    assert not os.path.exists(stale)  # removed on the next start of the folder
     assert ": update" not in out and "stopped" not in out
     assert [s for s, _ in read_scalars(run, "losses/policy_loss")] == [256, 512]  # none logged twice
     assert os.path.isfile(os.path.join(run, "gpt2ppo_lunar.pt")) and len(read_scalars(run, "eval/episodic_return")) == 2
+
+
+def test_one_process_per_run_folder(tmp_path, complete_mlp_run):
+    """While a process holds the run folder's lock (flock on <run>/.lock, its pid inside), a --resume of that folder is
+    refused in one sentence naming the holder, and nothing in the folder changes."""
+    import fcntl
+
+    run = _copy_of(complete_mlp_run, tmp_path)
+    with open(os.path.join(run, ".lock"), "a+") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        holder.truncate(0)
+        holder.write("4242\n")
+        holder.flush()
+        before = _tree(tmp_path)
+        code, _, err = cli_in_process(("--resume", run), tmp_path)
+        assert code == 2 and err == f"error: another process (pid 4242) is running {run}.\n"
+        assert _tree(tmp_path) == before
+    code, out, err = cli_in_process(("--resume", run), tmp_path)  # the lock released: the run continues
+    assert code == 0 and "continued after update 2" in out, err
+    with open(os.path.join(run, ".lock")) as f:
+        assert f.read().strip().isdigit()
+
+
+@pytest.mark.parametrize("kind", ["read-only", "full"])
+def test_a_resume_into_a_folder_that_cannot_be_written_is_one_sentence(tmp_path, complete_mlp_run, kind):
+    """A run folder on a read-only mount, or on a full disk: the resume stops in one sentence before anything is written
+    (a real bind mount remounted read-only, a real tmpfs filled up)."""
+    import subprocess
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if kind == "read-only":
+        source = tmp_path / "source"
+        source.mkdir()
+        run = _copy_of(complete_mlp_run, source)
+        commands = [["mount", "--bind", str(source), str(mnt)], ["mount", "-o", "remount,ro,bind", str(mnt)]]
+    else:
+        commands = [["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]]
+    mounted = False
+    try:
+        for command in commands:
+            proc = subprocess.run(command, capture_output=True, text=True)
+            if proc.returncode != 0:
+                pytest.skip(f"mount is not permitted here: {proc.stderr.strip()}")
+            mounted = True
+        if kind == "full":
+            run = _copy_of(complete_mlp_run, mnt)
+            with open(mnt / "filler", "wb", buffering=0) as f:  # fill the disk up to its last byte
+                for size in (65536, 4096, 512, 1):
+                    try:
+                        while True:
+                            f.write(b"\0" * size)
+                    except OSError:
+                        pass
+        run = os.path.join(mnt, "runs", os.path.basename(complete_mlp_run))
+        before = _tree(mnt, folder_times=False)  # the writability probe is a file made and removed: no file changes
+        code, _, err = cli_in_process(("--resume", run), tmp_path)
+        why = "Read-only file system" if kind == "read-only" else "No space left on device"
+        assert code == 2 and err == f"error: cannot write into the run folder {run} ({why}).\n", err
+        assert _tree(mnt, folder_times=False) == before
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_second_signal_quits_at_once_and_says_where_the_last_training_state_is(tmp_path, monkeypatch):
+    """Two quick SIGTERMs in the second of two updates, with a training state saved after the first: the run quits at
+    once (143, nothing saved), and its last line says so and names that state."""
+    real, calls = g2.compute_gae, []
+
+    def compute_gae(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(g2, "compute_gae", compute_gae)
+    code, _, err = cli_in_process((*MLP_RUN, "--checkpoint-every", "1"), tmp_path)
+    run = os.path.relpath(only_run_dir(str(tmp_path)), tmp_path)
+    assert code == 143 and err.strip().splitlines() == [
+        "SIGTERM: stopping at the next safe point (again: quit at once)",
+        f"SIGTERM again: quitting at once without saving; the last training state is {run}/training_state.pt "
+        "(update 1)",
+    ]
+    assert g2.load_checkpoint(os.path.join(tmp_path, run, "training_state.pt"))["iteration"] == 1
 
 
 def test_resume_dot_from_inside_the_run_folder_names_the_run_after_its_folder(tmp_path, complete_mlp_run):
