@@ -31,6 +31,7 @@ import re
 import stat
 import time
 import types
+import warnings
 from collections import deque
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional, Union, get_args, get_origin
@@ -66,6 +67,14 @@ class Args:
     """a run folder to continue, with its own flags, to its original budget (in the same folder and log); a flag given
     at a non-default value must equal the run's, except those that change only how the run computes (threads, device,
     checkpointing, saving, evaluation), which replace the run's"""
+    track: bool = False
+    """log to Weights & Biases as well: the TensorBoard scalars are mirrored (WANDB_MODE=offline: no network)"""
+    wandb_project_name: str = "llm-rl"
+    """the W&B project (--track)"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity, a user or team (--track; default: the account's)"""
+    capture_video: bool = False
+    """record the evaluation episodes (--save-model, --eval-checkpoint) as MP4 files in the run folder's videos/"""
 
     env_id: str = "LunarLander-v3"
     """the id of the environment (flat Box observations, Discrete or flat Box actions, an episode limit)"""
@@ -582,7 +591,7 @@ class Run:
 
     def __init__(self, args: Args, stop: "StopSignal"):
         """Nothing is written here; with --resume, `args` becomes the run's own flags, read from its training state."""
-        self.stop, self.state, self.writer = stop, None, None
+        self.stop, self.state, self.writer, self.wandb, self.wandb_id = stop, None, None, None, None
         if args.resume is not None:
             args, self.state = load_training_state(args)
         self.args, self.run_dir = args, args.resume
@@ -618,6 +627,23 @@ class Run:
             + ("; exact windows: minutes per update on a CPU (--value-stride 64: ~64x fewer passes)" if slow else ""),
             flush=True,
         )
+        if args.track:  # before the writer: W&B mirrors what it logs; the same W&B run when resumed
+            import wandb
+            from wandb.sdk.lib.runid import generate_id
+
+            self.wandb = wandb
+            self.wandb_id = state["wandb_id"] if state is not None and state["wandb_id"] else generate_id()
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=vars(args),
+                name=self.run_name,
+                save_code=True,
+                dir=self.run_dir,
+                id=self.wandb_id,
+                resume="allow",
+            )
         from torch.utils.tensorboard import SummaryWriter
 
         # a resumed run hides what was logged after its last training state, so no step appears twice
@@ -648,23 +674,20 @@ class Run:
             holder = self.lock.read().strip() or "unknown"
             self.lock.close()
             raise UserError(f"another process (pid {holder}) is running {self.run_dir}")
-        probe = os.path.join(self.run_dir, f".probe{os.getpid()}")
         try:
-            try:
-                with open(probe, "wb") as f:
-                    f.write(b"\0" * 4096)
-                    f.flush()
-                    os.fsync(f.fileno())
-            finally:
-                if os.path.lexists(probe):
-                    os.remove(probe)
+            check_writable(self.run_dir, "the run folder")
+            if self.args.capture_video and self.args.save_model:
+                check_writable(os.path.join(self.run_dir, "videos"), "the videos folder")
             self.lock.seek(0)
             self.lock.truncate()
             self.lock.write(f"{os.getpid()}\n")
             self.lock.flush()
-        except OSError as e:
+        except UserError:
             self.lock.close()
-            raise UserError(f"cannot write into the run folder {self.run_dir} ({e.strerror})")
+            raise
+        except OSError as e:  # the pid could not be written (a full disk)
+            self.lock.close()
+            raise UserError(f"cannot write into the run folder {self.run_dir} ({e.strerror or e})")
 
     def steps_per_second(self) -> int:
         return int((self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9))
@@ -676,7 +699,10 @@ class Run:
         stopping = self.stop.requested  # read once: a signal after this line stops the run at the next update
         if stopping or update % self.args.checkpoint_every == 0 or update == self.num_updates:
             self.writer.flush()  # what the updates in this state logged is on disk before the state is
-            save_checkpoint(self.state_path, training_state(self.args, update, global_step, self.objects, **loop_state))
+            save_checkpoint(
+                self.state_path,
+                training_state(self.args, update, global_step, self.objects, wandb_id=self.wandb_id, **loop_state),
+            )
             self.stop.last_state = f"the last training state is {self.state_path} (update {update})"
         tenth = update * 10 // self.num_updates > (update - 1) * 10 // self.num_updates
         if not stopping and update < self.num_updates and (tenth or time.time() - self.last_line >= 60):
@@ -718,11 +744,37 @@ class Run:
             flush=True,
         )
         if args.save_model and not self.stop.requested:
-            actor = objects["actor"].cpu().eval()
-            evaluate(actor, args.env_id, args.eval_episodes, 10_000 + args.seed, self.writer, self.stop)
+            actor, videos = objects["actor"].cpu().eval(), os.path.join(self.run_dir, "videos")
+            seed, folder = 10_000 + args.seed, videos if args.capture_video else None
+            returns = evaluate(
+                actor, args.env_id, args.eval_episodes, seed, self.writer, self.stop, video_folder=folder
+            )
+            if self.wandb is not None and args.capture_video:  # this evaluation's videos, to W&B too
+                for episode in range(len(returns)):
+                    path = os.path.join(videos, f"eval-episode-{episode}.mp4")
+                    self.wandb.log({"videos/eval": self.wandb.Video(path, format="mp4")})
         self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         self.lock.close()
         return self.stop.exit_status
+
+
+def check_writable(folder: str, what: str) -> None:
+    """Make `folder` if needed and write, sync and remove a small file in it; UserError naming `what` otherwise."""
+    probe = os.path.join(folder, f".probe{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            if os.path.lexists(probe):
+                os.remove(probe)
+    except OSError as e:
+        raise UserError(f"cannot write into {what} {folder} ({e.strerror or e})")
 
 
 RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
@@ -749,9 +801,16 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
     "value_stride": (1, 4096, False),
 }
 CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
-EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads"}  # all that --eval-checkpoint takes
+EVAL_FLAGS = {
+    "eval_checkpoint",
+    "eval_episodes",
+    "seed",
+    "cuda",
+    "torch_threads",
+    "capture_video",
+}  # all that --eval-checkpoint takes
 # the single list of flags a resumed run may change: they change only how the run computes, not its training
-RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes"}
+RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes", "capture_video"}
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
 
 
@@ -783,6 +842,10 @@ def check_args(args: Args) -> None:
     given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
     if args.eval_checkpoint is not None and given:
         raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
+    if args.track:
+        check_wandb()
+    if args.capture_video and args.eval_checkpoint is None:
+        check_renderer(args.env_id)
     if args.eval_checkpoint is not None:
         return  # the rest is the training's; the checkpoint's own flags are checked when it is read
     if args.steps_per_epoch % args.num_envs:
@@ -812,6 +875,56 @@ def check_memory(args: Args) -> None:
     need = weights + rollout + batch
     if need >= memory:
         raise UserError(f"these sizes need ~{need / 2**30:.0f} GiB, more than this machine's {memory / 2**30:.0f} GiB")
+
+
+def check_wandb() -> None:
+    """UserError unless the wandb package is there and W&B can be reached without a prompt: an API key, a login
+    (api.wandb.ai in ~/.netrc) or WANDB_MODE offline (or disabled)."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise UserError("--track needs the wandb package (pip install wandb)")
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return
+    import netrc
+
+    try:
+        login = netrc.netrc(os.environ.get("NETRC") or os.path.expanduser("~/.netrc")).authenticators("api.wandb.ai")
+    except (OSError, netrc.NetrcParseError):
+        login = None
+    if not login:
+        raise UserError(
+            "--track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login` (an api.wandb.ai "
+            "entry in ~/.netrc), or set WANDB_MODE=offline (then `wandb sync` uploads the run)"
+        )
+
+
+def check_renderer(env_id: str) -> None:
+    """UserError unless `env_id` renders a frame headless (rgb_array), naming what to install; MuJoCo envs render
+    through OSMesa when no display or MUJOCO_GL is set."""
+    mujoco = "mujoco" in str(getattr(gym.spec(env_id), "entry_point", "")) if env_id in gym.registry else False
+    if mujoco and not os.environ.get("DISPLAY") and not os.environ.get("MUJOCO_GL"):
+        os.environ.setdefault("MUJOCO_GL", "osmesa")
+        os.environ.setdefault("PYOPENGL_PLATFORM", "osmesa")
+    if not mujoco and not os.environ.get("DISPLAY"):  # pygame draws off screen: no display, no warning about one
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    install = (
+        "set MUJOCO_GL=osmesa and install OSMesa (Debian: apt-get install libosmesa6)"
+        if mujoco
+        else "pip install pygame"
+    )
+    try:
+        env = gym.make(env_id, render_mode="rgb_array")
+        try:
+            env.reset(seed=0)
+            frame = env.render()
+        finally:
+            env.close()
+    except Exception as e:  # a missing renderer shows up as any error of the env's drawing code
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+        raise UserError(f"--capture-video cannot render {env_id} ({why}); {install}")
+    if not isinstance(frame, np.ndarray) or frame.ndim != 3:
+        raise UserError(f"--capture-video cannot render {env_id} (it draws no rgb_array frames); {install}")
 
 
 def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
@@ -995,12 +1108,17 @@ def actor_from_checkpoint(path: str) -> tuple[Actor, dict]:
     return actor, config
 
 
-def evaluate(actor: Actor, env_id: str, episodes: int, seed: int, writer, stop: StopSignal) -> list[float]:
-    """Greedy episodes on the CPU, episode i reset with seed + i, logged as eval/episodic_return.
+def evaluate(actor: Actor, env_id: str, episodes: int, seed: int, writer, stop: StopSignal, video_folder=None):
+    """Greedy episodes on the CPU, episode i reset with seed + i, logged as eval/episodic_return; with `video_folder`
+    each episode is recorded there as eval-episode-{i}.mp4. The returns.
 
     A stop request ends the evaluation after the current episode.
     """
-    env, returns = gym.make(env_id), []
+    env, returns = gym.make(env_id, render_mode="rgb_array" if video_folder else None), []
+    if video_folder is not None:
+        with warnings.catch_warnings():  # a folder made beforehand (checked to be writable) is not an overwrite
+            warnings.filterwarnings("ignore", message=".*Overwriting existing videos")
+            env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda e: True, name_prefix="eval")
     with torch.inference_mode():
         for ep in range(episodes):
             if stop.requested:
@@ -1027,11 +1145,14 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
     from torch.utils.tensorboard import SummaryWriter
 
     actor, train = actor_from_checkpoint(args.eval_checkpoint)
+    if args.capture_video:
+        check_renderer(train["env_id"])
     seed = 10_000 + (train["seed"] if args.seed == 1 else args.seed)
     run_name = make_run_dir(f"{train['run_name']}-eval__{seed}")
+    videos = os.path.join("runs", run_name, "videos") if args.capture_video else None
     print(f"{args.eval_checkpoint}: critic {train['critic']}, device cpu (evaluation), logging to runs/{run_name}")
     with SummaryWriter(f"runs/{run_name}") as writer:
-        evaluate(actor.eval(), train["env_id"], args.eval_episodes, seed, writer, stop)
+        evaluate(actor.eval(), train["env_id"], args.eval_episodes, seed, writer, stop, video_folder=videos)
     return stop.exit_status
 
 
@@ -1045,7 +1166,7 @@ def returns_text(returns, last: str = "of the last ") -> str:
 MODELS = ("actor", "critic", "actor_optimizer", "critic_optimizer")
 
 
-def training_state(args: Args, iteration: int, global_step: int, objects: dict, next_obs: np.ndarray) -> dict:
+def training_state(args: Args, iteration: int, global_step: int, objects: dict, next_obs: np.ndarray, wandb_id=None):
     """Everything a run needs to continue: flags, counters, the weights and optimizers, random streams (torch's, CUDA's
     on a GPU, the minibatch shuffler; numpy's and Python's global ones are seeded but never drawn from), the critic's
     history, the episodes in progress and the last 100 returns, the envs. `objects`: those Run.start was given."""
@@ -1065,6 +1186,7 @@ def training_state(args: Args, iteration: int, global_step: int, objects: dict, 
         "episode_length": torch.from_numpy(objects["episode_length"].copy()),
         "recent_returns": torch.from_numpy(np.array(objects["recent_returns"], dtype=np.float64)),
         "envs": env_state(objects["envs"]),
+        "wandb_id": wandb_id,  # --track: the W&B run that a resume continues
     }
 
 
@@ -1089,6 +1211,7 @@ TRAINING_STATE_TYPES = {
     "episode_length": torch.Tensor,
     "recent_returns": torch.Tensor,
     "envs": Optional[list[dict]],
+    "wandb_id": Optional[str],
 }
 ADAM_STATE = {"step": torch.Tensor, "exp_avg": torch.Tensor, "exp_avg_sq": torch.Tensor}
 
@@ -1149,6 +1272,8 @@ def training_state_damage(state: dict, args: Args, objects: dict) -> Optional[st
         bool((length >= 0).all()) and bool((reach >= 0).all()) and bool((reach <= ts.clamp(max=history.K - 1)).all())
     ):
         return "windows that reach outside their episodes"
+    if state["wandb_id"] is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", state["wandb_id"]):
+        return "wandb_id is not a W&B run id"
     recent = state["recent_returns"]
     if recent.dtype != torch.float64 or recent.dim() != 1 or len(recent) > 100 or not bool(recent.isfinite().all()):
         return "recent_returns is not up to 100 finite float64 returns"

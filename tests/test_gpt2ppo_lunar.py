@@ -4,6 +4,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections import deque
 from dataclasses import asdict, fields
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 import gpt2ppo_lunar as g2
-from conftest import all_scalars, only_run_dir, read_scalars, same_numbers, stop_when_printed
+from conftest import ROOT, SCRIPT_ENV, all_scalars, only_run_dir, read_scalars, same_numbers, stop_when_printed
 
 TINY = ("--hidden-size", "16", "--n-head", "2", "--context-len", "8", "--update-epochs", "2", "--minibatch-size", "64")
 TINY_ARGS = dict(hidden_size=16, n_head=2, context_len=8, update_epochs=2, minibatch_size=8)
@@ -443,6 +445,7 @@ TAGS = (
     "charts/SPS",
 )
 BUDGET = ("--total-timesteps", "512", "--steps-per-epoch", "256", "--seed", "3")
+SMALL = ("--hidden-size", "16", "--n-head", "2", "--update-epochs", "2", "--minibatch-size", "64")  # TINY's widths
 
 
 def cli_in_process(flags, cwd) -> tuple[int, str, str]:
@@ -481,8 +484,9 @@ def cli_in_process(flags, cwd) -> tuple[int, str, str]:
     ids=["mlp", "gpt2-exact-acrobot-truncation", "gpt2-stride64-dropout0.1-authors", "bipedal-gpt2-save-eval"],
 )
 def test_same_numbers_as_before_the_redesign(tmp_path, flags):
-    """Every kept path logs, bit for bit, what the script logged before the redesign (same machine, side by side)."""
-    old, new = same_numbers("gpt2ppo_lunar.py", *BUDGET, *flags, tmp_path=tmp_path)
+    """Every kept path logs, bit for bit, what the script logged before the redesign (same machine, side by side), at
+    small sizes (the same paths, a fraction of the time)."""
+    old, new = same_numbers("gpt2ppo_lunar.py", *BUDGET, *SMALL, *flags, tmp_path=tmp_path)
     for tag in TAGS:
         assert len(read_scalars(new, tag)) == 2, tag
     if "Acrobot-v1" in flags:  # a random policy does not swing up within 500 steps
@@ -533,9 +537,13 @@ def test_save_model_eval_equals_eval_checkpoint_names_and_seeds(tmp_path):
     assert code == 0 and f"eval: {in_run}" in out and "critic mlp" in out  # the same rule, the same numbers
     (eval_run,) = glob.glob(os.path.join(tmp_path, "runs", os.path.basename(run) + "-eval__10004__*"))
     assert read_scalars(eval_run, "eval/episodic_return") == read_scalars(run, "eval/episodic_return")
-    # --seed given with --eval-checkpoint replaces the training seed of the evaluation's seeds
-    code, out, _ = cli_in_process(("--eval-checkpoint", ckpt, "--eval-episodes", "2", "--seed", "9"), tmp_path)
-    assert code == 0 and "seeds 10009..10010" in out
+    # --seed given with --eval-checkpoint replaces the training seed of the evaluation's seeds; --capture-video
+    # records the episode into the evaluation's own run folder
+    flags = ("--eval-checkpoint", ckpt, "--eval-episodes", "1", "--seed", "9", "--capture-video")
+    code, out, _ = cli_in_process(flags, tmp_path)
+    assert code == 0 and "seeds 10009..10009" in out
+    (videos,) = glob.glob(os.path.join(tmp_path, "runs", os.path.basename(run) + "-eval__10009__*", "videos"))
+    assert os.listdir(videos) == ["eval-episode-0.mp4"] and _video_frames(os.path.join(videos, "eval-episode-0.mp4"))[0]
 
 
 def test_run_folders_made_in_the_same_second_get_their_own_names(tmp_path):
@@ -543,10 +551,10 @@ def test_run_folders_made_in_the_same_second_get_their_own_names(tmp_path):
     assert len(names) == 3 and sorted(os.listdir(tmp_path / "r")) == sorted(names)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_stops_after_the_update_keeps_the_checkpoint_and_exits_with_one_line(tmp_path, sig, code):
-    """Ctrl-C and SIGTERM (timeout, kill, schedulers) alike: the update finishes, the checkpoint and the training
-    state are saved, one line on stderr. (What the last line says: the in-process test below.)"""
+def test_ctrl_c_stops_after_the_update_keeps_the_checkpoint_and_exits_with_one_line(tmp_path):
+    """Ctrl-C sent to the script's process: the update finishes, the checkpoint and the training state are saved, one
+    line on stderr, exit 130. (SIGTERM, and what the last line says: the in-process test below.)"""
+    sig, code = signal.SIGINT, 130
     flags = ("--critic", "mlp", "--total-timesteps", "10000000", "--steps-per-epoch", "256", "--save-model", *TINY)
     # the first line is printed once the handler is in place and the run folder exists
     proc = stop_when_printed("gpt2ppo_lunar.py", *flags, cwd=tmp_path, line="device", sig=sig)
@@ -585,6 +593,10 @@ def test_a_signal_in_the_last_update_ends_a_complete_run_not_a_stopped_one(tmp_p
     rel, last = os.path.relpath(run, tmp_path), out.strip().splitlines()[-1]  # runs/<run>
     assert code == 143 and "Traceback" not in err and "eval:" not in out
     assert f"{256 * update} of 512 steps" in last and f"checkpoint saved to {rel}" in last
+    assert err.strip() == "SIGTERM: stopping at the next safe point (again: quit at once)"  # one line
+    assert not glob.glob(os.path.join(run, "*.tmp*"))
+    actor, config = g2.actor_from_checkpoint(os.path.join(run, "gpt2ppo_lunar.pt"))
+    assert config["critic"] == "mlp" and config["total_timesteps"] == 512
     if update == 1:
         assert "stopped by SIGTERM after" in last and last.endswith(f"; interrupted (continue it: --resume {rel})")
     else:
@@ -1098,8 +1110,15 @@ def uninterrupted_acrobot(tmp_path_factory):
 def test_a_stopped_acrobot_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, sig, uninterrupted_acrobot):
     """Classic control: the episodes in progress go on. SIGTERM saves the state at the update it stops after; SIGKILL
     loses the updates since the last checkpoint (3), which the resumed run does again, hiding their first logging.
-    Either way the TensorBoard series equal, bit for bit, those of a run that was never stopped."""
-    run = _stopped_run(tmp_path, ACROBOT, sig, after=4)
+    Either way the TensorBoard series equal, bit for bit, those of a run that was never stopped. (SIGTERM: sent to
+    this process, which runs the script's entry point, while update 5 computes; SIGKILL: to a subprocess.)"""
+    if sig == signal.SIGTERM:
+        with pytest.MonkeyPatch.context() as mp:
+            _signal_in_update(mp, 5)
+            assert cli_in_process(ACROBOT, tmp_path)[0] == 143
+        run = only_run_dir(str(tmp_path))
+    else:
+        run = _stopped_run(tmp_path, ACROBOT, sig, after=4)
     code, out, _ = cli_in_process(("--resume", run, "--checkpoint-every", "4"), tmp_path)
     assert code == 0 and "continued after update" in out and "1280 of 1280 steps" in out
     resumed = all_scalars(run)
@@ -1116,12 +1135,13 @@ def test_a_stopped_acrobot_run_resumes_to_the_numbers_of_an_uninterrupted_one(tm
 def test_a_killed_lunarlander_run_resumes_with_new_episodes_and_logs_no_step_twice(tmp_path):
     """Box2D: the episodes in progress at the checkpoint are cut off, unlogged, and new ones start; the updates lost
     to SIGKILL are done again and logged once."""
-    flags = ("--total-timesteps", "1536", "--steps-per-epoch", "128", "--seed", "4", "--checkpoint-every", "3", *TINY)
-    run = _stopped_run(tmp_path, flags, signal.SIGKILL, after=4)
+    flags = ("--total-timesteps", "768", "--steps-per-epoch", "128", "--seed", "4", "--checkpoint-every", "2", *TINY)
+    run = _stopped_run(tmp_path, flags, signal.SIGKILL, after=3)
     code, out, _ = cli_in_process(("--resume", run), tmp_path)
-    assert code == 0 and "1536 of 1536 steps" in out
+    assert code == 0 and "768 of 768 steps" in out
     resumed_at = 128 * int(re.search(r"continued after update (\d+)", out).group(1))
-    assert [s for s, _ in read_scalars(run, "losses/policy_loss")] == list(range(128, 1537, 128))
+    assert resumed_at < 3 * 128  # the update after the last checkpoint is done again
+    assert [s for s, _ in read_scalars(run, "losses/policy_loss")] == list(range(128, 769, 128))
     lengths = read_scalars(run, "charts/episodic_length")
     steps = [s for s, _ in lengths]
     assert steps == sorted(steps) and steps[-1] > resumed_at  # in step order: nothing from before the kill remains
@@ -1183,8 +1203,6 @@ def test_one_process_per_run_folder(tmp_path, complete_mlp_run):
 def test_a_resume_into_a_folder_that_cannot_be_written_is_one_sentence(tmp_path, complete_mlp_run, kind):
     """A run folder on a read-only mount, or on a full disk: the resume stops in one sentence before anything is written
     (a real bind mount remounted read-only, a real tmpfs filled up)."""
-    import subprocess
-
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     if kind == "read-only":
@@ -1218,7 +1236,7 @@ def test_a_resume_into_a_folder_that_cannot_be_written_is_one_sentence(tmp_path,
         assert _tree(mnt, folder_times=False) == before
     finally:
         if mounted:
-            subprocess.run(["umount", str(mnt)], check=True)
+            subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def test_a_second_signal_quits_at_once_and_says_where_the_last_training_state_is(tmp_path, monkeypatch):
@@ -1287,3 +1305,157 @@ def test_the_wait_for_a_new_second_of_a_resumed_run_is_at_most_2_s(tmp_path, mon
     (tmp_path / "events.out.tfevents.4600.host.1.0").write_text("")  # an hour ahead
     g2.wait_for_a_new_second(str(tmp_path))
     assert slept == [0.75, 2.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights & Biases (--track, offline) and videos of the evaluation (--capture-video)
+# ---------------------------------------------------------------------------------------------
+
+
+def _wandb_log(path: str):
+    """The records of a .wandb file, parsed with W&B's own protobuf (wandb.proto): the file is W&B's LevelDB-style
+    log (a 7-byte header ':W&B', 0xBEE1, version; 32 KiB blocks of records, each behind a 7-byte header of CRC-32,
+    length and type: 1 whole, 2 first, 3 middle, 4 last part)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B" and struct.unpack("<H", data[4:6])[0] == 0xBEE1, path
+    pos, block, parts = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little room for a header: the rest of the block is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:
+            break
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            yield record
+
+
+def _wandb_records(run_dir: str) -> list[dict]:
+    """Each offline W&B run under `run_dir`/wandb, in the order they were made: {"id", "config" (its keys), "history"
+    (each logged key, nested keys joined by '/': the number of records holding it)}."""
+    runs = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))):
+        run = {"id": None, "config": set(), "history": {}}
+        for record in _wandb_log(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run["id"] = record.run.run_id
+                run["config"] |= {item.key for item in record.run.config.update}
+            elif kind == "config":
+                run["config"] |= {item.key for item in record.config.update}
+            elif kind == "history":
+                for item in record.history.item:
+                    key = item.key or "/".join(item.nested_key)
+                    run["history"][key] = run["history"].get(key, 0) + 1
+        runs.append(run)
+    return runs
+
+
+def _video_frames(path: str) -> tuple[int, tuple]:
+    """(number of frames, frame shape) of an MP4 file, decoded with imageio's ffmpeg reader."""
+    import imageio
+
+    reader, n, shape = imageio.get_reader(path, "ffmpeg"), 0, None
+    for frame in reader:
+        n, shape = n + 1, frame.shape
+    reader.close()
+    return n, shape
+
+
+def test_track_offline_and_capture_video_record_the_run_and_its_evaluation(tmp_path):
+    """A tiny CartPole run with --track under WANDB_MODE=offline (no network, no login, HOME elsewhere) and
+    --save-model --capture-video; then a resume of the complete run that evaluates again. The offline W&B runs hold
+    the flags and the TensorBoard scalars (the resume in the same W&B run), and each evaluation episode is a real MP4
+    in the run folder's videos/: one frame per step plus the reset frame, 600x400 as CartPole draws."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in SCRIPT_ENV.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", HOME=str(home))
+    flags = ("--env-id", "CartPole-v1", "--critic", "mlp", "--total-timesteps", "256", "--steps-per-epoch", "256")
+    script = os.path.join(ROOT, "gpt2ppo_lunar.py")
+    first = subprocess.run(
+        [sys.executable, script, *flags, *TINY, "--track", "--save-model", "--eval-episodes", "2", "--capture-video"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = only_run_dir(str(tmp_path))
+    returns = [v for _, v in read_scalars(run, "eval/episodic_return")]
+    videos = sorted(glob.glob(os.path.join(run, "videos", "*.mp4")))
+    assert [os.path.basename(v) for v in videos] == ["eval-episode-0.mp4", "eval-episode-1.mp4"]
+    for video, episode_return in zip(videos, returns):  # CartPole: the return is the episode's length
+        assert _video_frames(video) == (int(episode_return) + 1, (400, 600, 3))
+    second = subprocess.run(
+        [sys.executable, script, "--resume", run, "--eval-episodes", "1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert second.returncode == 0 and "continued after update 1" in second.stdout, second.stderr[-3000:]
+    (trained, resumed) = _wandb_records(run)
+    state = g2.load_checkpoint(os.path.join(run, "training_state.pt"))
+    assert trained["id"] == resumed["id"] == state["wandb_id"]  # the resume continues the same W&B run
+    assert {"env_id", "critic", "actor_lr", "seed", "track", "capture_video"} <= trained["config"]
+    for tag in ("charts/episodic_return", "losses/policy_loss", "losses/value_loss", "eval/episodic_return"):
+        assert tag in trained["history"], (tag, sorted(trained["history"]))
+    assert trained["history"]["videos/eval/path"] == 2 and resumed["history"]["videos/eval/path"] == 1  # the MP4s
+    assert "losses/policy_loss" not in resumed["history"]  # a complete run: no update again
+    assert sorted(os.listdir(os.path.join(run, "videos"))) == ["eval-episode-0.mp4", "eval-episode-1.mp4"]
+
+
+@pytest.mark.parametrize("kind", ["no-wandb", "no-login", "no-pygame", "read-only-videos"])
+def test_track_and_video_refusals_are_one_sentence(tmp_path, monkeypatch, complete_mlp_run, kind):
+    """--track without the wandb package, or without a way to log in (no key, no netrc entry, not offline);
+    --capture-video without the renderer (pygame blocked); a videos folder that cannot be written: one sentence,
+    exit 2, nothing written."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    flags, mounted = ["--critic", "mlp", "--total-timesteps", "256", "--steps-per-epoch", "256", *TINY], None
+    if kind == "no-wandb":
+        monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        flags.append("--track")
+        message = "error: --track needs the wandb package (pip install wandb).\n"
+    elif kind == "no-login":
+        flags.append("--track")
+        message = "error: --track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login`"
+    elif kind == "no-pygame":
+        monkeypatch.setitem(sys.modules, "pygame", None)
+        flags += ["--capture-video", "--save-model"]
+        message = "error: --capture-video cannot render LunarLander-v3 (pygame is not installed"
+    else:
+        run = _copy_of(complete_mlp_run, tmp_path)
+        videos = os.path.join(run, "videos")
+        os.makedirs(videos)
+        for command in (["mount", "--bind", videos, videos], ["mount", "-o", "remount,ro,bind", videos]):
+            proc = subprocess.run(command, capture_output=True, text=True)
+            if proc.returncode != 0:
+                pytest.skip(f"mount is not permitted here: {proc.stderr.strip()}")
+            mounted = videos
+        flags = ["--resume", run, "--save-model", "--capture-video"]
+        message = f"error: cannot write into the videos folder {videos} (Read-only file system).\n"
+    try:
+        before = _tree(tmp_path, folder_times=False)  # the writability probes: files made and removed
+        code, out, err = cli_in_process(flags, tmp_path)
+        assert code == 2 and err.startswith(message) and len(err.splitlines()) == 1, err
+        if kind == "no-pygame":
+            assert err.strip().endswith("; pip install pygame.")
+        assert _tree(tmp_path, folder_times=False) == before
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", mounted], check=True)
