@@ -18,7 +18,16 @@ import pytest
 import torch
 
 import gpt2ppo_lunar as g2
-from conftest import ROOT, SCRIPT_ENV, all_scalars, only_run_dir, read_scalars, same_numbers, stop_when_printed
+from conftest import (
+    BASELINE,
+    ROOT,
+    SCRIPT_ENV,
+    all_scalars,
+    baseline_script,
+    only_run_dir,
+    read_scalars,
+    stop_when_printed,
+)
 
 TINY = ("--hidden-size", "16", "--n-head", "2", "--context-len", "8", "--update-epochs", "2", "--minibatch-size", "64")
 TINY_ARGS = dict(hidden_size=16, n_head=2, context_len=8, update_epochs=2, minibatch_size=8)
@@ -470,6 +479,55 @@ def cli_in_process(flags, cwd) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.fixture(scope="module")
+def baseline_module(tmp_path_factory):
+    """gpt2ppo_lunar.py as committed at conftest's BASELINE, loaded as a module of its own (skipped without it)."""
+    import importlib.util
+
+    path = baseline_script("gpt2ppo_lunar.py", str(tmp_path_factory.mktemp("baseline_code")))
+    spec = importlib.util.spec_from_file_location("gpt2ppo_lunar_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def _same_numbers_in_process(baseline, flags, tmp_path) -> tuple[str, str]:
+    """conftest's same_numbers with both runs in this process, one thread each (as the scripts run in a subprocess with
+    OMP_NUM_THREADS=1), which saves two interpreter starts per case: the BASELINE module's main and this script's
+    entry point with the same flags, each in its own folder; every scalar the baseline logged (wall-clock tags aside)
+    must be logged by the current script with the same steps and values, bit for bit. The two run folders."""
+    import contextlib
+    import io
+
+    import tyro
+
+    folders = []
+    for name in ("baseline", "current"):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        if name == "baseline":
+            handlers, here = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}, os.getcwd()
+            try:
+                os.chdir(cwd)
+                with contextlib.redirect_stdout(io.StringIO()):
+                    baseline.main(tyro.cli(baseline.Args, args=list(flags)))
+            finally:
+                os.chdir(here)
+                for s, h in handlers.items():
+                    signal.signal(s, h)
+        else:
+            code, _, err = cli_in_process(flags, cwd)
+            assert code == 0, err
+        folders.append(only_run_dir(str(cwd)))
+    old_scalars, new_scalars = all_scalars(folders[0]), all_scalars(folders[1])
+    assert old_scalars, f"the baseline run logged no scalars in {folders[0]}"
+    for tag, points in old_scalars.items():
+        assert new_scalars.get(tag) == points, f"gpt2ppo_lunar.py {' '.join(flags)}: '{tag}' differs from {BASELINE}"
+    return folders[0], folders[1]
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -483,10 +541,10 @@ def cli_in_process(flags, cwd) -> tuple[int, str, str]:
     ],
     ids=["mlp", "gpt2-exact-acrobot-truncation", "gpt2-stride64-dropout0.1-authors", "bipedal-gpt2-save-eval"],
 )
-def test_same_numbers_as_before_the_redesign(tmp_path, flags):
+def test_same_numbers_as_before_the_redesign(tmp_path, baseline_module, flags):
     """Every kept path logs, bit for bit, what the script logged before the redesign (same machine, side by side), at
     small sizes (the same paths, a fraction of the time)."""
-    old, new = same_numbers("gpt2ppo_lunar.py", *BUDGET, *SMALL, *flags, tmp_path=tmp_path)
+    old, new = _same_numbers_in_process(baseline_module, (*BUDGET, *SMALL, *flags), tmp_path)
     for tag in TAGS:
         assert len(read_scalars(new, tag)) == 2, tag
     if "Acrobot-v1" in flags:  # a random policy does not swing up within 500 steps
