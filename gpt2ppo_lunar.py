@@ -4,16 +4,18 @@
 https://arxiv.org/abs/1707.06347): the actor sees only the current state; the critic is a Decision-Transformer-style
 GPT-2 (Chen et al. 2021, https://arxiv.org/abs/2106.01345) over the last `--context-len` steps of the CURRENT episode
 (tokens s, a, s, a, ..., s), its value read at the current state's token; `--critic mlp` is plain PPO. Defaults: the
-paper's Table I (dropout 0.5, 150 epochs of 2048 steps, seed 123). Unlike the authors' code, the whole critic trains,
-dropout is off in rollouts and value targets, and a time-limit truncation bootstraps from V(final observation) over
-that episode's history. `--value-stride S`: windows start only every S steps (the CPU's approximation).
+paper's Table I (dropout 0.5, 150 epochs of 2048 steps; its seed is --seed 123). Unlike the authors' code, the whole
+critic trains, dropout is off in rollouts and value targets, and a time-limit truncation bootstraps from V(final
+observation) over that episode's history. `--value-stride S`: windows start only every S steps (the CPU's
+approximation).
 
     python gpt2ppo_lunar.py --value-stride 64 --dropout 0.1 --save-model
     python gpt2ppo_lunar.py --eval-checkpoint runs/<run>/gpt2ppo_lunar.pt
     python gpt2ppo_lunar.py --resume runs/<run>
 
-The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it are the checks, signals,
-checkpoints, the training state that `--resume` continues from and the evaluation-only mode.
+The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it is the `Run` that `main` meets
+before, in and after its loop (run folder, TensorBoard, signals, progress, the training state of `--resume`), the
+checks, checkpoints and the evaluation-only mode.
 """
 
 import os
@@ -23,12 +25,16 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, not a traceback
     signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
 
+import fcntl
+import random
 import re
 import stat
 import time
+import types
+import warnings
 from collections import deque
 from dataclasses import asdict, dataclass, fields
-from typing import Optional
+from typing import Literal, Optional, Union, get_args, get_origin
 
 import gymnasium as gym
 import numpy as np
@@ -40,10 +46,9 @@ import tyro
 @dataclass
 class Args:
     exp_name: str = "gpt2ppo_lunar"
-    """the name of this experiment (up to 64 letters, digits, `.`, `_`, `-`; part of the run folder's name)"""
-    seed: Optional[int] = None
-    """seed of envs, torch and numpy (default 123, Table I); with `--eval-checkpoint` it replaces the
-    checkpoint's seed"""
+    """the name of this experiment (up to 200 letters, digits, `.`, `_`, `-`; part of the run folder's name)"""
+    seed: int = 1
+    """seed of the experiment; with --eval-checkpoint, a value other than 1 replaces the checkpoint's seed"""
     cuda: bool = True
     """use CUDA when torch sees a device (`--no-cuda`: the CPU)"""
     torch_threads: int = 1
@@ -59,13 +64,21 @@ class Args:
     """save the training state (for `--resume`) every this many updates (rollout and update of steps_per_epoch
     steps), and when the run ends or is stopped"""
     resume: Optional[str] = None
-    """a run folder to continue to its original budget, in the same folder and log: flags given with --resume that
-    differ from their defaults must equal the run's; the others come from the run (but --no-cuda, --torch-threads,
-    --checkpoint-every, --save-model and --eval-episodes given with it replace the run's)"""
+    """a run folder to continue, with its own flags, to its original budget (in the same folder and log); a flag given
+    at a non-default value must equal the run's, except those that change only how the run computes (threads, device,
+    checkpointing, saving, evaluation), which replace the run's"""
+    track: bool = False
+    """log to Weights & Biases as well: the TensorBoard scalars are mirrored (WANDB_MODE=offline: no network)"""
+    wandb_project_name: str = "llm-rl"
+    """the W&B project (--track)"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity, a user or team (--track; default: the account's)"""
+    capture_video: bool = False
+    """record the evaluation episodes (--save-model, --eval-checkpoint) as MP4 files in the run folder's videos/"""
 
     env_id: str = "LunarLander-v3"
     """the id of the environment (flat Box observations, Discrete or flat Box actions, an episode limit)"""
-    critic: str = "gpt2"
+    critic: Literal["gpt2", "mlp"] = "gpt2"
     """`gpt2`: GPT2PPO's critic over the episode's history; `mlp`: plain PPO's, on the current state"""
     total_timesteps: int = 150 * 2048
     """total environment steps (Table I: 150 epochs x 2048), rounded up to whole rollouts"""
@@ -75,7 +88,7 @@ class Args:
     """the number of parallel environments (each runs steps_per_epoch / num_envs steps per rollout)"""
     update_epochs: int = 5
     """Adam steps per minibatch per update (Table I's "training steps per epoch")"""
-    update_schedule: str = "shuffled"
+    update_schedule: Literal["shuffled", "authors"] = "shuffled"
     """`shuffled`: update_epochs passes over the rollout, each reshuffled; `authors`: the authors' code, one pass in
     rollout order with update_epochs consecutive steps on each minibatch"""
     minibatch_size: int = 128
@@ -108,6 +121,13 @@ class Args:
 
 def make_env(env_id: str):
     return lambda: gym.make(env_id)  # a thunk: the vector env makes each copy
+
+
+def env_dims(envs) -> tuple[int, int, int, bool]:
+    """(episode limit, obs_dim, act_dim, discrete) of a vector env's copies."""
+    obs, act = envs.single_observation_space, envs.single_action_space
+    discrete = isinstance(act, gym.spaces.Discrete)
+    return envs.envs[0].spec.max_episode_steps, int(obs.shape[0]), int(act.n if discrete else act.shape[0]), discrete
 
 
 def to_env_action(action: np.ndarray, act_space) -> np.ndarray:
@@ -172,32 +192,6 @@ class MLPCritic(nn.Module):
         return self.net(states).squeeze(-1)  # (B, K): the value of the state at every position
 
 
-# The training passes' attention: it replaces the fused SDPA with dropout, which is slow on a CPU.
-def attention_with_fast_dropout(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """GPT-2 attention (transformers' AttentionInterface): the fused SDPA without dropout (eval passes), else the
-    textbook computation with inverted dropout drawn by rand_like. attention_mask: True = may attend, or None
-    (causal); fully masked (padded) rows get a finite, unused output."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if dropout == 0.0:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
-    L, S = query.shape[-2], key.shape[-2]
-    scores = (query * (query.shape[-1] ** -0.5 if scaling is None else scaling)) @ key.transpose(-1, -2)
-    if attention_mask is None:
-        attention_mask = torch.ones(L, S, dtype=torch.bool, device=query.device).tril(S - L)
-    bias = torch.zeros(attention_mask.shape, dtype=scores.dtype, device=scores.device)
-    probs = (scores + bias.masked_fill_(~attention_mask, torch.finfo(scores.dtype).min)).softmax(-1)
-    keep = torch.rand_like(probs).ge_(dropout)  # 1.0 with probability 1 - dropout, else 0.0
-    return ((probs * keep) @ (value / (1.0 - dropout))).transpose(1, 2).contiguous(), None
-
-
-# Columns that are padding in EVERY window change nothing (masked, no position embeddings): the critic drops them, so
-# a batch of short windows costs only its longest window (it replaces a pass over all K columns; their values are 0).
-def first_real_column(mask: torch.Tensor) -> int:
-    """The first column of a (B, K) padding mask that some window uses (0 when none does)."""
-    return int(mask.any(0).to(torch.int8).argmax()) if bool(mask.any()) else 0
-
-
 class GPT2Critic(nn.Module):
     """Decision-Transformer-style critic: GPT2Model over a window's tokens s_0, a_0, ..., s_K-1 (linear(x) + timestep
     embedding, LayerNorm) with causal attention and the padding mask; position embeddings zeroed and frozen. The value
@@ -208,7 +202,7 @@ class GPT2Critic(nn.Module):
         from transformers import AttentionInterface, GPT2Config, GPT2Model
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-        AttentionInterface.register("gpt2ppo_fast_dropout", attention_with_fast_dropout)
+        AttentionInterface.register("gpt2ppo_fast_dropout", GPT2Critic.attention)
         ALL_MASK_ATTENTION_FUNCTIONS.register("gpt2ppo_fast_dropout", sdpa_mask)
         self.max_timestep = max_timestep
         config = GPT2Config(
@@ -238,8 +232,9 @@ class GPT2Critic(nn.Module):
         self.head = layer_init(nn.Linear(hidden_size, 1), std=1.0)
 
     def forward(self, states, actions, timesteps, mask):
+        """The value at every position of the windows (B, K); all-padding columns are left out of the pass."""
         B, K, _ = states.shape
-        first = first_real_column(mask)
+        first = self.first_real_column(mask)
         if first > 0:
             v = self.forward(states[:, first:], actions[:, first:], timesteps[:, first:], mask[:, first:])
             return nn.functional.pad(v, (first, 0))
@@ -249,6 +244,35 @@ class GPT2Critic(nn.Module):
         tok_mask = mask.repeat_interleave(2, dim=1)[:, :-1]
         h = self.gpt2(inputs_embeds=self.embed_ln(tokens), attention_mask=tok_mask.long(), use_cache=False)
         return self.head(h.last_hidden_state[:, 0::2]).squeeze(-1)  # (B, K): the value at every state token
+
+    # Two speed paths of the forward pass, each with the plain computation as its reference in the tests. Both stay
+    # whatever they pay: the training passes' dropout draws, and so the numbers, depend on them.
+    @staticmethod
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        """GPT-2 attention (transformers' AttentionInterface): the fused SDPA without dropout (eval passes), else the
+        textbook computation with inverted dropout drawn by rand_like (the SDPA with dropout is slow on a CPU).
+        attention_mask: True = may attend, or None (causal); fully masked (padded) rows get a finite, unused output."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if dropout == 0.0:
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs
+            )
+        L, S = query.shape[-2], key.shape[-2]
+        scores = (query * (query.shape[-1] ** -0.5 if scaling is None else scaling)) @ key.transpose(-1, -2)
+        if attention_mask is None:
+            attention_mask = torch.ones(L, S, dtype=torch.bool, device=query.device).tril(S - L)
+        bias = torch.zeros(attention_mask.shape, dtype=scores.dtype, device=scores.device)
+        probs = (scores + bias.masked_fill_(~attention_mask, torch.finfo(scores.dtype).min)).softmax(-1)
+        keep = torch.rand_like(probs).ge_(dropout)  # 1.0 with probability 1 - dropout, else 0.0
+        return ((probs * keep) @ (value / (1.0 - dropout))).transpose(1, 2).contiguous(), None
+
+    @staticmethod
+    def first_real_column(mask: torch.Tensor) -> int:
+        """The first column of a (B, K) padding mask that some window uses (0 when none does). Columns that are
+        padding in EVERY window change nothing (masked, no position embeddings), so a batch of short windows costs
+        only its longest window; their values are 0."""
+        return int(mask.any(0).to(torch.int8).argmax()) if bool(mask.any()) else 0
 
 
 def make_critic(kind: str, obs_dim: int, act_dim: int, config: dict) -> nn.Module:
@@ -350,10 +374,11 @@ def compute_gae(rewards, values, next_values, terminations, dones, gamma, gae_la
     terminations[t] cuts the bootstrap, dones[t] (terminated or truncated) cuts the recursion, so a truncated step
     keeps gamma * V(final observation).
     """
-    advantages, last = rewards * 0.0, 0.0
+    deltas = rewards + gamma * next_values * (1.0 - terminations) - values  # the TD errors, all at once
+    decay = gamma * gae_lambda * (1.0 - dones)
+    advantages, last = rewards * 0.0, 0.0  # zeros of the rewards' type: numpy arrays and torch tensors alike
     for t in reversed(range(rewards.shape[0])):
-        delta = rewards[t] + gamma * next_values[t] * (1.0 - terminations[t]) - values[t]
-        advantages[t] = last = delta + gamma * gae_lambda * (1.0 - dones[t]) * last
+        advantages[t] = last = deltas[t] + decay[t] * last
     return advantages, advantages + values
 
 
@@ -396,22 +421,13 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     torch.set_num_threads(args.torch_threads)
     if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, stop)
-    resumed = None
-    if args.resume is not None:  # the run's own flags and its training state at its last checkpoint
-        args, resumed = load_training_state(args)
-    max_timestep, obs_dim, act_dim, discrete = env_sizes(args.env_id)
-    args.seed = 123 if args.seed is None else args.seed  # Table I
+    run = Run(args, stop)  # nothing written yet; with --resume, the run's own flags
+    args = run.args
     T, N = args.steps_per_epoch // args.num_envs, args.num_envs  # steps per env per rollout, envs
-    num_iterations = -(-args.total_timesteps // args.steps_per_epoch)  # whole rollouts, rounded up
+    num_updates = -(-args.total_timesteps // args.steps_per_epoch)  # whole rollouts, rounded up
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    schedule_suffix = "" if args.update_schedule == "shuffled" else f"-{args.update_schedule}-schedule"
-    if resumed is None:
-        base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__critic-{args.critic}{schedule_suffix}__{args.seed}"
-        run_dir = os.path.join("runs", make_run_dir(base))
-    else:
-        run_dir = args.resume
-    run_name = os.path.basename(os.path.abspath(run_dir))
 
+    random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = True
@@ -419,6 +435,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     envs = gym.vector.SyncVectorEnv(
         [make_env(args.env_id) for _ in range(N)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
     )
+    max_timestep, obs_dim, act_dim, discrete = env_dims(envs)
     actor = Actor(obs_dim, act_dim, discrete, args.hidden_size).to(device)
     critic = make_critic(args.critic, obs_dim, act_dim, {**vars(args), "max_timestep": max_timestep}).to(device)
     actor_opt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr, eps=1e-5)
@@ -440,34 +457,22 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     rows_all = (np.arange(N)[:, None] * history.L + K - 1 + np.arange(T + 1)[None]).reshape(-1)
     rows_train = (np.arange(N)[None] * history.L + K - 1 + np.arange(T)[:, None]).reshape(-1)
 
-    global_step, start_iteration = 0, 0
     next_obs = envs.reset(seed=args.seed)[0].astype(np.float32)
-    models = {"actor": actor, "critic": critic, "actor_optimizer": actor_opt, "critic_optimizer": critic_opt}
-    episodes = (episode_return, episode_length, recent_returns)  # carried from one rollout into the next
-    if resumed is not None:  # continue where the run stopped: weights, optimizers, random streams, history, envs
-        start_iteration, global_step, next_obs = restore_training_state(
-            run_dir, resumed, models, shuffle_rng, history, episodes, envs
-        )
-    slow = device.type == "cpu" and args.critic == "gpt2" and args.value_stride == 1
-    print(
-        f"{run_name}: device {device}, {num_iterations} rollouts of {args.steps_per_epoch} steps"
-        + ("" if resumed is None else f", continued after update {start_iteration}")
-        + ("; exact windows: minutes per update on a CPU (--value-stride 64: ~64x fewer passes)" if slow else ""),
-        flush=True,
+    start = run.start(  # a resumed run: these objects as they were at its last training state
+        actor=actor,
+        critic=critic,
+        actor_optimizer=actor_opt,
+        critic_optimizer=critic_opt,
+        shuffle_rng=shuffle_rng,
+        history=history,
+        episode_return=episode_return,
+        episode_length=episode_length,
+        recent_returns=recent_returns,
+        envs=envs,
+        next_obs=next_obs,
     )
-    from torch.utils.tensorboard import SummaryWriter
-
-    if resumed is not None:  # TensorBoard reads event files in name order, which starts with the second of their making
-        wait_for_a_new_second(run_dir)
-    # a resumed run hides what was logged after its last checkpoint, so no step appears twice
-    writer = SummaryWriter(run_dir, purge_step=None if resumed is None else global_step + 1)
-    if resumed is None:
-        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-
-    first_step, start_time = global_step, time.time()
-    iteration = start_iteration  # the updates done so far (a complete run that is resumed does none)
-    for iteration in range(start_iteration + 1, num_iterations + 1):
+    global_step, next_obs, start_time = start.global_step, start.next_obs, time.time()
+    for update in range(start.update + 1, num_updates + 1):
         rollout_start = time.time()
         actor.eval()
         critic.eval()  # no dropout while collecting data and computing value targets
@@ -490,8 +495,8 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
                 for i in np.flatnonzero(dones):
                     if not terminations[i]:  # truncated: V(final obs) with this episode's history
                         truncated_at.append((step, i, history.final_window(i, step, infos["final_obs"][i])))
-                    writer.add_scalar("charts/episodic_return", episode_return[i], global_step)
-                    writer.add_scalar("charts/episodic_length", episode_length[i], global_step)
+                    run.writer.add_scalar("charts/episodic_return", episode_return[i], global_step)
+                    run.writer.add_scalar("charts/episodic_length", episode_length[i], global_step)
                     recent_returns.append(episode_return[i])
                     episode_return[i], episode_length[i] = 0.0, 0
             history.put_state(T, next_obs, episode_length)
@@ -552,70 +557,224 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         update_time = time.time() - update_start
         history.carry_over()
 
-        sps = int((global_step - first_step) / (time.time() - start_time))
+        sps = int((global_step - start.global_step) / (time.time() - start_time))
         y, y_pred = returns.reshape(-1), values.reshape(-1)
         explained_var = np.nan if np.var(y) == 0 else 1 - np.var(y - y_pred) / np.var(y)
-        writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
-        writer.add_scalar("losses/value_loss", critic_loss.item(), global_step)
-        writer.add_scalar("losses/entropy", entropy.mean().item(), global_step)
-        writer.add_scalar("losses/approx_kl", approx_kl.item(), global_step)
-        writer.add_scalar("losses/clipfrac", np.mean(clipfracs), global_step)
-        writer.add_scalar("charts/SPS", sps, global_step)
-        writer.add_scalar("losses/explained_variance", explained_var, global_step)
-        writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
-        writer.add_scalar("time/update_seconds", update_time, global_step)
-        stopping = stop.requested  # read once: a signal after this line stops the run at the next update
-        if stopping or iteration % args.checkpoint_every == 0 or iteration == num_iterations:
-            writer.flush()  # what the updates in this state logged is on disk before the state is
-            save_checkpoint(
-                os.path.join(run_dir, "training_state.pt"),
-                training_state(args, iteration, global_step, next_obs, models, shuffle_rng, history, episodes, envs),
-            )
-        if stopping:  # Ctrl-C or SIGTERM: the training state above keeps what was done
-            break
-        if iteration < num_iterations:
-            print(
-                f"{run_name}: update {iteration}/{num_iterations}, {global_step} steps, "
-                f"{returns_text(recent_returns)}, {sps} steps/s",
-                flush=True,
-            )
+        run.writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
+        run.writer.add_scalar("losses/value_loss", critic_loss.item(), global_step)
+        run.writer.add_scalar("losses/entropy", entropy.mean().item(), global_step)
+        run.writer.add_scalar("losses/approx_kl", approx_kl.item(), global_step)
+        run.writer.add_scalar("losses/clipfrac", np.mean(clipfracs), global_step)
+        run.writer.add_scalar("charts/SPS", sps, global_step)
+        run.writer.add_scalar("losses/explained_variance", explained_var, global_step)
+        run.writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
+        run.writer.add_scalar("time/update_seconds", update_time, global_step)
+        if run.end_update(update, global_step, next_obs=next_obs):  # log, save when due, progress
+            break  # a stop was asked: the training state keeps what was done
 
-    envs.close()
-    writer.flush()
-    model_path = os.path.join(run_dir, f"{args.exp_name}.pt")
-    if args.save_model:
-        checkpoint = {
-            "actor": actor.state_dict(),
-            "critic": critic.state_dict(),
-            "args": {**vars(args), "max_timestep": max_timestep},
-            "run_name": run_name,
-            "obs_dim": obs_dim,
-            "act_dim": act_dim,
-            "discrete": discrete,
-        }
-        save_checkpoint(model_path, checkpoint)
-    saved = f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"
-    interrupted = stop.requested and iteration < num_iterations  # a signal in the last update: the run is complete
-    stopped = f"stopped by {signal.Signals(stop.signum).name} after " if interrupted else ""
-    print(
-        f"{run_name}: {stopped}{global_step} of {num_iterations * args.steps_per_epoch} steps, "
-        f"{returns_text(recent_returns)}, {int((global_step - first_step) / (time.time() - start_time))} steps/s; "
-        f"{saved}" + (f"; continue it: --resume {run_dir}" if interrupted else ""),
-        flush=True,
-    )
-    if args.save_model and not stop.requested:
-        evaluate(actor.cpu().eval(), args.env_id, args.eval_episodes, 10_000 + args.seed, writer, stop)
-    writer.close()
-    return stop.exit_status
+    return run.finish(envs)  # the --save-model checkpoint and its evaluation, the final line; the exit status
 
 
-# ---- Run machinery: what a run needs around the algorithm (checks, signals, checkpoints, the training state that
-# --resume continues from, run folders, the evaluation-only mode, the command line). The algorithm is complete above
-# this line.
+# ---- Run machinery: what a run needs around the algorithm (the run object that main meets before, in and after its
+# loop, checks, signals, checkpoints, the training state that --resume continues from, the evaluation-only mode, the
+# command line). The algorithm is complete above this line.
 
 
 class UserError(Exception):
     """A mistake the user can fix (a flag, a file, an env, the disk): one sentence, exit 2 at the entry point."""
+
+
+class Run:
+    """The run around the training loop: its folder, the TensorBoard writer (`run.writer`), the signals, the progress
+    line, the training state saved every --checkpoint-every updates and at a stop, and --resume. `main` meets it
+    before the loop (`start`), at the end of each update (`end_update`) and after the loop (`finish`)."""
+
+    def __init__(self, args: Args, stop: "StopSignal"):
+        """Nothing is written here; with --resume, `args` becomes the run's own flags, read from its training state."""
+        self.stop, self.state, self.writer, self.wandb, self.wandb_id = stop, None, None, None, None
+        if args.resume is not None:
+            args, self.state = load_training_state(args)
+        self.args, self.run_dir = args, args.resume
+        self.num_updates = -(-args.total_timesteps // args.steps_per_epoch)
+
+    def start(self, next_obs: np.ndarray, **objects) -> types.SimpleNamespace:
+        """Before the loop: a new run makes its folder and writer and logs its flags; a resumed one puts its training
+        state back into `objects` (those a training state holds) and continues its folder and log. The counters the
+        loop starts from: update (done so far), global_step, next_obs."""
+        args, state, self.objects = self.args, self.state, objects
+        update, global_step = 0, 0
+        if state is None:
+            suffix = "" if args.update_schedule == "shuffled" else f"-{args.update_schedule}-schedule"
+            base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__critic-{args.critic}{suffix}__{args.seed}"
+            self.run_dir = os.path.join("runs", make_run_dir(base))
+            self.take_lock()
+        else:  # nothing is written into the folder before the state is known to fit and the folder to be writable
+            validate_training_state(self.state_path, state, args, objects)
+            self.take_lock()
+            for name in os.listdir(self.run_dir):  # a save killed mid-write leaves its temporary file
+                if re.fullmatch(r".+\.pt\.tmp\d+", name):
+                    os.remove(os.path.join(self.run_dir, name))
+            update, global_step, next_obs = restore_training_state(state, objects)
+            self.stop.last_state = f"the last training state is {self.state_path} (update {update})"
+            # TensorBoard reads event files in name order, which starts with the second of their making
+            wait_for_a_new_second(self.run_dir)
+        self.run_name = os.path.basename(os.path.abspath(self.run_dir))
+        device = next(objects["actor"].parameters()).device
+        slow = device.type == "cpu" and args.critic == "gpt2" and args.value_stride == 1
+        print(
+            f"{self.run_name}: device {device}, {self.num_updates} rollouts of {args.steps_per_epoch} steps"
+            + ("" if state is None else f", continued after update {update}")
+            + ("; exact windows: minutes per update on a CPU (--value-stride 64: ~64x fewer passes)" if slow else ""),
+            flush=True,
+        )
+        if args.track:  # before the writer: W&B mirrors what it logs; the same W&B run when resumed
+            import wandb
+            from wandb.sdk.lib.runid import generate_id
+
+            self.wandb = wandb
+            self.wandb_id = state["wandb_id"] if state is not None and state["wandb_id"] else generate_id()
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=vars(args),
+                name=self.run_name,
+                save_code=True,
+                dir=self.run_dir,
+                id=self.wandb_id,
+                resume="allow",
+            )
+        from torch.utils.tensorboard import SummaryWriter
+
+        # a resumed run hides what was logged after its last training state, so no step appears twice
+        self.writer = SummaryWriter(self.run_dir, purge_step=None if state is None else global_step + 1)
+        if state is None:
+            table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        self.update, self.global_step, self.first_step = update, global_step, global_step
+        self.start_time = self.last_line = time.time()
+        return types.SimpleNamespace(update=update, global_step=global_step, next_obs=next_obs)
+
+    @property
+    def state_path(self) -> str:
+        return os.path.join(self.run_dir, "training_state.pt")
+
+    def take_lock(self) -> None:
+        """One process per run folder: an advisory lock on <run folder>/.lock, held until the run ends, with the
+        holder's pid in it; the folder is checked to be writable (a small file written, synced, removed) before the
+        pid is written."""
+        try:
+            self.lock = open(os.path.join(self.run_dir, ".lock"), "a+")
+        except OSError as e:
+            raise UserError(f"cannot write into the run folder {self.run_dir} ({e.strerror})")
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.lock.seek(0)
+            holder = self.lock.read().strip() or "unknown"
+            self.lock.close()
+            raise UserError(f"another process (pid {holder}) is running {self.run_dir}")
+        try:
+            check_writable(self.run_dir, "the run folder")
+            if self.args.capture_video and self.args.save_model:
+                check_writable(os.path.join(self.run_dir, "videos"), "the videos folder")
+            self.lock.seek(0)
+            self.lock.truncate()
+            self.lock.write(f"{os.getpid()}\n")
+            self.lock.flush()
+        except UserError:
+            self.lock.close()
+            raise
+        except OSError as e:  # the pid could not be written (a full disk)
+            self.lock.close()
+            raise UserError(f"cannot write into the run folder {self.run_dir} ({e.strerror or e})")
+
+    def steps_per_second(self) -> int:
+        return int((self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9))
+
+    def end_update(self, update: int, global_step: int, **loop_state) -> bool:
+        """After each update: save the training state when due (every --checkpoint-every updates, the last one, and
+        at a stop), print the progress line (every 10% of the updates or 60 s); True when a stop was asked."""
+        self.update, self.global_step = update, global_step
+        stopping = self.stop.requested  # read once: a signal after this line stops the run at the next update
+        if stopping or update % self.args.checkpoint_every == 0 or update == self.num_updates:
+            self.writer.flush()  # what the updates in this state logged is on disk before the state is
+            save_checkpoint(
+                self.state_path,
+                training_state(self.args, update, global_step, self.objects, wandb_id=self.wandb_id, **loop_state),
+            )
+            self.stop.last_state = f"the last training state is {self.state_path} (update {update})"
+        tenth = update * 10 // self.num_updates > (update - 1) * 10 // self.num_updates
+        if not stopping and update < self.num_updates and (tenth or time.time() - self.last_line >= 60):
+            self.last_line = time.time()
+            print(
+                f"{self.run_name}: update {update}/{self.num_updates}, {global_step} steps, "
+                f"{self.steps_per_second()} steps/s, {returns_text(self.objects['recent_returns'])}",
+                flush=True,
+            )
+        return stopping
+
+    def finish(self, envs=None) -> int:
+        """After the loop: the --save-model checkpoint, the final line, the evaluation of a run that ended (not a
+        stopped one); closes the envs and the writer. The exit status."""
+        args, objects = self.args, self.objects
+        if envs is not None:
+            envs.close()
+        self.writer.flush()
+        model_path = os.path.join(self.run_dir, f"{args.exp_name}.pt")
+        if args.save_model:
+            max_timestep, obs_dim, act_dim, discrete = env_dims(objects["envs"])
+            checkpoint = {
+                "actor": objects["actor"].state_dict(),
+                "critic": objects["critic"].state_dict(),
+                "args": {**vars(args), "max_timestep": max_timestep},
+                "run_name": self.run_name,
+                "obs_dim": obs_dim,
+                "act_dim": act_dim,
+                "discrete": discrete,
+            }
+            save_checkpoint(model_path, checkpoint)
+        saved = f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"
+        interrupted = self.stop.requested and self.update < self.num_updates  # a stop in the last update: complete
+        stopped = f"stopped by {signal.Signals(self.stop.signum).name} after " if interrupted else ""
+        print(
+            f"{self.run_name}: {stopped}{self.global_step} of {self.num_updates * args.steps_per_epoch} steps, "
+            f"{returns_text(objects['recent_returns'])}, {self.steps_per_second()} steps/s; {saved}"
+            + (f"; interrupted (continue it: --resume {self.run_dir})" if interrupted else ""),
+            flush=True,
+        )
+        if args.save_model and not self.stop.requested:
+            actor, videos = objects["actor"].cpu().eval(), os.path.join(self.run_dir, "videos")
+            seed, folder = 10_000 + args.seed, videos if args.capture_video else None
+            returns = evaluate(
+                actor, args.env_id, args.eval_episodes, seed, self.writer, self.stop, video_folder=folder
+            )
+            if self.wandb is not None and args.capture_video:  # this evaluation's videos, to W&B too
+                for episode in range(len(returns)):
+                    path = os.path.join(videos, f"eval-episode-{episode}.mp4")
+                    self.wandb.log({"videos/eval": self.wandb.Video(path, format="mp4")})
+        self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        self.lock.close()
+        return self.stop.exit_status
+
+
+def check_writable(folder: str, what: str) -> None:
+    """Make `folder` if needed and write, sync and remove a small file in it; UserError naming `what` otherwise."""
+    probe = os.path.join(folder, f".probe{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            if os.path.lexists(probe):
+                os.remove(probe)
+    except OSError as e:
+        raise UserError(f"cannot write into {what} {folder} ({e.strerror or e})")
 
 
 RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
@@ -641,11 +800,18 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
     "dropout": (0, 0.99, False),
     "value_stride": (1, 4096, False),
 }
-CHOICES = {"critic": ("gpt2", "mlp"), "update_schedule": ("shuffled", "authors")}
-EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads"}  # all that --eval-checkpoint takes
-# flags a resumed run may change: they do not change its training
-RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes"}
-PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a folder name: no separators, not . or ..
+CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
+EVAL_FLAGS = {
+    "eval_checkpoint",
+    "eval_episodes",
+    "seed",
+    "cuda",
+    "torch_threads",
+    "capture_video",
+}  # all that --eval-checkpoint takes
+# the single list of flags a resumed run may change: they change only how the run computes, not its training
+RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes", "capture_video"}
+PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
 
 
 def flag(name: str) -> str:
@@ -658,7 +824,8 @@ def in_range(name: str, value) -> bool:
 
 
 def check_args(args: Args) -> None:
-    """Raise UserError for the first bad value, before any env, model or run folder exists."""
+    """The one check before anything is made: UserError for the first bad value (ranges, choices, names, the env's
+    fit, the memory estimate), before any env, model or run folder exists."""
     for name, (low, high, low_excluded) in RANGES.items():
         value = getattr(args, name)
         if value is not None and not in_range(name, value):
@@ -666,15 +833,21 @@ def check_args(args: Args) -> None:
     for name, choices in CHOICES.items():
         if getattr(args, name) not in choices:
             raise UserError(f"{flag(name)} must be one of {', '.join(choices)}, got {getattr(args, name)!r}")
-    if len(args.exp_name) > 64 or not PLAIN_NAME.fullmatch(args.exp_name):
+    if not PLAIN_NAME.fullmatch(args.exp_name):
         raise UserError(
-            f"--exp-name must be a plain name of up to 64 letters, digits, '.', '_' or '-', got {args.exp_name!r}"
+            f"--exp-name must be a plain name of up to 200 letters, digits, '.', '_' or '-', got {args.exp_name!r}"
         )
     if args.exp_name == "training_state":  # --save-model's file would overwrite the training state
         raise UserError("--exp-name training_state is the name of the run's training state; choose another")
     given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
     if args.eval_checkpoint is not None and given:
         raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
+    if args.track:
+        check_wandb()
+    if args.capture_video and args.eval_checkpoint is None:
+        check_renderer(args.env_id)
+    if args.eval_checkpoint is not None:
+        return  # the rest is the training's; the checkpoint's own flags are checked when it is read
     if args.steps_per_epoch % args.num_envs:
         raise UserError(f"--steps-per-epoch must be a multiple of --num-envs {args.num_envs}")
     if args.steps_per_epoch % args.minibatch_size:
@@ -686,6 +859,7 @@ def check_args(args: Args) -> None:
     if args.critic == "gpt2" and args.hidden_size % args.n_head:
         raise UserError(f"--n-head {args.n_head} must divide --hidden-size {args.hidden_size}")
     check_memory(args)
+    env_spaces(args.env_id)
 
 
 def check_memory(args: Args) -> None:
@@ -703,8 +877,59 @@ def check_memory(args: Args) -> None:
         raise UserError(f"these sizes need ~{need / 2**30:.0f} GiB, more than this machine's {memory / 2**30:.0f} GiB")
 
 
-def env_sizes(env_id: str) -> tuple[int, int, int, bool]:
-    """(episode limit, obs_dim, act_dim, discrete) of an env that fits this script; UserError otherwise."""
+def check_wandb() -> None:
+    """UserError unless the wandb package is there and W&B can be reached without a prompt: an API key, a login
+    (api.wandb.ai in ~/.netrc) or WANDB_MODE offline (or disabled)."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise UserError("--track needs the wandb package (pip install wandb)")
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return
+    import netrc
+
+    try:
+        login = netrc.netrc(os.environ.get("NETRC") or os.path.expanduser("~/.netrc")).authenticators("api.wandb.ai")
+    except (OSError, netrc.NetrcParseError):
+        login = None
+    if not login:
+        raise UserError(
+            "--track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login` (an api.wandb.ai "
+            "entry in ~/.netrc), or set WANDB_MODE=offline (then `wandb sync` uploads the run)"
+        )
+
+
+def check_renderer(env_id: str) -> None:
+    """UserError unless `env_id` renders a frame headless (rgb_array), naming what to install; MuJoCo envs render
+    through OSMesa when no display or MUJOCO_GL is set."""
+    mujoco = "mujoco" in str(getattr(gym.spec(env_id), "entry_point", "")) if env_id in gym.registry else False
+    if mujoco and not os.environ.get("DISPLAY") and not os.environ.get("MUJOCO_GL"):
+        os.environ.setdefault("MUJOCO_GL", "osmesa")
+        os.environ.setdefault("PYOPENGL_PLATFORM", "osmesa")
+    if not mujoco and not os.environ.get("DISPLAY"):  # pygame draws off screen: no display, no warning about one
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    install = (
+        "set MUJOCO_GL=osmesa and install OSMesa (Debian: apt-get install libosmesa6)"
+        if mujoco
+        else "pip install pygame"
+    )
+    try:
+        env = gym.make(env_id, render_mode="rgb_array")
+        try:
+            env.reset(seed=0)
+            frame = env.render()
+        finally:
+            env.close()
+    except Exception as e:  # a missing renderer shows up as any error of the env's drawing code
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+        raise UserError(f"--capture-video cannot render {env_id} ({why}); {install}")
+    if not isinstance(frame, np.ndarray) or frame.ndim != 3:
+        raise UserError(f"--capture-video cannot render {env_id} (it draws no rgb_array frames); {install}")
+
+
+def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
+    """(observation space, action space) of an env that fits this script (flat Box observations, Discrete or flat Box
+    actions, an episode limit); UserError otherwise."""
     try:
         env = gym.make(env_id)
     except Exception as e:  # an unknown or broken id is the user's input
@@ -718,7 +943,7 @@ def env_sizes(env_id: str) -> tuple[int, int, int, bool]:
         raise UserError(f"gpt2ppo_lunar.py needs a Discrete or flat Box action space, but '{env_id}' has {act}")
     if spec is None or spec.max_episode_steps is None:
         raise UserError(f"'{env_id}' has no episode limit, which the timestep embedding needs")
-    return spec.max_episode_steps, int(obs.shape[0]), int(act.n) if discrete else int(act.shape[0]), discrete
+    return obs, act
 
 
 class StopSignal:
@@ -727,6 +952,7 @@ class StopSignal:
 
     def __init__(self):
         self.signum = 0
+        self.last_state = "no training state was saved"  # set by the run after each save
 
     def install(self) -> "StopSignal":
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -735,6 +961,8 @@ class StopSignal:
 
     def handle(self, signum, frame) -> None:
         if self.requested:
+            name = signal.Signals(signum).name
+            print(f"{name} again: quitting at once without saving; {self.last_state}", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
         self.signum = signum
         print(
@@ -767,11 +995,22 @@ def save_checkpoint(path: str, checkpoint: dict) -> None:
 def load_checkpoint(path: str) -> dict:
     """The dict in a checkpoint file, read without running code (weights_only); UserError for anything else."""
     try:
-        mode = os.stat(path).st_mode
+        os.lstat(path)
+    except FileNotFoundError:
+        raise UserError(f"cannot read the checkpoint '{path}' (it does not exist)")
+    except OSError as e:
+        raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
+    try:
+        mode = os.stat(path).st_mode  # a symbolic link followed: a loop or a dangling link says so
     except OSError as e:
         raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
     if not stat.S_ISREG(mode):  # a folder, a FIFO or a device: opening a FIFO would wait forever
         raise UserError(f"cannot read the checkpoint '{path}' (not a regular file)")
+    try:
+        with open(path, "rb") as f:  # unreadable (permissions, an I/O error): say why
+            f.read(1)
+    except OSError as e:
+        raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:
@@ -781,10 +1020,42 @@ def load_checkpoint(path: str) -> dict:
     return checkpoint
 
 
-CHECKPOINT_TYPES = {"actor": dict, "critic": dict, "args": dict, "obs_dim": int, "act_dim": int, "discrete": bool}
+def fits(value, hint) -> bool:
+    """Whether `value` is of the type hint `hint`: int excludes bool, float accepts an int, Optional and Literal as
+    written, tuples, lists and dicts element by element."""
+    origin, params = get_origin(hint), get_args(hint)
+    if hint is None or hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is Literal:
+        return any(type(value) is type(p) and value == p for p in params)
+    if origin in (Union, types.UnionType):
+        return any(fits(value, p) for p in params)
+    if origin is tuple:
+        if len(params) == 2 and params[1] is Ellipsis:
+            return isinstance(value, tuple) and all(fits(v, params[0]) for v in value)
+        return isinstance(value, tuple) and len(value) == len(params) and all(map(fits, value, params))
+    if origin is list:
+        return isinstance(value, list) and all(fits(v, params[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(fits(k, params[0]) and fits(v, params[1]) for k, v in value.items())
+    return isinstance(value, hint)
+
+
+CHECKPOINT_TYPES = {
+    "actor": dict[str, torch.Tensor],
+    "critic": dict[str, torch.Tensor],
+    "args": dict,
+    "obs_dim": int,
+    "act_dim": int,
+    "discrete": bool,
+}
 CHECKPOINT_ARGS = {
     "env_id": str,
-    "critic": str,
+    "critic": Literal["gpt2", "mlp"],
     "seed": int,
     "hidden_size": int,
     "context_len": int,
@@ -795,8 +1066,10 @@ CHECKPOINT_ARGS = {
 }
 
 
-def of_type(value, t: type) -> bool:
-    return isinstance(value, t) and (t is bool or not isinstance(value, bool))  # True is an int to Python, not here
+def spaces_dims(obs: gym.Space, act: gym.Space) -> tuple[int, int, bool]:
+    """(obs_dim, act_dim, discrete) of spaces that passed env_spaces."""
+    discrete = isinstance(act, gym.spaces.Discrete)
+    return int(obs.shape[0]), int(act.n if discrete else act.shape[0]), discrete
 
 
 def actor_from_checkpoint(path: str) -> tuple[Actor, dict]:
@@ -806,29 +1079,28 @@ def actor_from_checkpoint(path: str) -> tuple[Actor, dict]:
     ckpt = load_checkpoint(path)
     train = ckpt.get("args")
     if not (
-        all(of_type(ckpt.get(k), t) for k, t in CHECKPOINT_TYPES.items())
-        and all(of_type(train.get(k), t) for k, t in CHECKPOINT_ARGS.items())
+        all(fits(ckpt.get(k), t) for k, t in CHECKPOINT_TYPES.items())
+        and all(fits(train.get(k), t) for k, t in CHECKPOINT_ARGS.items())
     ):
         raise UserError(f"'{path}' is not a gpt2ppo_lunar.py checkpoint (a key is missing or of the wrong type)")
     config = {**train, "run_name": ckpt.get("run_name") or os.path.basename(os.path.dirname(os.path.abspath(path)))}
     sizes = ("seed", "hidden_size", "context_len", "n_layer", "n_head", "dropout")
     if not (
         all(in_range(k, config[k]) for k in sizes)
-        and config["critic"] in CHOICES["critic"]
         and 1 <= config["max_timestep"] <= 10**7
-        and isinstance(config["run_name"], str)
+        and fits(config["run_name"], str)
         and PLAIN_NAME.fullmatch(config["run_name"])
         and (config["critic"] == "mlp" or config["hidden_size"] % config["n_head"] == 0)
     ):
         raise UserError(f"'{path}' is not a gpt2ppo_lunar.py checkpoint (sizes, critic or run name out of range)")
     spaces = (ckpt["obs_dim"], ckpt["act_dim"], ckpt["discrete"])
-    if spaces != env_sizes(config["env_id"])[1:]:
+    if spaces != spaces_dims(*env_spaces(config["env_id"])):
         raise UserError(f"'{path}' was trained on other spaces than those of {config['env_id']} ({spaces})")
     with torch.device("meta"):  # the shapes the args imply, without allocating them
         shapes = Actor(*spaces, config["hidden_size"]), make_critic(config["critic"], *spaces[:2], config)
     for module, state in zip(shapes, (ckpt["actor"], ckpt["critic"])):
         want = {k: (v.shape, v.dtype) for k, v in module.state_dict().items()}
-        got = {k: (v.shape, v.dtype) for k, v in state.items() if torch.is_tensor(v) and bool(v.isfinite().all())}
+        got = {k: (v.shape, v.dtype) for k, v in state.items() if bool(v.isfinite().all())}
         if got != want or len(state) != len(want):
             raise UserError(f"'{path}' holds no network of the shapes its args give (finite float32 weights)")
     actor = Actor(*spaces, config["hidden_size"])
@@ -836,12 +1108,17 @@ def actor_from_checkpoint(path: str) -> tuple[Actor, dict]:
     return actor, config
 
 
-def evaluate(actor: Actor, env_id: str, episodes: int, seed: int, writer, stop: StopSignal) -> list[float]:
-    """Greedy episodes on the CPU, episode i reset with seed + i, logged as eval/episodic_return.
+def evaluate(actor: Actor, env_id: str, episodes: int, seed: int, writer, stop: StopSignal, video_folder=None):
+    """Greedy episodes on the CPU, episode i reset with seed + i, logged as eval/episodic_return; with `video_folder`
+    each episode is recorded there as eval-episode-{i}.mp4. The returns.
 
     A stop request ends the evaluation after the current episode.
     """
-    env, returns = gym.make(env_id), []
+    env, returns = gym.make(env_id, render_mode="rgb_array" if video_folder else None), []
+    if video_folder is not None:
+        with warnings.catch_warnings():  # a folder made beforehand (checked to be writable) is not an overwrite
+            warnings.filterwarnings("ignore", message=".*Overwriting existing videos")
+            env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda e: True, name_prefix="eval")
     with torch.inference_mode():
         for ep in range(episodes):
             if stop.requested:
@@ -863,86 +1140,293 @@ def evaluate(actor: Actor, env_id: str, episodes: int, seed: int, writer, stop: 
 
 
 def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
-    """The evaluation-only mode: greedy episodes of a saved actor, seeded as the evaluation after its training."""
+    """The evaluation-only mode: greedy episodes of a saved actor, seeded as the evaluation after its training (a
+    --seed other than 1 replaces the checkpoint's)."""
     from torch.utils.tensorboard import SummaryWriter
 
     actor, train = actor_from_checkpoint(args.eval_checkpoint)
-    seed = 10_000 + (train["seed"] if args.seed is None else args.seed)
+    if args.capture_video:
+        check_renderer(train["env_id"])
+    seed = 10_000 + (train["seed"] if args.seed == 1 else args.seed)
     run_name = make_run_dir(f"{train['run_name']}-eval__{seed}")
+    videos = os.path.join("runs", run_name, "videos") if args.capture_video else None
     print(f"{args.eval_checkpoint}: critic {train['critic']}, device cpu (evaluation), logging to runs/{run_name}")
     with SummaryWriter(f"runs/{run_name}") as writer:
-        evaluate(actor.eval(), train["env_id"], args.eval_episodes, seed, writer, stop)
+        evaluate(actor.eval(), train["env_id"], args.eval_episodes, seed, writer, stop, video_folder=videos)
     return stop.exit_status
 
 
 def returns_text(returns, last: str = "of the last ") -> str:
+    """The mean return of the last episodes, as the progress and final lines say it."""
     if not len(returns):
         return "no episode has finished yet"
     return f"mean return {last}{len(returns)} episodes {np.mean(returns):.2f} +- {np.std(returns):.2f}"
 
 
-def training_state(args, iteration, global_step, next_obs, models, shuffle_rng, history, episodes, envs) -> dict:
-    """Everything a run needs to continue: flags, counters, the weights and optimizers in `models`, random streams
-    (torch's, CUDA's on a GPU, the minibatch shuffler; numpy's global one is seeded but never drawn from), the
-    critic's history, the episodes in progress and the last 100 returns, the envs."""
-    episode_return, episode_length, recent_returns = episodes
-    cuda = next(models["actor"].parameters()).is_cuda
+MODELS = ("actor", "critic", "actor_optimizer", "critic_optimizer")
+
+
+def training_state(args: Args, iteration: int, global_step: int, objects: dict, next_obs: np.ndarray, wandb_id=None):
+    """Everything a run needs to continue: flags, counters, the weights and optimizers, random streams (torch's, CUDA's
+    on a GPU, the minibatch shuffler; numpy's and Python's global ones are seeded but never drawn from), the critic's
+    history, the episodes in progress and the last 100 returns, the envs. `objects`: those Run.start was given."""
+    cuda = next(objects["actor"].parameters()).is_cuda
     return {
         "script": "gpt2ppo_lunar.py",
         "args": asdict(args),
         "iteration": iteration,
         "global_step": global_step,
         "next_obs": torch.from_numpy(next_obs.copy()),
-        **{name: model.state_dict() for name, model in models.items()},
+        **{name: objects[name].state_dict() for name in MODELS},
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if cuda else None,
-        "shuffle_rng": shuffle_rng.bit_generator.state,
-        "history": {name: torch.from_numpy(getattr(history, name).copy()) for name in ("obs", "act", "ts", "reach")},
-        "episode_return": torch.from_numpy(episode_return.copy()),
-        "episode_length": torch.from_numpy(episode_length.copy()),
-        "recent_returns": torch.from_numpy(np.array(recent_returns, dtype=np.float64)),
-        "envs": env_state(envs),
+        "shuffle_rng": objects["shuffle_rng"].bit_generator.state,
+        "history": {name: torch.from_numpy(getattr(objects["history"], name).copy()) for name in HISTORY},
+        "episode_return": torch.from_numpy(objects["episode_return"].copy()),
+        "episode_length": torch.from_numpy(objects["episode_length"].copy()),
+        "recent_returns": torch.from_numpy(np.array(objects["recent_returns"], dtype=np.float64)),
+        "envs": env_state(objects["envs"]),
+        "wandb_id": wandb_id,  # --track: the W&B run that a resume continues
     }
 
 
-def restore_training_state(run_dir, state, models, shuffle_rng, history, episodes, envs) -> tuple[int, int, np.ndarray]:
-    """Put the training state of `run_dir` back into freshly made objects; (updates done, steps done, the current
-    observation). UserError when it does not fit them (a damaged file).
+HISTORY = ("obs", "act", "ts", "reach")
+
+
+TRAINING_STATE_TYPES = {
+    "script": str,
+    "args": dict,
+    "iteration": int,
+    "global_step": int,
+    "next_obs": torch.Tensor,
+    "actor": dict[str, torch.Tensor],
+    "critic": dict[str, torch.Tensor],
+    "actor_optimizer": dict,
+    "critic_optimizer": dict,
+    "torch_rng": torch.Tensor,
+    "cuda_rng": Optional[torch.Tensor],
+    "shuffle_rng": dict,
+    "history": dict[str, torch.Tensor],
+    "episode_return": torch.Tensor,
+    "episode_length": torch.Tensor,
+    "recent_returns": torch.Tensor,
+    "envs": Optional[list[dict]],
+    "wandb_id": Optional[str],
+}
+ADAM_STATE = {"step": torch.Tensor, "exp_avg": torch.Tensor, "exp_avg_sq": torch.Tensor}
+
+
+def validate_training_state(path: str, state: dict, args: Args, objects: dict) -> None:
+    """UserError "'{path}' is a damaged training state ({why})" unless every key, type, shape and range of `state`
+    fits the run's own flags `args` and the freshly built `objects` (those Run.start was given). Reads only."""
+    why = training_state_damage(state, args, objects)
+    if why is not None:
+        raise UserError(f"'{path}' is a damaged training state ({why})")
+
+
+def training_state_damage(state: dict, args: Args, objects: dict) -> Optional[str]:
+    """What is wrong with `state` (see validate_training_state), or None."""
+    for key, hint in TRAINING_STATE_TYPES.items():
+        if key not in state:
+            return f"no {key!r}"
+        if not fits(state[key], hint):
+            return f"{key} is not of the type {getattr(hint, '__name__', hint)}"
+    if set(state) != set(TRAINING_STATE_TYPES):
+        return f"unknown keys {sorted(set(state) - set(TRAINING_STATE_TYPES))}"
+    updates, per_update = -(-args.total_timesteps // args.steps_per_epoch), args.steps_per_epoch
+    update, steps = state["iteration"], state["global_step"]
+    if not (1 <= update <= updates and steps == update * per_update):
+        return f"update {update} at step {steps}: not one of this run's {updates} updates of {per_update} steps"
+    for name in ("actor", "critic"):
+        why = tensors_damage(name, state[name], objects[name].state_dict())
+        if why is not None:
+            return why
+    for name in ("actor_optimizer", "critic_optimizer"):
+        why = adam_damage(name, state[name], objects[name])
+        if why is not None:
+            return why
+    if not like(state["torch_rng"], torch.get_rng_state()):
+        return "torch_rng is not a random state of torch"
+    if state["cuda_rng"] is not None and (state["cuda_rng"].dtype != torch.uint8 or state["cuda_rng"].dim() != 1):
+        return "cuda_rng is not a random state of CUDA"
+    why = structure_damage("shuffle_rng", state["shuffle_rng"], objects["shuffle_rng"].bit_generator.state)
+    if why is not None:
+        return why
+    history, envs = objects["history"], objects["envs"]
+    max_timestep = env_dims(envs)[0]
+    expected = {f"history.{name}": torch.from_numpy(getattr(history, name)) for name in HISTORY}
+    expected["next_obs"] = torch.zeros(envs.num_envs, *envs.single_observation_space.shape)
+    expected["episode_return"] = torch.from_numpy(objects["episode_return"])
+    expected["episode_length"] = torch.from_numpy(objects["episode_length"])
+    if set(state["history"]) != set(HISTORY):
+        return f"history holds {sorted(state['history'])}, not {list(HISTORY)}"
+    saved = {f"history.{name}": state["history"][name] for name in HISTORY}
+    saved.update({k: state[k] for k in ("next_obs", "episode_return", "episode_length")})
+    for name, want in expected.items():
+        if not like(saved[name], want) or not bool(saved[name].isfinite().all()):
+            return f"{name} is not a finite {want.dtype} tensor of shape {tuple(want.shape)}"
+    ts, reach, length = saved["history.ts"], saved["history.reach"], saved["episode_length"]
+    if not (bool((ts >= 0).all()) and bool((ts <= max_timestep).all()) and bool((length <= max_timestep).all())):
+        return f"timesteps outside 0..{max_timestep}, the episode limit"
+    if not (
+        bool((length >= 0).all()) and bool((reach >= 0).all()) and bool((reach <= ts.clamp(max=history.K - 1)).all())
+    ):
+        return "windows that reach outside their episodes"
+    if state["wandb_id"] is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", state["wandb_id"]):
+        return "wandb_id is not a W&B run id"
+    recent = state["recent_returns"]
+    if recent.dtype != torch.float64 or recent.dim() != 1 or len(recent) > 100 or not bool(recent.isfinite().all()):
+        return "recent_returns is not up to 100 finite float64 returns"
+    fresh = env_state(envs)
+    if (state["envs"] is None) != (fresh is None):
+        return "envs are not those of this run"
+    if fresh is not None:
+        return envs_damage(state["envs"], fresh, env_layers(envs))
+    return None
+
+
+def envs_damage(saved: list, fresh: list, layers: list) -> Optional[str]:
+    """The saved envs (env_state) against the fresh envs': the same layers; each env's own attributes exactly the fresh
+    env's keys, of the same structure; a wrapper's shared keys of the same structure (wrappers cache some attributes
+    on first use, so their key sets vary) and its others plain values or saved arrays."""
+    if len(saved) != len(fresh):
+        return "envs has other layers than this run's"
+    for i, (layer, ours, theirs) in enumerate(zip(layers, saved, fresh)):
+        if not isinstance(ours, dict):
+            return f"envs[{i}] is not a dict"
+        own = isinstance(layer, gym.Env) and not isinstance(layer, gym.Wrapper)
+        if own and set(ours) != set(theirs):
+            return f"envs[{i}] has other keys than this run's"
+        for key in set(ours) & set(theirs):
+            why = structure_damage(f"envs[{i}].{key}", ours[key], theirs[key])
+            if why is not None:
+                return why
+        for key in set(ours) - set(theirs):
+            if not fits(ours[key], Union[None, bool, int, float, str, torch.Tensor]):
+                return f"envs[{i}].{key} is not a plain value"
+    return None
+
+
+def like(saved: torch.Tensor, fresh: torch.Tensor) -> bool:
+    """A tensor of the dtype and shape of `fresh`."""
+    return torch.is_tensor(saved) and saved.dtype == fresh.dtype and saved.shape == fresh.shape
+
+
+def tensors_damage(name: str, saved: dict, fresh: dict) -> Optional[str]:
+    """The weights `saved` against a fresh model's state_dict: the same names, dtypes and shapes, finite values."""
+    if set(saved) != set(fresh):
+        return f"{name} has other weights than this run's model"
+    for key, want in fresh.items():
+        if not like(saved[key], want) or (want.is_floating_point() and not bool(saved[key].isfinite().all())):
+            return f"{name}.{key} is not a finite {want.dtype} tensor of shape {tuple(want.shape)}"
+    return None
+
+
+def adam_damage(name: str, saved: dict, optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """An Adam state_dict against a fresh optimizer of the run's flags: its hyperparameters and parameter groups, and
+    for each parameter a finite step count and finite moments of the parameter's shape (the second non-negative)."""
+    fresh = optimizer.state_dict()
+    if set(saved) != {"state", "param_groups"} or not fits(saved["param_groups"], list[dict]):
+        return f"{name} is not an Adam state"
+    if not _same(saved["param_groups"], fresh["param_groups"]):
+        return f"{name} has other hyperparameters or parameter groups than this run's"
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not fits(saved["state"], dict[int, dict]) or not set(saved["state"]) <= set(range(len(params))):
+        return f"{name} holds the state of other parameters"
+    for i, moments in saved["state"].items():
+        zero = torch.zeros_like(params[i], device="cpu")
+        if not (
+            set(moments) == set(ADAM_STATE)
+            and all(fits(moments[k], t) for k, t in ADAM_STATE.items())
+            and moments["step"].numel() == 1
+            and bool(moments["step"].isfinite().all())
+            and float(moments["step"]) >= 0
+            and like(moments["exp_avg"], zero)
+            and like(moments["exp_avg_sq"], zero)
+            and bool(moments["exp_avg"].isfinite().all())
+            and bool(moments["exp_avg_sq"].isfinite().all())
+            and bool((moments["exp_avg_sq"] >= 0).all())
+        ):
+            return f"{name}'s moments of parameter {i} are not finite, of its shape {tuple(zero.shape)}"
+    return None
+
+
+def _same(a, b) -> bool:
+    """Equal through dicts, lists and tuples, types included (True is not 1)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
+
+
+def structure_damage(name: str, saved, fresh) -> Optional[str]:
+    """`saved` against what the fresh objects give (`env_state`, a generator's state): the same dicts (keys), lists
+    (lengths) and generator kinds, tensors of the same dtype and shape (a deque's of any length) with finite values,
+    and plain values of the same type (None allowed for either)."""
+    if isinstance(fresh, dict):
+        if not isinstance(saved, dict) or set(saved) != set(fresh):
+            return f"{name} has other keys than this run's"
+        if "bit_generator" in fresh and saved["bit_generator"] != fresh["bit_generator"]:
+            return f"{name} is not a {fresh['bit_generator']} random state"
+        for key in fresh:
+            why = structure_damage(f"{name}.{key}", saved[key], fresh[key])
+            if why is not None:
+                return why
+        return None
+    if isinstance(fresh, list):
+        if not isinstance(saved, list) or len(saved) != len(fresh):
+            return f"{name} has other layers than this run's"
+        for i, (s_, f_) in enumerate(zip(saved, fresh)):
+            why = structure_damage(f"{name}[{i}]", s_, f_)
+            if why is not None:
+                return why
+        return None
+    if torch.is_tensor(fresh):
+        # an env's arrays keep their shape but not always their precision (a state reset as float32 is stepped in
+        # float64); a queue's length and, when empty, its dtype vary
+        kind = "float" if fresh.is_floating_point() else "bool" if fresh.dtype == torch.bool else "integer"
+        fits_it = torch.is_tensor(saved) and (
+            saved.shape[1:] == fresh.shape[1:] if name.endswith(".deque") else saved.shape == fresh.shape
+        )
+        if not name.endswith(".deque") and fits_it:
+            fits_it = kind == (
+                "float" if saved.is_floating_point() else "bool" if saved.dtype == torch.bool else "integer"
+            )
+        if not fits_it:
+            return f"{name} is not a {kind} tensor of shape {tuple(fresh.shape)}"
+        if saved.is_floating_point() and not bool(saved.isfinite().all()):
+            return f"{name} is not finite"
+        return None
+    if saved is None or fresh is None:
+        return None if saved is None or isinstance(saved, (bool, int, float, str)) else f"{name} is not a plain value"
+    return None if type(saved) is type(fresh) else f"{name} is not a {type(fresh).__name__}"
+
+
+def restore_training_state(state: dict, objects: dict) -> tuple[int, int, np.ndarray]:
+    """Put a training state that validate_training_state passed back into the freshly made `objects`, in place;
+    (updates done, steps done, the current observation).
 
     Envs whose state was not saved (Box2D, MuJoCo) start new episodes, seeded by the run's seed and the update."""
-    episode_return, episode_length, recent_returns = episodes
-    try:
-        for name, model in models.items():
-            model.load_state_dict(state[name])
-        torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"] is not None and next(models["actor"].parameters()).is_cuda:
-            torch.cuda.set_rng_state(state["cuda_rng"])
-        shuffle_rng.bit_generator.state = state["shuffle_rng"]
-        for name in ("obs", "act", "ts", "reach"):  # in place: History's torch views share this memory
-            copy_into(getattr(history, name), state["history"][name], f"history.{name}")
-        copy_into(episode_return, state["episode_return"], "episode_return")
-        copy_into(episode_length, state["episode_length"], "episode_length")
-        recent_returns.clear()
-        recent_returns.extend(state["recent_returns"].numpy())
-        if state["envs"] is None:  # the episodes in progress are cut off, unlogged; the windows start afresh
-            episode_return[:], episode_length[:] = 0.0, 0
-            next_obs = envs.reset(seed=state["args"]["seed"] + envs.num_envs * state["iteration"])[0]
-        else:
-            restore_env_state(envs, state["envs"])
-            next_obs = np.zeros((envs.num_envs, *envs.single_observation_space.shape), dtype=np.float32)
-            copy_into(next_obs, state["next_obs"], "next_obs")
-    except (KeyError, ValueError, RuntimeError, TypeError, IndexError, AttributeError) as e:
-        reason = f"no {e}" if isinstance(e, KeyError) else (str(e).strip().splitlines() or [type(e).__name__])[0]
-        path = os.path.join(run_dir, "training_state.pt")
-        raise UserError(f"'{path}' is a damaged training state ({reason.rstrip('.:')})")
+    envs, episode_return, episode_length = objects["envs"], objects["episode_return"], objects["episode_length"]
+    for name in MODELS:
+        objects[name].load_state_dict(state[name])
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] is not None and next(objects["actor"].parameters()).is_cuda:
+        torch.cuda.set_rng_state(state["cuda_rng"])
+    objects["shuffle_rng"].bit_generator.state = state["shuffle_rng"]
+    for name in HISTORY:  # in place: History's torch views share this memory
+        getattr(objects["history"], name)[...] = state["history"][name].numpy()
+    episode_return[...], episode_length[...] = state["episode_return"].numpy(), state["episode_length"].numpy()
+    objects["recent_returns"].clear()
+    objects["recent_returns"].extend(state["recent_returns"].numpy())
+    if state["envs"] is None:  # the episodes in progress are cut off, unlogged; the windows start afresh
+        episode_return[:], episode_length[:] = 0.0, 0
+        next_obs = envs.reset(seed=state["args"]["seed"] + envs.num_envs * state["iteration"])[0]
+    else:
+        restore_env_state(envs, state["envs"])
+        next_obs = state["next_obs"].numpy()
     return state["iteration"], state["global_step"], next_obs.astype(np.float32)
-
-
-def copy_into(array: np.ndarray, saved: torch.Tensor, name: str) -> None:
-    """array[...] = saved, a tensor of the same shape (no broadcasting); ValueError otherwise."""
-    if not torch.is_tensor(saved) or tuple(saved.shape) != array.shape:
-        raise ValueError(f"{name} is not a tensor of shape {array.shape}")
-    array[...] = saved.numpy()
 
 
 def env_layers(envs) -> list:
@@ -1012,18 +1496,15 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
     path = os.path.join(args.resume, "training_state.pt")
     if not os.path.isdir(args.resume):
         raise UserError(f"--resume {args.resume} is not a run folder")
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise UserError(f"--resume {args.resume} holds no training_state.pt (it stopped before its first checkpoint)")
     state = load_checkpoint(path)
     saved = state.get("args")
-    numbers = {int: int, float: (int, float)}  # what each flag holds (seed: an int once a run has started)
-    types = {f.name: numbers.get(type(f.default), type(f.default)) for f in fields(Args) if f.default is not None}
-    types["seed"] = int
     if (
         state.get("script") != "gpt2ppo_lunar.py"
         or not isinstance(saved, dict)
         or set(saved) != {f.name for f in fields(Args)}
-        or not all(of_type(saved[name], t) for name, t in types.items())
+        or not all(fits(saved[f.name], f.type) for f in fields(Args))
     ):
         raise UserError(f"'{path}' is not a training state of this version of gpt2ppo_lunar.py")
     for f in fields(Args):
@@ -1039,18 +1520,6 @@ def load_training_state(args: Args) -> tuple[Args, dict]:
         check_args(run_args)
     except UserError as e:
         raise UserError(f"the flags saved in '{path}' cannot run: {e}")
-    updates = -(-run_args.total_timesteps // run_args.steps_per_epoch)
-    iteration, steps, per_update = state.get("iteration"), state.get("global_step"), run_args.steps_per_epoch
-    if not (
-        of_type(iteration, int)
-        and 1 <= iteration <= updates
-        and of_type(steps, int)
-        and steps == iteration * per_update
-    ):
-        raise UserError(
-            f"'{path}' is a damaged training state (update {iteration} at step {steps}: not one of this run's "
-            f"{updates} updates of {per_update} steps)"
-        )
     return run_args, state
 
 

@@ -4,6 +4,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections import deque
 from dataclasses import asdict, fields
@@ -16,7 +18,16 @@ import pytest
 import torch
 
 import gpt2ppo_lunar as g2
-from conftest import all_scalars, only_run_dir, read_scalars, same_numbers, stop_when_printed
+from conftest import (
+    BASELINE,
+    ROOT,
+    SCRIPT_ENV,
+    all_scalars,
+    baseline_script,
+    only_run_dir,
+    read_scalars,
+    stop_when_printed,
+)
 
 TINY = ("--hidden-size", "16", "--n-head", "2", "--context-len", "8", "--update-epochs", "2", "--minibatch-size", "64")
 TINY_ARGS = dict(hidden_size=16, n_head=2, context_len=8, update_epochs=2, minibatch_size=8)
@@ -208,18 +219,16 @@ def test_fast_dropout_attention_matches_sdpa_and_drops_at_the_right_rate():
     allowed[0, :, :, :3] = False  # window 0 is left-padded by 3 steps
     allowed[0, :, :3, 0] = True  # (its padded rows attend somewhere: only their finiteness matters)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)
-    tiny, _ = g2.attention_with_fast_dropout(None, q, k, v, allowed, dropout=1e-12)  # the math path
+    tiny, _ = g2.GPT2Critic.attention(None, q, k, v, allowed, dropout=1e-12)  # the math path
     assert torch.allclose(tiny, ref, atol=1e-6)
-    causal, _ = g2.attention_with_fast_dropout(None, q, k, v, None, dropout=1e-12)  # mask None: causal
+    causal, _ = g2.GPT2Critic.attention(None, q, k, v, None, dropout=1e-12)  # mask None: causal
     ref_causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
     assert torch.allclose(causal, ref_causal, atol=1e-6)
     # with dropout p the kept weights are scaled by 1/(1-p): with v = one-hot columns the output IS
     # the dropped-and-rescaled weight matrix, so the rate and the scale can be read off it
     p, L = 0.5, 64
     eye = torch.eye(L).expand(40, 1, L, L)
-    w, _ = g2.attention_with_fast_dropout(
-        None, torch.zeros(40, 1, L, L), torch.zeros(40, 1, L, L), eye, None, dropout=p
-    )
+    w, _ = g2.GPT2Critic.attention(None, torch.zeros(40, 1, L, L), torch.zeros(40, 1, L, L), eye, None, dropout=p)
     w = w.transpose(1, 2)[:, 0]  # (40, L, L): row i = uniform 1/(i+1) weights, dropped, rescaled
     base = torch.ones(L, L).tril() / torch.arange(1, L + 1)[:, None]
     kept = w > 0
@@ -445,6 +454,7 @@ TAGS = (
     "charts/SPS",
 )
 BUDGET = ("--total-timesteps", "512", "--steps-per-epoch", "256", "--seed", "3")
+SMALL = ("--hidden-size", "16", "--n-head", "2", "--update-epochs", "2", "--minibatch-size", "64")  # TINY's widths
 
 
 def cli_in_process(flags, cwd) -> tuple[int, str, str]:
@@ -469,6 +479,55 @@ def cli_in_process(flags, cwd) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.fixture(scope="module")
+def baseline_module(tmp_path_factory):
+    """gpt2ppo_lunar.py as committed at conftest's BASELINE, loaded as a module of its own (skipped without it)."""
+    import importlib.util
+
+    path = baseline_script("gpt2ppo_lunar.py", str(tmp_path_factory.mktemp("baseline_code")))
+    spec = importlib.util.spec_from_file_location("gpt2ppo_lunar_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def _same_numbers_in_process(baseline, flags, tmp_path) -> tuple[str, str]:
+    """conftest's same_numbers with both runs in this process, one thread each (as the scripts run in a subprocess with
+    OMP_NUM_THREADS=1), which saves two interpreter starts per case: the BASELINE module's main and this script's
+    entry point with the same flags, each in its own folder; every scalar the baseline logged (wall-clock tags aside)
+    must be logged by the current script with the same steps and values, bit for bit. The two run folders."""
+    import contextlib
+    import io
+
+    import tyro
+
+    folders = []
+    for name in ("baseline", "current"):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        if name == "baseline":
+            handlers, here = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}, os.getcwd()
+            try:
+                os.chdir(cwd)
+                with contextlib.redirect_stdout(io.StringIO()):
+                    baseline.main(tyro.cli(baseline.Args, args=list(flags)))
+            finally:
+                os.chdir(here)
+                for s, h in handlers.items():
+                    signal.signal(s, h)
+        else:
+            code, _, err = cli_in_process(flags, cwd)
+            assert code == 0, err
+        folders.append(only_run_dir(str(cwd)))
+    old_scalars, new_scalars = all_scalars(folders[0]), all_scalars(folders[1])
+    assert old_scalars, f"the baseline run logged no scalars in {folders[0]}"
+    for tag, points in old_scalars.items():
+        assert new_scalars.get(tag) == points, f"gpt2ppo_lunar.py {' '.join(flags)}: '{tag}' differs from {BASELINE}"
+    return folders[0], folders[1]
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -482,9 +541,10 @@ def cli_in_process(flags, cwd) -> tuple[int, str, str]:
     ],
     ids=["mlp", "gpt2-exact-acrobot-truncation", "gpt2-stride64-dropout0.1-authors", "bipedal-gpt2-save-eval"],
 )
-def test_same_numbers_as_before_the_redesign(tmp_path, flags):
-    """Every kept path logs, bit for bit, what the script logged before the redesign (same machine, side by side)."""
-    old, new = same_numbers("gpt2ppo_lunar.py", *BUDGET, *flags, tmp_path=tmp_path)
+def test_same_numbers_as_before_the_redesign(tmp_path, baseline_module, flags):
+    """Every kept path logs, bit for bit, what the script logged before the redesign (same machine, side by side), at
+    small sizes (the same paths, a fraction of the time)."""
+    old, new = _same_numbers_in_process(baseline_module, (*BUDGET, *SMALL, *flags), tmp_path)
     for tag in TAGS:
         assert len(read_scalars(new, tag)) == 2, tag
     if "Acrobot-v1" in flags:  # a random policy does not swing up within 500 steps
@@ -535,9 +595,13 @@ def test_save_model_eval_equals_eval_checkpoint_names_and_seeds(tmp_path):
     assert code == 0 and f"eval: {in_run}" in out and "critic mlp" in out  # the same rule, the same numbers
     (eval_run,) = glob.glob(os.path.join(tmp_path, "runs", os.path.basename(run) + "-eval__10004__*"))
     assert read_scalars(eval_run, "eval/episodic_return") == read_scalars(run, "eval/episodic_return")
-    # --seed given with --eval-checkpoint replaces the training seed of the evaluation's seeds
-    code, out, _ = cli_in_process(("--eval-checkpoint", ckpt, "--eval-episodes", "2", "--seed", "9"), tmp_path)
-    assert code == 0 and "seeds 10009..10010" in out
+    # --seed given with --eval-checkpoint replaces the training seed of the evaluation's seeds; --capture-video
+    # records the episode into the evaluation's own run folder
+    flags = ("--eval-checkpoint", ckpt, "--eval-episodes", "1", "--seed", "9", "--capture-video")
+    code, out, _ = cli_in_process(flags, tmp_path)
+    assert code == 0 and "seeds 10009..10009" in out
+    (videos,) = glob.glob(os.path.join(tmp_path, "runs", os.path.basename(run) + "-eval__10009__*", "videos"))
+    assert os.listdir(videos) == ["eval-episode-0.mp4"] and _video_frames(os.path.join(videos, "eval-episode-0.mp4"))[0]
 
 
 def test_run_folders_made_in_the_same_second_get_their_own_names(tmp_path):
@@ -545,10 +609,10 @@ def test_run_folders_made_in_the_same_second_get_their_own_names(tmp_path):
     assert len(names) == 3 and sorted(os.listdir(tmp_path / "r")) == sorted(names)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_stops_after_the_update_keeps_the_checkpoint_and_exits_with_one_line(tmp_path, sig, code):
-    """Ctrl-C and SIGTERM (timeout, kill, schedulers) alike: the update finishes, the checkpoint and the training
-    state are saved, one line on stderr. (What the last line says: the in-process test below.)"""
+def test_ctrl_c_stops_after_the_update_keeps_the_checkpoint_and_exits_with_one_line(tmp_path):
+    """Ctrl-C sent to the script's process: the update finishes, the checkpoint and the training state are saved, one
+    line on stderr, exit 130. (SIGTERM, and what the last line says: the in-process test below.)"""
+    sig, code = signal.SIGINT, 130
     flags = ("--critic", "mlp", "--total-timesteps", "10000000", "--steps-per-epoch", "256", "--save-model", *TINY)
     # the first line is printed once the handler is in place and the run folder exists
     proc = stop_when_printed("gpt2ppo_lunar.py", *flags, cwd=tmp_path, line="device", sig=sig)
@@ -587,8 +651,12 @@ def test_a_signal_in_the_last_update_ends_a_complete_run_not_a_stopped_one(tmp_p
     rel, last = os.path.relpath(run, tmp_path), out.strip().splitlines()[-1]  # runs/<run>
     assert code == 143 and "Traceback" not in err and "eval:" not in out
     assert f"{256 * update} of 512 steps" in last and f"checkpoint saved to {rel}" in last
+    assert err.strip() == "SIGTERM: stopping at the next safe point (again: quit at once)"  # one line
+    assert not glob.glob(os.path.join(run, "*.tmp*"))
+    actor, config = g2.actor_from_checkpoint(os.path.join(run, "gpt2ppo_lunar.pt"))
+    assert config["critic"] == "mlp" and config["total_timesteps"] == 512
     if update == 1:
-        assert "stopped by SIGTERM after" in last and last.endswith(f"; continue it: --resume {rel}")
+        assert "stopped by SIGTERM after" in last and last.endswith(f"; interrupted (continue it: --resume {rel})")
     else:
         assert "stopped" not in last and "--resume" not in last
     assert g2.load_checkpoint(os.path.join(run, "training_state.pt"))["iteration"] == update
@@ -625,9 +693,11 @@ def test_a_signal_during_evaluation_stops_after_the_episode_and_a_second_quits(c
     returns = g2.evaluate(g2.Actor(4, 2, True, 8), "CartPole-v1", 3, 0, writer, stop)
     assert len(returns) == 1 and "stopped after 1 of 3 episodes" in capsys.readouterr().out
     assert not writer.closed and stop.exit_status == 130  # the caller's writer stays the caller's
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         stop.handle(signal.SIGTERM, None)
     assert e.value.code == 143
+    assert capsys.readouterr().err == "SIGTERM again: quitting at once without saving; no training state was saved\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -694,12 +764,14 @@ def _checkpoint(folder, kind):
     elif kind == "gpt2":  # a GPT-2 critic of the default sizes
         args["critic"] = "gpt2"
         ckpt["critic"] = g2.make_critic("gpt2", 8, 4, args).state_dict()
-    if kind == "text":
+    if kind == "loop":  # a symbolic link to itself
+        os.symlink(f"{kind}.pt", path)
+    elif kind == "text":
         with open(path, "w") as f:
             f.write("not a checkpoint\n")
     elif kind == "fifo":  # a named pipe: opening it would wait for a writer forever
         os.mkfifo(path)
-    elif kind != "missing_file":
+    elif kind not in ("missing_file", "loop"):
         g2.save_checkpoint(path, ckpt)
     if kind == "truncated":
         with open(path, "r+b") as f:
@@ -707,35 +779,72 @@ def _checkpoint(folder, kind):
     return path
 
 
-def _loop_objects(args: g2.Args):
-    """What main builds and carries from one update into the next, for `args`, as training_state takes them:
-    (models, shuffle_rng, history, episodes, envs)."""
-    max_t, obs_dim, act_dim, discrete = g2.env_sizes(args.env_id)
+def _loop_objects(args: g2.Args) -> dict:
+    """What main builds and carries from one update into the next, for `args`, as Run.start takes them (the objects a
+    training state holds)."""
     N, mode = args.num_envs, gym.vector.AutoresetMode.SAME_STEP
     envs = gym.vector.SyncVectorEnv([g2.make_env(args.env_id)] * N, autoreset_mode=mode)
+    max_t, obs_dim, act_dim, discrete = g2.env_dims(envs)
     actor = g2.Actor(obs_dim, act_dim, discrete, args.hidden_size)
     critic = g2.make_critic(args.critic, obs_dim, act_dim, {**asdict(args), "max_timestep": max_t})
-    models = {
-        "actor": actor,
-        "critic": critic,
-        "actor_optimizer": torch.optim.Adam(actor.parameters(), eps=1e-5),
-        "critic_optimizer": torch.optim.Adam([p for p in critic.parameters() if p.requires_grad], eps=1e-5),
-    }
     T = args.steps_per_epoch // N
     K, S = (args.context_len, args.value_stride) if args.critic == "gpt2" else (1, 1)  # as main: the MLP's window
-    history = g2.History(N, T, K, S, obs_dim, act_dim)
-    episodes = (np.zeros(N), np.zeros(N, dtype=np.int64), deque(maxlen=100))
-    return models, np.random.default_rng(args.seed), history, episodes, envs
+    return {
+        "actor": actor,
+        "critic": critic,
+        "actor_optimizer": torch.optim.Adam(actor.parameters(), lr=args.actor_lr, eps=1e-5),
+        "critic_optimizer": torch.optim.Adam(
+            [p for p in critic.parameters() if p.requires_grad], lr=args.critic_lr, eps=1e-5
+        ),
+        "shuffle_rng": np.random.default_rng(args.seed),
+        "history": g2.History(N, T, K, S, obs_dim, act_dim),
+        "episode_return": np.zeros(N),
+        "episode_length": np.zeros(N, dtype=np.int64),
+        "recent_returns": deque(maxlen=100),
+        "envs": envs,
+    }
 
 
 def _training_state(folder, kind):
-    """A run folder holding a training state (update 1 of 10), good or spoiled as `kind` says."""
+    """A run folder holding a training state (update 1 of 10, with Adam's moments; Acrobot's kinds with the envs'
+    own state), good or spoiled as `kind` says."""
     folder.mkdir()
-    args = g2.Args(seed=1, critic="mlp", total_timesteps=20480)
+    env_id = "Acrobot-v1" if kind.startswith("acrobot") else "LunarLander-v3"
+    args = g2.Args(seed=1, critic="mlp", total_timesteps=20480, env_id=env_id)
     objects = _loop_objects(args)
-    obs = objects[-1].reset(seed=1)[0]
-    state = g2.training_state(args, 1, 2048, obs, *objects)
-    saved = state["args"]
+    for name in ("actor_optimizer", "critic_optimizer"):  # one step with zero gradients: moments, weights unchanged
+        for group in objects[name].param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        objects[name].step()
+    obs = objects["envs"].reset(seed=1)[0]
+    state = g2.training_state(args, 1, 2048, objects, obs)
+    saved, first = state["args"], state["critic_optimizer"]["state"][0]
+    env_layer = next((e for e in state["envs"] or [] if torch.is_tensor(e.get("state"))), {})  # Acrobot's own
+    damage = {  # kind: what is changed in the state
+        "str_update": lambda: state.update(iteration="1"),
+        "bool_update": lambda: state.update(iteration=True),
+        "float_steps": lambda: state.update(global_step=2048.0),
+        "negative": lambda: state.update(iteration=-1, global_step=-2048),
+        "unknown_key": lambda: state.update(extra=1),
+        "nan_weight": lambda: state["critic"]["net.0.bias"].fill_(float("nan")),
+        "adam_shape": lambda: first.update(exp_avg=torch.zeros(3)),
+        "adam_nan": lambda: first["exp_avg_sq"].fill_(float("nan")),
+        "adam_lr": lambda: state["actor_optimizer"]["param_groups"][0].update(lr=0.5),
+        "torch_rng": lambda: state.update(torch_rng=torch.zeros(8, dtype=torch.uint8)),
+        "shuffle_rng": lambda: state["shuffle_rng"].update(bit_generator="MT19937"),
+        "history_nan": lambda: state["history"]["obs"].fill_(float("nan")),
+        "timesteps": lambda: state["history"]["ts"].fill_(-1),
+        "episode_length": lambda: state["episode_length"].fill_(10**6),
+        "recent_returns": lambda: state.update(recent_returns=torch.zeros(3, dtype=torch.float32)),
+        "bad_choice": lambda: saved.update(critic="lstm"),
+        "acrobot_env_shape": lambda: env_layer.update(state=torch.zeros(3)),
+        "acrobot_env_key": lambda: env_layer.pop("state"),
+        "acrobot_no_envs": lambda: state.update(envs=None),
+    }
+    if kind in damage:
+        assert kind.startswith("acrobot_") == bool(env_layer)
+        damage[kind]()
     if kind == "foreign":
         state["script"] = "another.py"
     elif kind == "mistyped":
@@ -754,11 +863,20 @@ def _training_state(folder, kind):
         state["actor"]["body.0.weight"] = torch.zeros(3, 3)
     elif kind == "eight_envs":  # flags that run, but not with this state's history
         saved["num_envs"] = 8
-    g2.save_checkpoint(str(folder / "training_state.pt"), state)
+    if kind == "loop":  # a symbolic link to itself
+        os.symlink("training_state.pt", folder / "training_state.pt")
+    else:
+        g2.save_checkpoint(str(folder / "training_state.pt"), state)
 
 
-def _tree(folder) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+def _tree(folder, folder_times: bool = True) -> list[tuple]:
+    """Every path under `folder` with its size and modification time (of files only when not `folder_times`)."""
+    return sorted(
+        (str(p.relative_to(folder)), p.lstat().st_size, p.lstat().st_mtime_ns)
+        if folder_times or not p.is_dir()
+        else (str(p.relative_to(folder)),)
+        for p in folder.rglob("*")
+    )
 
 
 def _bad(flags, message):
@@ -791,15 +909,15 @@ def _bad(flags, message):
         _bad(("--n-head", "3"), "--n-head 3 must divide --hidden-size 64"),
         _bad(("--hidden-size", "65536", "--n-layer", "96"), "GiB, more than this machine's"),
         _bad(("--context-len", "4096", "--minibatch-size", "2048"), "GiB, more than this machine's"),
-        # choices: one table
-        _bad(("--critic", "lstm"), "--critic must be one of gpt2, mlp, got 'lstm'"),
-        _bad(("--update-schedule", "random"), "--update-schedule must be one of shuffled, authors, got 'random'"),
+        # choices: Literal flags, listed and enforced by tyro (its own message, exit 2)
+        _bad(("--critic", "lstm"), None),
+        _bad(("--update-schedule", "random"), None),
         # run names are plain names
         _bad(("--exp-name", "../up"), "--exp-name must be a plain name"),
         _bad(("--exp-name", "a/b"), "--exp-name must be a plain name"),
         _bad(("--exp-name", ".."), "--exp-name must be a plain name"),
         _bad(("--exp-name", ""), "--exp-name must be a plain name"),
-        _bad(("--exp-name", "x" * 65), "--exp-name must be a plain name"),
+        _bad(("--exp-name", "x" * 201), "--exp-name must be a plain name"),
         _bad(("--exp-name", "training_state"), "--exp-name training_state is the name of the run's training state"),
         # envs that do not exist or do not fit
         _bad(("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
@@ -813,7 +931,8 @@ def _bad(flags, message):
         _bad(("--progress-every", "1"), None),
         _bad(("--seed", "1.5"), None),
         # checkpoints: missing, not a file, foreign, spoiled; --eval-checkpoint takes no training flags
-        _bad(("--eval-checkpoint", "ckpt:missing_file"), "cannot read the checkpoint"),
+        _bad(("--eval-checkpoint", "ckpt:missing_file"), "missing_file.pt' (it does not exist)"),
+        _bad(("--eval-checkpoint", "ckpt:loop"), "loop.pt' (Too many levels of symbolic links)"),
         _bad(("--eval-checkpoint", "given"), "not a regular file"),
         _bad(("--eval-checkpoint", "ckpt:fifo"), "not a regular file"),
         _bad(("--eval-checkpoint", "ckpt:text"), "not a torch file"),
@@ -846,11 +965,35 @@ def _bad(flags, message):
         ),
         _bad(("--resume", "resume:steps"), "is a damaged training state (update 1 at step 2000: not one"),
         _bad(("--resume", "resume:no_optimizer"), "is a damaged training state (no 'critic_optimizer')"),
-        _bad(("--resume", "resume:misshapen"), "damaged training state (Error(s) in loading state_dict for Actor)"),
+        _bad(
+            ("--resume", "resume:misshapen"),
+            "damaged training state (actor.body.0.weight is not a finite torch.float32 tensor of shape (64, 8))",
+        ),
         _bad(
             ("--resume", "resume:eight_envs"),
-            "is a damaged training state (history.obs is not a tensor of shape (8, 257, 8))",
+            "is a damaged training state (history.obs is not a finite torch.float32 tensor of shape (8, 257, 8))",
         ),
+        _bad(("--resume", "resume:loop"), "training_state.pt' (Too many levels of symbolic links)"),
+        _bad(("--resume", "resume:bad_choice"), "is not a training state of this version of gpt2ppo_lunar.py"),
+        # every key, type, shape and range of a training state, against the run's flags and fresh objects
+        _bad(("--resume", "resume:str_update"), "damaged training state (iteration is not of the type int)"),
+        _bad(("--resume", "resume:bool_update"), "damaged training state (iteration is not of the type int)"),
+        _bad(("--resume", "resume:float_steps"), "damaged training state (global_step is not of the type int)"),
+        _bad(("--resume", "resume:negative"), "damaged training state (update -1 at step -2048: not one of this"),
+        _bad(("--resume", "resume:unknown_key"), "damaged training state (unknown keys ['extra'])"),
+        _bad(("--resume", "resume:nan_weight"), "(critic.net.0.bias is not a finite torch.float32 tensor of shape"),
+        _bad(("--resume", "resume:adam_shape"), "(critic_optimizer's moments of parameter 0 are not finite, of its"),
+        _bad(("--resume", "resume:adam_nan"), "(critic_optimizer's moments of parameter 0 are not finite, of its"),
+        _bad(("--resume", "resume:adam_lr"), "(actor_optimizer has other hyperparameters or parameter groups"),
+        _bad(("--resume", "resume:torch_rng"), "damaged training state (torch_rng is not a random state of torch)"),
+        _bad(("--resume", "resume:shuffle_rng"), "damaged training state (shuffle_rng is not a PCG64 random state)"),
+        _bad(("--resume", "resume:history_nan"), "(history.obs is not a finite torch.float32 tensor of shape"),
+        _bad(("--resume", "resume:timesteps"), "damaged training state (timesteps outside 0..1000"),
+        _bad(("--resume", "resume:episode_length"), "damaged training state (timesteps outside 0..1000"),
+        _bad(("--resume", "resume:recent_returns"), "(recent_returns is not up to 100 finite float64 returns)"),
+        _bad(("--resume", "resume:acrobot_env_shape"), "(envs[4].state is not a float tensor of shape (4,))"),
+        _bad(("--resume", "resume:acrobot_env_key"), "damaged training state (envs[4] has other keys than this"),
+        _bad(("--resume", "resume:acrobot_no_envs"), "damaged training state (envs are not those of this run)"),
         _bad(("--resume", "resume:good", "--eval-checkpoint", "x"), "takes no training flags, got --resume"),
         # a run folder that cannot be made (a file named runs stands where the folder would go)
         _bad(("--critic", "mlp", "runs-is-a-file"), "cannot create the run folder runs/"),
@@ -952,7 +1095,8 @@ def test_the_training_state_restores_exactly(tmp_path, env_id):
     classic-control env, whose copies then step the same. Box2D envs restart their episodes, the same way each time."""
     args = g2.Args(env_id=env_id, seed=7, num_envs=2, steps_per_epoch=16, value_stride=2, **TINY_ARGS)
     objects = _loop_objects(args)
-    models, shuffle_rng, history, (returns, lengths, recent), envs = objects
+    models, shuffle_rng, history, envs = objects, objects["shuffle_rng"], objects["history"], objects["envs"]
+    returns, lengths, recent = objects["episode_return"], objects["episode_length"], objects["recent_returns"]
     n, rng = envs.single_action_space.n, np.random.default_rng(0)
     obs = envs.reset(seed=7)[0].astype(np.float32)
     for step in range(8):  # a rollout: the windows' rows, episodes in progress
@@ -971,27 +1115,27 @@ def test_the_training_state_restores_exactly(tmp_path, env_id):
     list(g2.minibatch_plan("shuffled", 16, 4, 8, 2, shuffle_rng))
     history.carry_over()
     path = str(tmp_path / "training_state.pt")
-    g2.save_checkpoint(path, g2.training_state(args, 3, 48, obs, *objects))
-    saved = g2.training_state(args, 3, 48, obs, *objects)
+    g2.save_checkpoint(path, g2.training_state(args, 3, 48, objects, obs))
+    saved = g2.training_state(args, 3, 48, objects, obs)
     twins = []
     for k in range(2):
         twin = _loop_objects(args)  # fresh weights, drawn from torch's stream
-        twin[-1].reset(seed=123 + k)  # and envs in other states
-        iteration, step, twin_obs = g2.restore_training_state(str(tmp_path), g2.load_checkpoint(path), *twin)
+        twin["envs"].reset(seed=123 + k)  # and envs in other states
+        iteration, step, twin_obs = g2.restore_training_state(g2.load_checkpoint(path), twin)
         assert (iteration, step) == (3, 48)
-        twins.append((twin, g2.training_state(args, iteration, step, twin_obs, *twin)))
+        twins.append((twin, g2.training_state(args, iteration, step, twin, twin_obs)))
     (one, one_state), (two, two_state) = twins
     assert _same(one_state, two_state)
     if env_id == "Acrobot-v1":  # classic control: the episodes go on
         assert saved["envs"] is not None and _same(saved, one_state)
-        stepped, others = envs, [one[-1], two[-1]]
+        stepped, others = envs, [one["envs"], two["envs"]]
     else:  # Box2D: all else the same, but new episodes, from a reset seeded by the seed and the update
         restarted = ("next_obs", "episode_return", "episode_length")
         kept = [{k: v for k, v in state.items() if k not in restarted} for state in (saved, one_state)]
         assert saved["envs"] is None and _same(*kept)
         assert not torch.equal(one_state["next_obs"], saved["next_obs"])
         assert not one_state["episode_return"].any() and not one_state["episode_length"].any()
-        stepped, others = one[-1], [two[-1]]
+        stepped, others = one["envs"], [two["envs"]]
     for _ in range(30):
         action = rng.integers(0, n, 2)
         expected = stepped.step(action)
@@ -1024,8 +1168,15 @@ def uninterrupted_acrobot(tmp_path_factory):
 def test_a_stopped_acrobot_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, sig, uninterrupted_acrobot):
     """Classic control: the episodes in progress go on. SIGTERM saves the state at the update it stops after; SIGKILL
     loses the updates since the last checkpoint (3), which the resumed run does again, hiding their first logging.
-    Either way the TensorBoard series equal, bit for bit, those of a run that was never stopped."""
-    run = _stopped_run(tmp_path, ACROBOT, sig, after=4)
+    Either way the TensorBoard series equal, bit for bit, those of a run that was never stopped. (SIGTERM: sent to
+    this process, which runs the script's entry point, while update 5 computes; SIGKILL: to a subprocess.)"""
+    if sig == signal.SIGTERM:
+        with pytest.MonkeyPatch.context() as mp:
+            _signal_in_update(mp, 5)
+            assert cli_in_process(ACROBOT, tmp_path)[0] == 143
+        run = only_run_dir(str(tmp_path))
+    else:
+        run = _stopped_run(tmp_path, ACROBOT, sig, after=4)
     code, out, _ = cli_in_process(("--resume", run, "--checkpoint-every", "4"), tmp_path)
     assert code == 0 and "continued after update" in out and "1280 of 1280 steps" in out
     resumed = all_scalars(run)
@@ -1042,12 +1193,13 @@ def test_a_stopped_acrobot_run_resumes_to_the_numbers_of_an_uninterrupted_one(tm
 def test_a_killed_lunarlander_run_resumes_with_new_episodes_and_logs_no_step_twice(tmp_path):
     """Box2D: the episodes in progress at the checkpoint are cut off, unlogged, and new ones start; the updates lost
     to SIGKILL are done again and logged once."""
-    flags = ("--total-timesteps", "1536", "--steps-per-epoch", "128", "--seed", "4", "--checkpoint-every", "3", *TINY)
-    run = _stopped_run(tmp_path, flags, signal.SIGKILL, after=4)
+    flags = ("--total-timesteps", "768", "--steps-per-epoch", "128", "--seed", "4", "--checkpoint-every", "2", *TINY)
+    run = _stopped_run(tmp_path, flags, signal.SIGKILL, after=3)
     code, out, _ = cli_in_process(("--resume", run), tmp_path)
-    assert code == 0 and "1536 of 1536 steps" in out
+    assert code == 0 and "768 of 768 steps" in out
     resumed_at = 128 * int(re.search(r"continued after update (\d+)", out).group(1))
-    assert [s for s, _ in read_scalars(run, "losses/policy_loss")] == list(range(128, 1537, 128))
+    assert resumed_at < 3 * 128  # the update after the last checkpoint is done again
+    assert [s for s, _ in read_scalars(run, "losses/policy_loss")] == list(range(128, 769, 128))
     lengths = read_scalars(run, "charts/episodic_length")
     steps = [s for s, _ in lengths]
     assert steps == sorted(steps) and steps[-1] > resumed_at  # in step order: nothing from before the kill remains
@@ -1073,11 +1225,99 @@ def test_resuming_a_complete_run_updates_nothing_and_does_what_its_end_does(tmp_
     """A run stopped after its last update (its training state holds it) but before its end is resumed, not refused:
     no update runs again; --save-model, given now (it does not change the training), saves and evaluates the model."""
     run = _copy_of(complete_mlp_run, tmp_path)
+    stale = os.path.join(run, "training_state.pt.tmp99999")  # left by a save that was killed mid-write
+    with open(stale, "wb") as f:
+        f.write(b"part of a training state")
     code, out, err = cli_in_process(("--resume", run, "--save-model", "--eval-episodes", "2"), tmp_path)
     assert code == 0 and "continued after update 2" in out and "512 of 512 steps" in out, err
+    assert not os.path.exists(stale)  # removed on the next start of the folder
     assert ": update" not in out and "stopped" not in out
     assert [s for s, _ in read_scalars(run, "losses/policy_loss")] == [256, 512]  # none logged twice
     assert os.path.isfile(os.path.join(run, "gpt2ppo_lunar.pt")) and len(read_scalars(run, "eval/episodic_return")) == 2
+
+
+def test_one_process_per_run_folder(tmp_path, complete_mlp_run):
+    """While a process holds the run folder's lock (flock on <run>/.lock, its pid inside), a --resume of that folder is
+    refused in one sentence naming the holder, and nothing in the folder changes."""
+    import fcntl
+
+    run = _copy_of(complete_mlp_run, tmp_path)
+    with open(os.path.join(run, ".lock"), "a+") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        holder.truncate(0)
+        holder.write("4242\n")
+        holder.flush()
+        before = _tree(tmp_path)
+        code, _, err = cli_in_process(("--resume", run), tmp_path)
+        assert code == 2 and err == f"error: another process (pid 4242) is running {run}.\n"
+        assert _tree(tmp_path) == before
+    code, out, err = cli_in_process(("--resume", run), tmp_path)  # the lock released: the run continues
+    assert code == 0 and "continued after update 2" in out, err
+    with open(os.path.join(run, ".lock")) as f:
+        assert f.read().strip().isdigit()
+
+
+@pytest.mark.parametrize("kind", ["read-only", "full"])
+def test_a_resume_into_a_folder_that_cannot_be_written_is_one_sentence(tmp_path, complete_mlp_run, kind):
+    """A run folder on a read-only mount, or on a full disk: the resume stops in one sentence before anything is written
+    (a real bind mount remounted read-only, a real tmpfs filled up)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if kind == "read-only":
+        source = tmp_path / "source"
+        source.mkdir()
+        run = _copy_of(complete_mlp_run, source)
+        commands = [["mount", "--bind", str(source), str(mnt)], ["mount", "-o", "remount,ro,bind", str(mnt)]]
+    else:
+        commands = [["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]]
+    mounted = False
+    try:
+        for command in commands:
+            proc = subprocess.run(command, capture_output=True, text=True)
+            if proc.returncode != 0:
+                pytest.skip(f"mount is not permitted here: {proc.stderr.strip()}")
+            mounted = True
+        if kind == "full":
+            run = _copy_of(complete_mlp_run, mnt)
+            with open(mnt / "filler", "wb", buffering=0) as f:  # fill the disk up to its last byte
+                for size in (65536, 4096, 512, 1):
+                    try:
+                        while True:
+                            f.write(b"\0" * size)
+                    except OSError:
+                        pass
+        run = os.path.join(mnt, "runs", os.path.basename(complete_mlp_run))
+        before = _tree(mnt, folder_times=False)  # the writability probe is a file made and removed: no file changes
+        code, _, err = cli_in_process(("--resume", run), tmp_path)
+        why = "Read-only file system" if kind == "read-only" else "No space left on device"
+        assert code == 2 and err == f"error: cannot write into the run folder {run} ({why}).\n", err
+        assert _tree(mnt, folder_times=False) == before
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_a_second_signal_quits_at_once_and_says_where_the_last_training_state_is(tmp_path, monkeypatch):
+    """Two quick SIGTERMs in the second of two updates, with a training state saved after the first: the run quits at
+    once (143, nothing saved), and its last line says so and names that state."""
+    real, calls = g2.compute_gae, []
+
+    def compute_gae(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(g2, "compute_gae", compute_gae)
+    code, _, err = cli_in_process((*MLP_RUN, "--checkpoint-every", "1"), tmp_path)
+    run = os.path.relpath(only_run_dir(str(tmp_path)), tmp_path)
+    assert code == 143 and err.strip().splitlines() == [
+        "SIGTERM: stopping at the next safe point (again: quit at once)",
+        f"SIGTERM again: quitting at once without saving; the last training state is {run}/training_state.pt "
+        "(update 1)",
+    ]
+    assert g2.load_checkpoint(os.path.join(tmp_path, run, "training_state.pt"))["iteration"] == 1
 
 
 def test_resume_dot_from_inside_the_run_folder_names_the_run_after_its_folder(tmp_path, complete_mlp_run):
@@ -1123,3 +1363,157 @@ def test_the_wait_for_a_new_second_of_a_resumed_run_is_at_most_2_s(tmp_path, mon
     (tmp_path / "events.out.tfevents.4600.host.1.0").write_text("")  # an hour ahead
     g2.wait_for_a_new_second(str(tmp_path))
     assert slept == [0.75, 2.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights & Biases (--track, offline) and videos of the evaluation (--capture-video)
+# ---------------------------------------------------------------------------------------------
+
+
+def _wandb_log(path: str):
+    """The records of a .wandb file, parsed with W&B's own protobuf (wandb.proto): the file is W&B's LevelDB-style
+    log (a 7-byte header ':W&B', 0xBEE1, version; 32 KiB blocks of records, each behind a 7-byte header of CRC-32,
+    length and type: 1 whole, 2 first, 3 middle, 4 last part)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B" and struct.unpack("<H", data[4:6])[0] == 0xBEE1, path
+    pos, block, parts = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little room for a header: the rest of the block is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:
+            break
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            yield record
+
+
+def _wandb_records(run_dir: str) -> list[dict]:
+    """Each offline W&B run under `run_dir`/wandb, in the order they were made: {"id", "config" (its keys), "history"
+    (each logged key, nested keys joined by '/': the number of records holding it)}."""
+    runs = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))):
+        run = {"id": None, "config": set(), "history": {}}
+        for record in _wandb_log(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run["id"] = record.run.run_id
+                run["config"] |= {item.key for item in record.run.config.update}
+            elif kind == "config":
+                run["config"] |= {item.key for item in record.config.update}
+            elif kind == "history":
+                for item in record.history.item:
+                    key = item.key or "/".join(item.nested_key)
+                    run["history"][key] = run["history"].get(key, 0) + 1
+        runs.append(run)
+    return runs
+
+
+def _video_frames(path: str) -> tuple[int, tuple]:
+    """(number of frames, frame shape) of an MP4 file, decoded with imageio's ffmpeg reader."""
+    import imageio
+
+    reader, n, shape = imageio.get_reader(path, "ffmpeg"), 0, None
+    for frame in reader:
+        n, shape = n + 1, frame.shape
+    reader.close()
+    return n, shape
+
+
+def test_track_offline_and_capture_video_record_the_run_and_its_evaluation(tmp_path):
+    """A tiny CartPole run with --track under WANDB_MODE=offline (no network, no login, HOME elsewhere) and
+    --save-model --capture-video; then a resume of the complete run that evaluates again. The offline W&B runs hold
+    the flags and the TensorBoard scalars (the resume in the same W&B run), and each evaluation episode is a real MP4
+    in the run folder's videos/: one frame per step plus the reset frame, 600x400 as CartPole draws."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in SCRIPT_ENV.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", HOME=str(home))
+    flags = ("--env-id", "CartPole-v1", "--critic", "mlp", "--total-timesteps", "256", "--steps-per-epoch", "256")
+    script = os.path.join(ROOT, "gpt2ppo_lunar.py")
+    first = subprocess.run(
+        [sys.executable, script, *flags, *TINY, "--track", "--save-model", "--eval-episodes", "2", "--capture-video"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = only_run_dir(str(tmp_path))
+    returns = [v for _, v in read_scalars(run, "eval/episodic_return")]
+    videos = sorted(glob.glob(os.path.join(run, "videos", "*.mp4")))
+    assert [os.path.basename(v) for v in videos] == ["eval-episode-0.mp4", "eval-episode-1.mp4"]
+    for video, episode_return in zip(videos, returns):  # CartPole: the return is the episode's length
+        assert _video_frames(video) == (int(episode_return) + 1, (400, 600, 3))
+    second = subprocess.run(
+        [sys.executable, script, "--resume", run, "--eval-episodes", "1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert second.returncode == 0 and "continued after update 1" in second.stdout, second.stderr[-3000:]
+    (trained, resumed) = _wandb_records(run)
+    state = g2.load_checkpoint(os.path.join(run, "training_state.pt"))
+    assert trained["id"] == resumed["id"] == state["wandb_id"]  # the resume continues the same W&B run
+    assert {"env_id", "critic", "actor_lr", "seed", "track", "capture_video"} <= trained["config"]
+    for tag in ("charts/episodic_return", "losses/policy_loss", "losses/value_loss", "eval/episodic_return"):
+        assert tag in trained["history"], (tag, sorted(trained["history"]))
+    assert trained["history"]["videos/eval/path"] == 2 and resumed["history"]["videos/eval/path"] == 1  # the MP4s
+    assert "losses/policy_loss" not in resumed["history"]  # a complete run: no update again
+    assert sorted(os.listdir(os.path.join(run, "videos"))) == ["eval-episode-0.mp4", "eval-episode-1.mp4"]
+
+
+@pytest.mark.parametrize("kind", ["no-wandb", "no-login", "no-pygame", "read-only-videos"])
+def test_track_and_video_refusals_are_one_sentence(tmp_path, monkeypatch, complete_mlp_run, kind):
+    """--track without the wandb package, or without a way to log in (no key, no netrc entry, not offline);
+    --capture-video without the renderer (pygame blocked); a videos folder that cannot be written: one sentence,
+    exit 2, nothing written."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    flags, mounted = ["--critic", "mlp", "--total-timesteps", "256", "--steps-per-epoch", "256", *TINY], None
+    if kind == "no-wandb":
+        monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        flags.append("--track")
+        message = "error: --track needs the wandb package (pip install wandb).\n"
+    elif kind == "no-login":
+        flags.append("--track")
+        message = "error: --track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login`"
+    elif kind == "no-pygame":
+        monkeypatch.setitem(sys.modules, "pygame", None)
+        flags += ["--capture-video", "--save-model"]
+        message = "error: --capture-video cannot render LunarLander-v3 (pygame is not installed"
+    else:
+        run = _copy_of(complete_mlp_run, tmp_path)
+        videos = os.path.join(run, "videos")
+        os.makedirs(videos)
+        for command in (["mount", "--bind", videos, videos], ["mount", "-o", "remount,ro,bind", videos]):
+            proc = subprocess.run(command, capture_output=True, text=True)
+            if proc.returncode != 0:
+                pytest.skip(f"mount is not permitted here: {proc.stderr.strip()}")
+            mounted = videos
+        flags = ["--resume", run, "--save-model", "--capture-video"]
+        message = f"error: cannot write into the videos folder {videos} (Read-only file system).\n"
+    try:
+        before = _tree(tmp_path, folder_times=False)  # the writability probes: files made and removed
+        code, out, err = cli_in_process(flags, tmp_path)
+        assert code == 2 and err.startswith(message) and len(err.splitlines()) == 1, err
+        if kind == "no-pygame":
+            assert err.strip().endswith("; pip install pygame.")
+        assert _tree(tmp_path, folder_times=False) == before
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", mounted], check=True)
