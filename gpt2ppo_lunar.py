@@ -633,6 +633,8 @@ class Run:
 
             self.wandb = wandb
             self.wandb_id = state["wandb_id"] if state is not None and state["wandb_id"] else generate_id()
+            if not wandb.patched["tensorboard"]:  # the scalars only: a copy of the event files would land in W&B's
+                wandb.tensorboard.patch(save=False)  # folder inside the run folder, where W&B would read it again
             wandb.init(
                 project=args.wandb_project_name,
                 entity=args.wandb_entity,
@@ -756,6 +758,7 @@ class Run:
         self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+            self.wandb.tensorboard.unpatch()
         self.lock.close()
         return self.stop.exit_status
 

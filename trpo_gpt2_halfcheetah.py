@@ -1113,6 +1113,8 @@ class Run:
 
             # (the id from uuid4, not from the seeded random streams)
             objects["wandb_id"] = (self.state or {}).get("wandb_id") or uuid.uuid4().hex[:12]
+            if not wandb.patched["tensorboard"]:  # the scalars only: a copy of the event files would land in W&B's
+                wandb.tensorboard.patch(save=False)  # folder inside the run folder, where W&B would read it again
             wandb.init(
                 project=args.wandb_project_name,
                 entity=args.wandb_entity,
@@ -1200,6 +1202,7 @@ class Run:
             import wandb
 
             wandb.finish()
+            wandb.tensorboard.unpatch()
         os.close(self.lock)  # the run folder is free for another process
         return self.stop.exit_status
 

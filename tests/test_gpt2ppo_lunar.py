@@ -1400,6 +1400,9 @@ def _wandb_log(path: str):
 def _wandb_records(run_dir: str) -> list[dict]:
     """Each offline W&B run under `run_dir`/wandb, in the order they were made: {"id", "config" (its keys), "history"
     (each logged key, nested keys joined by '/': the number of records holding it)}."""
+    assert not glob.glob(
+        os.path.join(run_dir, "wandb", "**", "events.out.tfevents.*"), recursive=True
+    )  # scalars mirrored, event files not copied
     runs = []
     for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))):
         run = {"id": None, "config": set(), "history": {}}

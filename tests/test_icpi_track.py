@@ -67,6 +67,9 @@ def test_track_mirrors_the_scalars_and_the_flags_into_an_offline_wandb_run(tmp_p
         wandb.teardown()  # W&B's service process, started by this run, ends with it
     run = only_run_dir(str(work))
     assert os.listdir(work) == ["runs"]  # W&B's files are in the run folder
+    assert not glob.glob(
+        os.path.join(run, "wandb", "**", "events.out.tfevents.*"), recursive=True
+    )  # scalars mirrored, event files not copied
     [path] = glob.glob(os.path.join(run, "wandb", "offline-run-*", "run-*.wandb"))
     records = wandb_records(path)
     [info] = [r.run for r in records if r.HasField("run")]

@@ -276,6 +276,9 @@ def tracked(tmp_path_factory):
 
 def test_track_mirrors_the_scalars_and_the_flags_into_an_offline_wandb_run_that_a_resume_continues(tracked):
     cwd, run, _ = tracked
+    assert not glob.glob(
+        os.path.join(run, "wandb", "**", "events.out.tfevents.*"), recursive=True
+    )  # scalars mirrored, event files not copied
     first, again = sorted(glob.glob(os.path.join(run, "wandb", "offline-run-*")))  # W&B's files: in the run folder
     run_id = torch.load(os.path.join(run, "training_state.pt"), weights_only=True)["wandb_id"]
     assert first.endswith(f"-{run_id}") and again.endswith(f"-{run_id}")  # the resume continued the same W&B run

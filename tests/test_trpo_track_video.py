@@ -69,6 +69,9 @@ def tracked_run(tmp_path_factory):
 @needs_osmesa
 def test_track_offline_mirrors_the_scalars_and_the_flags_into_the_run_folder(tracked_run):
     cwd, run_dir, _ = tracked_run
+    assert not glob.glob(
+        os.path.join(run_dir, "wandb", "**", "events.out.tfevents.*"), recursive=True
+    )  # scalars mirrored, event files not copied
     (wandb_file,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
     history, config = set(), set()
     for record in wandb_records(wandb_file):
