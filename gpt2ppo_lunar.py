@@ -955,7 +955,7 @@ class StopSignal:
 
     def __init__(self):
         self.signum = 0
-        self.last_state = "no training state was saved"  # set by the run after each save
+        self.last_state = "no training state was saved"  # the run object says where its last state is
 
     def install(self) -> "StopSignal":
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -963,14 +963,12 @@ class StopSignal:
         return self
 
     def handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
         if self.requested:
-            name = signal.Signals(signum).name
-            print(f"{name} again: quitting at once without saving; {self.last_state}", file=sys.stderr, flush=True)
+            print(f"\n{name} again: quitting at once without saving; {self.last_state}", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
         self.signum = signum
-        print(
-            f"\n{signal.Signals(signum).name}: stopping at the next safe point (again: quit at once)", file=sys.stderr
-        )
+        print(f"\n{name}: stopping at the next safe point (again: quit at once)", file=sys.stderr, flush=True)
 
     @property
     def requested(self) -> bool:

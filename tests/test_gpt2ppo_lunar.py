@@ -697,7 +697,7 @@ def test_a_signal_during_evaluation_stops_after_the_episode_and_a_second_quits(c
     with pytest.raises(SystemExit) as e:
         stop.handle(signal.SIGTERM, None)
     assert e.value.code == 143
-    assert capsys.readouterr().err == "SIGTERM again: quitting at once without saving; no training state was saved\n"
+    assert capsys.readouterr().err == "\nSIGTERM again: quitting at once without saving; no training state was saved\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1312,7 +1312,7 @@ def test_a_second_signal_quits_at_once_and_says_where_the_last_training_state_is
     monkeypatch.setattr(g2, "compute_gae", compute_gae)
     code, _, err = cli_in_process((*MLP_RUN, "--checkpoint-every", "1"), tmp_path)
     run = os.path.relpath(only_run_dir(str(tmp_path)), tmp_path)
-    assert code == 143 and err.strip().splitlines() == [
+    assert code == 143 and [line for line in err.splitlines() if line] == [
         "SIGTERM: stopping at the next safe point (again: quit at once)",
         f"SIGTERM again: quitting at once without saving; the last training state is {run}/training_state.pt "
         "(update 1)",
