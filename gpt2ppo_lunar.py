@@ -572,7 +572,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         if run.end_update(update, global_step, next_obs=next_obs):  # log, save when due, progress
             break  # a stop was asked: the training state keeps what was done
 
-    return run.finish(envs)  # the --save-model checkpoint and its evaluation, the final line; the exit status
+    return run.finish()  # the --save-model checkpoint and its evaluation, the final line; the exit status
 
 
 # ---- Run machinery: what a run needs around the algorithm (the run object that main meets before, in and after its
@@ -716,12 +716,11 @@ class Run:
             )
         return stopping
 
-    def finish(self, envs=None) -> int:
+    def finish(self) -> int:
         """After the loop: the --save-model checkpoint, the final line, the evaluation of a run that ended (not a
         stopped one); closes the envs and the writer. The exit status."""
         args, objects = self.args, self.objects
-        if envs is not None:
-            envs.close()
+        objects["envs"].close()
         self.writer.flush()
         model_path = os.path.join(self.run_dir, f"{args.exp_name}.pt")
         if args.save_model:

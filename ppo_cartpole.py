@@ -358,7 +358,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         if run.end_update(update, global_step, next_obs=next_obs):  # logs flushed, the state saved when due
             break  # Ctrl-C or SIGTERM: the state saved keeps what was done
 
-    return run.finish(agent)  # the --save-model checkpoint and its evaluation, the final line
+    return run.finish()  # the --save-model checkpoint and its evaluation, the final line
 
 
 # ---- Run machinery: what a run needs around the algorithm (checks, signals, checkpoints, the run object that owns
@@ -827,10 +827,10 @@ class Run:
     def steps_per_second(self) -> int:
         return int((self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9))
 
-    def finish(self, agent: Agent) -> int:
-        """After the loop: the envs closed, the --save-model checkpoint of `agent`, the final line, the evaluation
+    def finish(self) -> int:
+        """After the loop: the envs closed, the --save-model checkpoint of the agent, the final line, the evaluation
         (with --save-model, unless stopped), the writer closed. Returns the exit status."""
-        args, envs = self.args, self.objects["envs"]
+        args, envs, agent = self.args, self.objects["envs"], self.objects["agent"]
         envs.close()
         self.writer.flush()
         model_path = os.path.join(self.run_dir, f"{args.exp_name}.pt")
