@@ -139,6 +139,15 @@ def shown(arg: str) -> str:
     return os.path.relpath(arg, ROOT) if os.path.isabs(arg) and arg.startswith(ROOT + os.sep) else arg
 
 
+def portable(command: str) -> str:
+    """A stored harness command without this machine's folders: a path outside the repository becomes `<its name>`."""
+    return re.sub(
+        r"(?<![\w.~-])/\S+",
+        lambda m: shown(m.group()) if m.group().startswith(ROOT) else f"<{os.path.basename(m.group())}>",
+        command,
+    )
+
+
 def display(cmd: list[str]) -> str:
     return "python " + shlex.join(map(shown, cmd[1:]))
 
@@ -463,6 +472,7 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
         for key in ("run_commands", "code", "load"):
             row[key] = list(dict.fromkeys((old.get(key) or []) + row[key]))
         row["finished"] = max(old.get("finished", ""), row["finished"])
+    row["harness_command"] = portable(row["harness_command"])  # no folder of this machine's in the store
     for key in ("sps", "wall_seconds"):
         row[key] = statistics.fmean(row[f"seed_{key}"].values()) if row[f"seed_{key}"] else None
     report.dump({k: v for k, v in row.items() if v != {}}, path)
@@ -795,6 +805,7 @@ def main(argv: Optional[list[str]] = None, registry: Optional[list[S]] = None) -
     harness_command = "python benchmark/run.py " + shlex.join(map(shown, argv))
     if args.peer_dir:  # a folder of this machine's: stored as what it is
         harness_command = harness_command.replace(shlex.quote(args.peer_dir), "<checkout of the peer's repository>")
+    harness_command = portable(harness_command)  # and any other folder outside the repository by its name
     selected, failed = select(args, registry), []
     if args.mode == "list":
         for s in selected:

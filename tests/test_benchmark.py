@@ -271,7 +271,8 @@ def test_a_comparison_table_corrects_over_its_own_comparisons_and_has_a_power_li
     # two of the lines alone: corrected over two comparisons
     two = report.table(data, dict(spec, compare=spec["compare"][:2], labels=spec["labels"][:2]))
     assert "Holm p (2 comparisons)" in two and two.count("80% power") == 3
-    assert "Holm-corrected p below 0.05: none, of 5 comparisons." in text  # at three seeds per arm
+    below = [f"{label} ({report.fmt_p(p)})" for label, p in zip(spec["labels"], report.holm(welch)) if p < 0.05]
+    assert f"Holm-corrected p below 0.05: {', '.join(below) or 'none'}, of 5 comparisons." in text
 
     # a clear difference and a null one: the sentence names the one below 0.05 after the correction
     def row(name, xs):
@@ -552,3 +553,8 @@ def test_every_script_page_links_its_paper_and_reference_implementation():
         head = open(os.path.join(ROOT, "docs", f"{page}.md")).read().split("## What it implements")[0]
         assert re.search(r"\(https://(arxiv\.org/abs/\d{4}\.\d{5}|doi\.org/10\.)", head), page
         assert re.search(r"\(https://github\.com/[\w.-]+/[\w.-]+\)", head), page
+
+
+def test_a_stored_harness_command_names_no_folder_of_this_machine():
+    command = f"python benchmark/run.py --runs-dir /elsewhere/sweep-runs --plots-dir {bench.ROOT}/benchmark/out/p"
+    assert bench.portable(command) == "python benchmark/run.py --runs-dir <sweep-runs> --plots-dir benchmark/out/p"
