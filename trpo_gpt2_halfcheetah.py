@@ -108,7 +108,7 @@ class Args:
     vf_iters: int = 25
     """L-BFGS iterations of the value fit"""
     overlap_value_fit: bool = True
-    """fit the value net in a second thread beside the policy step (the same numbers, sooner)"""
+    """fit the value net in a second thread, beside the policy step and the next rollout (the same numbers, sooner)"""
     obs_clip: float = 5.0
     """normalised observations are clipped to [-obs_clip, obs_clip]"""
     update_chunk: int = 16384
@@ -661,19 +661,23 @@ def trpo_step(
     }
 
 
-def fit_value_async(value_net: ValueNet, obs, targets, l2_reg: float, max_iter: int, overlap: bool) -> Future:
-    """fit_value_lbfgs in a second thread when `overlap` (beside the policy step, which does not read the value net),
-    else at once; `.result()` is (final MSE, seconds)."""
+def fit_value_async(value_net: ValueNet, obs, targets, args: Args, writer, step: int) -> Future:
+    """fit_value_lbfgs, its final MSE and seconds logged at `step` when it ends. With --overlap-value-fit it runs in a
+    second thread, beside the policy step and the next rollout (neither reads the value net): wait on the returned
+    Future before the value net is read or saved."""
     fit = Future()
 
     def work():
         t0 = time.time()
         try:
-            fit.set_result((fit_value_lbfgs(value_net, obs, targets, l2_reg, max_iter), time.time() - t0))
+            loss = fit_value_lbfgs(value_net, obs, targets, args.l2_reg, args.vf_iters)
+            writer.add_scalar("losses/value_loss", loss, step)
+            writer.add_scalar("time/value_fit_seconds", time.time() - t0, step)
+            fit.set_result(loss)
         except BaseException as e:  # raised again by .result() in the loop
             fit.set_exception(e)
 
-    if overlap:
+    if args.overlap_value_fit:
         threading.Thread(target=work, daemon=True).start()
     else:
         work()
@@ -732,7 +736,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         recent_returns=recent_returns,
         next_obs=next_obs,
     )
-    global_step, next_obs, start_time = start.global_step, start.next_obs, time.time()
+    global_step, next_obs, start_time, value_fit = start.global_step, start.next_obs, time.time(), None
 
     for update in range(start.update + 1, num_updates + 1):
         rollout_start = time.time()
@@ -762,6 +766,8 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         rollout_time = time.time() - rollout_start
 
         update_start = time.time()
+        if value_fit is not None:  # the last update's value fit, beside its policy step and this rollout, ends here
+            value_fit.result()
         b_obs = torch.from_numpy(obs_buf.reshape(-1, obs_dim)).to(device=device, dtype=dtype)
         b_next_obs = torch.from_numpy(next_obs_buf.reshape(-1, obs_dim)).to(device=device, dtype=dtype)
         b_actions = torch.from_numpy(actions_buf.reshape(-1, act_dim)).to(device=device, dtype=dtype)
@@ -774,14 +780,12 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         b_adv = torch.from_numpy(advantages.reshape(-1)).to(device=device, dtype=dtype)
         b_adv = (b_adv - b_adv.mean()) / (b_adv.std() + 1e-8)
         b_returns = torch.from_numpy(returns.reshape(-1)).to(device=device, dtype=dtype)
-        value_fit = fit_value_async(value_net, b_obs, b_returns, args.l2_reg, args.vf_iters, args.overlap_value_fit)
+        value_fit = fit_value_async(value_net, b_obs, b_returns, args, run.writer, global_step)
         stats = trpo_step(policy, params, policy.encode(b_obs), b_actions, b_adv, args)
-        value_loss, value_fit_seconds = value_fit.result()
         update_time = time.time() - update_start
 
         ret, val = returns.reshape(-1), values.reshape(-1)
         explained_var = float("nan") if np.var(ret) == 0 else float(1 - np.var(ret - val) / np.var(ret))
-        run.writer.add_scalar("losses/value_loss", value_loss, global_step)
         run.writer.add_scalar("losses/surrogate", stats["surrogate"], global_step)
         run.writer.add_scalar("losses/policy_loss", -stats["surrogate"], global_step)
         run.writer.add_scalar(
@@ -800,8 +804,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         run.writer.add_scalar("time/grad_seconds", stats["grad_seconds"], global_step)
         run.writer.add_scalar("time/cg_seconds", stats["cg_seconds"], global_step)
         run.writer.add_scalar("time/line_search_seconds", stats["line_search_seconds"], global_step)
-        run.writer.add_scalar("time/value_fit_seconds", value_fit_seconds, global_step)
-        if run.end_update(update, global_step, next_obs=next_obs):
+        if run.end_update(update, global_step, next_obs=next_obs, value_fit=value_fit):
             break
     return run.finish()
 
@@ -1157,6 +1160,7 @@ class Run:
         self.update, self.global_step = update, global_step
         self.objects.update(loop_state)
         if stopping or update % self.args.checkpoint_every == 0 or update == self.num_updates:
+            self.wait_for_the_loop()
             self.writer.flush()  # what the updates in the state logged is on disk before it is
             path = os.path.join(self.run_dir, "training_state.pt")
             save_checkpoint(path, training_state(self.args, update, global_step, self.objects))
@@ -1171,6 +1175,11 @@ class Run:
             )
         return stopping
 
+    def wait_for_the_loop(self) -> None:
+        """What the loop left running beside it (the value fit: a Future among the loop state) ends, and logs."""
+        for pending in [x for x in self.objects.values() if isinstance(x, Future)]:
+            pending.result()
+
     def steps_per_second(self) -> int:
         return int((self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9))
 
@@ -1178,6 +1187,7 @@ class Run:
         """After the loop: the envs closed, the --save-model checkpoint, the final line, the checkpoint's evaluation
         (unless stopped), the writer closed; the exit status."""
         args, objects = self.args, self.objects
+        self.wait_for_the_loop()
         objects["envs"].close()
         model_path = os.path.join(self.run_dir, f"{args.exp_name}.pt")
         policy, obs_rms = objects["policy"], objects["obs_rms"]
