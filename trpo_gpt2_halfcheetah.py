@@ -677,7 +677,8 @@ def fit_value_async(value_net: ValueNet, obs, targets, args: Args, writer, step:
         except BaseException as e:  # raised again by .result() in the loop
             fit.set_exception(e)
 
-    if args.overlap_value_fit:
+    if args.overlap_value_fit:  # its own copies: the next rollout refills the buffers that obs may be a view of
+        obs, targets = obs.clone(), targets.clone()
         threading.Thread(target=work, daemon=True).start()
     else:
         work()

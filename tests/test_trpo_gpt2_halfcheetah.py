@@ -208,6 +208,29 @@ def test_value_fit_lbfgs_reduces_error():
     assert trpo.fit_value_lbfgs(vnet, obs, targets, l2_reg=1e-3, max_iter=25) < 0.2 * before
 
 
+def test_the_value_fit_beside_the_next_rollout_fits_the_batch_it_was_given():
+    """The overlapped fit runs while the next rollout refills the buffers its batch may be a view of (an LM policy's
+    float32 batch is one): it fits what it was given, as the fit in line does."""
+
+    class Writer:
+        def add_scalar(self, *_):
+            pass
+
+    obs_buf = np.random.default_rng(0).normal(size=(4096, 3)).astype(np.float32)
+    targets = torch.from_numpy(3 * obs_buf[:, 0] - obs_buf[:, 1] ** 2)
+    nets = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        nets.append(trpo.ValueNet(3, 16))
+        args = trpo.Args(overlap_value_fit=overlap)
+        fit = trpo.fit_value_async(nets[-1], torch.from_numpy(obs_buf), targets, args, Writer(), 0)
+        if overlap:
+            obs_buf[:] = 0.0  # the next rollout writes into the buffer
+        fit.result()
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(a, b)
+
+
 def test_chunked_update_equals_whole_batch_and_reuses_the_accepted_evaluation(monkeypatch):
     results, orig = [], trpo.set_flat_params
     for chunk in (16384, 7):
