@@ -36,18 +36,6 @@ from conftest import (
 # ---------------------------------------------------------------- domains
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The in-process models on one thread, as the suite runs the scripts (OMP_NUM_THREADS=1): on a small shared
-    machine a tiny model's forward is tens of times slower on two."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 START_STATES = {  # every state each domain's reset can return (point-mass: continuous)
     "chain": [(s,) for s in range(8)],
     "maze": [(i, j) for i in range(3) for j in range(3)],
