@@ -417,7 +417,12 @@ def read_run(folder: str):
             frames.append(
                 pd.DataFrame({"step": [e.step for e in events], "tag": tag, "value": [e.value for e in events]})
             )
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"step": [], "tag": [], "value": []})
+    if not frames:
+        return pd.DataFrame({"step": [], "tag": [], "value": []})
+    df = pd.concat(frames, ignore_index=True)
+    # An evaluation logs episode i at step i, below any purge_step: one stopped part-way and run again on resume
+    # left its first episodes twice. Each episode's last value is the evaluation that finished.
+    return df[~(df.tag.str.startswith("eval/") & df.duplicated(["tag", "step"], keep="last"))].reset_index(drop=True)
 
 
 def series(df, tag: str) -> dict:

@@ -300,6 +300,26 @@ def test_the_difference_80_percent_power_detects():
     assert report.detectable(1.0, 3, 10) < d  # unequal arms: more seeds in one arm still help
 
 
+def test_an_evaluation_stopped_and_run_again_on_resume_counts_once(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    folder = str(tmp_path / "run")
+    w = SummaryWriter(folder)  # training to step 3, then an evaluation stopped after two episodes
+    for step in (1, 2, 3):
+        w.add_scalar("charts/episodic_return", 1.0, step)
+        w.add_scalar("charts/episodic_return", 2.0, step)  # two episodes ending at one step both count
+    w.add_scalar("eval/episodic_return", 5.0, 0)
+    w.add_scalar("eval/episodic_return", 6.0, 1)
+    w.close()
+    w = SummaryWriter(folder, purge_step=4)  # resumed from the last state: the whole evaluation again
+    for ep, v in enumerate([7.0, 8.0, 9.0]):
+        w.add_scalar("eval/episodic_return", v, ep)
+    w.close()
+    df = bench.read_run(folder)
+    assert df.value[df.tag == "eval/episodic_return"].tolist() == [7.0, 8.0, 9.0]
+    assert len(df[df.tag == "charts/episodic_return"]) == 6
+
+
 def test_runner_end_to_end_on_ppo_cartpole_clears_a_stale_folder_and_skips_complete_runs(tmp_path):
     runs, out = str(tmp_path / "runs"), _out(tmp_path)
     s = bench.S("ppo_cartpole", "CartPole-v1", "default", 2048, (1,))
