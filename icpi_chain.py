@@ -47,6 +47,10 @@ import torch
 import tyro
 
 
+class UserError(Exception):
+    """A mistake the user can fix (a flag, a file, an env, the disk): one sentence, exit 2 at the entry point."""
+
+
 @dataclass
 class Args:
     exp_name: str = "icpi_chain"
@@ -522,14 +526,9 @@ class HFBackend:
         self.device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
         self.dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.spec = spec
-        folder, gguf = resolve_hf_spec(spec)
-        self.source = (folder, gguf)  # what the spec names, for the load error's wording
-        try:
-            self.folder = convert_gguf_once(folder, gguf) if gguf else folder
-            self.tok = AutoTokenizer.from_pretrained(self.folder)
-            cfg = AutoConfig.from_pretrained(self.folder)
-        except (OSError, ValueError) as e:
-            raise hf_load_error(spec, folder, gguf, e)
+        self.files = ModelFiles(spec)  # the folder, hub id or GGUF file the spec names (converted once)
+        self.tok = self.files.load(AutoTokenizer.from_pretrained)
+        cfg = self.files.load(AutoConfig.from_pretrained)
         self.tok.padding_side = "left"
         self.tok.pad_token = self.tok.pad_token or self.tok.eos_token
         self.name = spec if self.dtype == "float32" else f"{spec}@{self.dtype}"  # the completion-cache key
@@ -553,10 +552,7 @@ class HFBackend:
         from transformers import AutoModelForCausalLM
 
         print(f"loading the weights of {self.spec}...", file=sys.stderr)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=getattr(self.torch, self.dtype))
-        except (OSError, ValueError) as e:
-            raise hf_load_error(self.spec, *self.source, e)
+        model = self.files.load(AutoModelForCausalLM.from_pretrained, dtype=getattr(self.torch, self.dtype))
         return model.to(self.device).eval()
 
     def _ids(self, text: str) -> list[int]:
@@ -715,6 +711,53 @@ class OpenAIBackend:
             return list(pool.map(self._complete, requests))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+CHARS_PER_TOKEN = 256  # more than any real token holds: a longer reply is not a completion of at most max_tokens
+
+
+def completion_of(raw, stop: str, max_tokens: int) -> tuple[str, int]:
+    """(text cut at the stop string, completion tokens) of a raw /completions reply; ValueError naming what is
+    wrong (the status, the content type, the shape, the size)."""
+    http = raw.http_response
+    where = f"HTTP {http.status_code} {http.reason_phrase}, content type {http.headers.get('content-type', 'none')}"
+    try:
+        reply = raw.parse()
+        text = reply.choices[0].text
+        tokens = getattr(reply.usage, "completion_tokens", None)
+        if http.status_code != 200 or not isinstance(text, str) or tokens is not None and type(tokens) is not int:
+            raise TypeError("not a completion")
+        text.encode("utf-8")  # UnicodeEncodeError for a lone surrogate (JSON allows "\ud800"): not storable text
+        if len(text) > CHARS_PER_TOKEN * max_tokens or tokens is not None and not 0 <= tokens <= max_tokens:
+            size = f"{len(text)} characters" + ("" if tokens is None else f" said to be {tokens} tokens")
+            raise ValueError(f"{size}, beyond --max-tokens {max_tokens}")
+    except (ValueError, AttributeError, IndexError, TypeError) as e:
+        raise ValueError(f"{where}, {type(e).__name__}: {str(e)[:80]}") from None
+    tokens = simple_token_count(text) if tokens is None else tokens
+    return text.split(stop)[0], tokens or simple_token_count(text)
+
+
+def server_error(openai, e: Exception, url: str, args: Args) -> UserError:
+    """The one sentence for a server that cannot be used: unreachable, too slow, redirecting, refusing or failing."""
+    tries = f"{args.max_retries + 1} tries"
+    if isinstance(e, openai.APITimeoutError):
+        return UserError(f"no complete reply from {url} within --request-timeout {args.request_timeout:g} s ({tries})")
+    if isinstance(e, openai.APIConnectionError):
+        why = (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0]
+        return UserError(
+            f"cannot get a completion from {url} after {tries} ({why}); is the server running? (--base-url)"
+        )
+    if isinstance(e, openai.APIStatusError):
+        status = f"HTTP {e.status_code} {e.response.reason_phrase}"
+        if 300 <= e.status_code < 400:
+            return UserError(
+                f"the server at {url} answered {status}, a redirect to {e.response.headers.get('location', 'nowhere')} "
+                "(not followed: give the server's own address as --base-url)"
+            )
+        if e.status_code >= 500 or e.status_code in (408, 409, 429):
+            return UserError(f"the server at {url} kept failing ({status}) after {tries}")
+        return UserError(f"the completions server at {url} refused the request ({status}: {e.message[:200]})")
+    return UserError(f"the openai client failed with {url} ({type(e).__name__}: {str(e)[:200]})")
 
 
 class RequestDeadline:
@@ -1425,12 +1468,8 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     return run.finish(steps_done, summary, notes)  # the final line, the notes, the writer closed; the exit status
 
 
-# ---- Run machinery: what a run needs around the algorithm (checks, signals, the completion cache, the server's
-# errors, model loaders, run folders, the command line). The algorithm is complete above this line.
-
-
-class UserError(Exception):
-    """A mistake the user can fix (a flag, a file, an env, the disk): one sentence, exit 2 at the entry point."""
+# ---- Run machinery: what a run needs around the algorithm (checks, signals, the completion cache, model files, run
+# folders, the command line). The algorithm is complete above this line.
 
 
 RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
@@ -1770,53 +1809,6 @@ class Run:
         return self.stop.exit_status
 
 
-CHARS_PER_TOKEN = 256  # more than any real token holds: a longer reply is not a completion of at most max_tokens
-
-
-def completion_of(raw, stop: str, max_tokens: int) -> tuple[str, int]:
-    """(text cut at the stop string, completion tokens) of a raw /completions reply; ValueError naming what is
-    wrong (the status, the content type, the shape, the size)."""
-    http = raw.http_response
-    where = f"HTTP {http.status_code} {http.reason_phrase}, content type {http.headers.get('content-type', 'none')}"
-    try:
-        reply = raw.parse()
-        text = reply.choices[0].text
-        tokens = getattr(reply.usage, "completion_tokens", None)
-        if http.status_code != 200 or not isinstance(text, str) or tokens is not None and type(tokens) is not int:
-            raise TypeError("not a completion")
-        text.encode("utf-8")  # UnicodeEncodeError for a lone surrogate (JSON allows "\ud800"): not storable text
-        if len(text) > CHARS_PER_TOKEN * max_tokens or tokens is not None and not 0 <= tokens <= max_tokens:
-            size = f"{len(text)} characters" + ("" if tokens is None else f" said to be {tokens} tokens")
-            raise ValueError(f"{size}, beyond --max-tokens {max_tokens}")
-    except (ValueError, AttributeError, IndexError, TypeError) as e:
-        raise ValueError(f"{where}, {type(e).__name__}: {str(e)[:80]}") from None
-    tokens = simple_token_count(text) if tokens is None else tokens
-    return text.split(stop)[0], tokens or simple_token_count(text)
-
-
-def server_error(openai, e: Exception, url: str, args: Args) -> UserError:
-    """The one sentence for a server that cannot be used: unreachable, too slow, redirecting, refusing or failing."""
-    tries = f"{args.max_retries + 1} tries"
-    if isinstance(e, openai.APITimeoutError):
-        return UserError(f"no complete reply from {url} within --request-timeout {args.request_timeout:g} s ({tries})")
-    if isinstance(e, openai.APIConnectionError):
-        why = (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0]
-        return UserError(
-            f"cannot get a completion from {url} after {tries} ({why}); is the server running? (--base-url)"
-        )
-    if isinstance(e, openai.APIStatusError):
-        status = f"HTTP {e.status_code} {e.response.reason_phrase}"
-        if 300 <= e.status_code < 400:
-            return UserError(
-                f"the server at {url} answered {status}, a redirect to {e.response.headers.get('location', 'nowhere')} "
-                "(not followed: give the server's own address as --base-url)"
-            )
-        if e.status_code >= 500 or e.status_code in (408, 409, 429):
-            return UserError(f"the server at {url} kept failing ({status}) after {tries}")
-        return UserError(f"the completions server at {url} refused the request ({status}: {e.message[:200]})")
-    return UserError(f"the openai client failed with {url} ({type(e).__name__}: {str(e)[:200]})")
-
-
 def check_invalid(totals: "StepStats", model, args: Args, final: bool = False) -> None:
     """UserError when too many answers were invalid (after 20); at the end, when every answer was invalid (allowed
     by --max-invalid 1) or every reply of the server was malformed (never allowed)."""
@@ -1831,6 +1823,22 @@ def check_invalid(totals: "StepStats", model, args: Args, final: bool = False) -
             f"{totals.invalid} of {answers} answers from {model.name} were invalid ({malformed} replies were not "
             f"completions at all{last}); " + (why if too_many else "the run learned nothing from the model")
         )
+
+
+class ModelFiles:
+    """The files of `smollm2` or `hf:<folder | file.gguf | hub id>`: found at once (a missing folder or wheel is one
+    sentence), a GGUF file converted on the first load, and any loader's failure worded by what the spec names."""
+
+    def __init__(self, spec: str):
+        self.spec, self.source, self.folder = spec, resolve_hf_spec(spec), None
+
+    def load(self, loader, **kwargs):
+        folder, gguf = self.source
+        try:
+            self.folder = self.folder or (convert_gguf_once(folder, gguf) if gguf else folder)
+            return loader(self.folder, **kwargs)
+        except (OSError, ValueError) as e:
+            raise hf_load_error(self.spec, folder, gguf, e)
 
 
 def smollm2_gguf() -> str:
