@@ -108,6 +108,15 @@ def test_main_meets_the_run_machinery_through_four_names(script):
     assert len(used_by_main) <= 4, sorted(used_by_main)
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_algorithm_above_the_banner_reaches_below_it_through_four_names(script):
+    """All the code above the banner (the model, its loaders' callers, main) reaches below it through at most four
+    names: a reader who stops at the banner has read the algorithm, not a sketch of it."""
+    tree, banner, below = module_layout(script)
+    used = set().union(*(names_used(n) for n in tree.body if n.lineno < banner)) & below
+    assert len(used) <= 4, sorted(used)
+
+
 def definition(script: str, name: str) -> str:
     """The source of the top-level definition `name` in `script`, with the script's own file name replaced."""
     tree, _, _ = module_layout(script)
