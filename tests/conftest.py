@@ -110,21 +110,61 @@ def all_scalars(run_dir: str, ignore: tuple[str, ...] = UNTIMED) -> dict[str, li
 
 def same_numbers(script: str, *flags: str, tmp_path, baseline_flags=None) -> tuple[str, str]:
     """Run the BASELINE version of `script` and the working tree's with the same flags (`baseline_flags` where the
-    old spelling differs), each in its own folder, and assert that every scalar the baseline logged (tags under
-    `UNTIMED` aside) is logged by the current script with the same steps and values, bit for bit. Returns the two
-    run folders (baseline, current) for further checks (checkpoints, say)."""
+    old spelling differs) side by side (two processes at once, one a core), each in its own folder, and assert
+    that every scalar the baseline logged (tags under `UNTIMED` aside) is logged by the current script with the
+    same steps and values, bit for bit. Returns the two run folders (baseline, current) for further checks."""
     old = baseline_script(script, str(tmp_path / "baseline_code"))
-    folders = []
+    runs = []
     for name, path, fl in (("baseline", old, baseline_flags or flags), ("current", os.path.join(ROOT, script), flags)):
-        cwd = tmp_path / name
-        cwd.mkdir()
-        run_script(path, *fl, cwd=str(cwd))
+        (tmp_path / name).mkdir()
+        command = [sys.executable, path, *fl]
+        proc = subprocess.Popen(
+            command, cwd=tmp_path / name, env=SCRIPT_ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        runs.append((tmp_path / name, proc))
+    folders = []
+    for cwd, proc in runs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{' '.join(proc.args)} exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}"
         folders.append(only_run_dir(str(cwd)))
-    old_scalars, new_scalars = all_scalars(folders[0]), all_scalars(folders[1])
-    assert old_scalars, f"the baseline run logged no scalars in {folders[0]}"
+    assert_same_scalars(script, flags, *folders)
+    return folders[0], folders[1]
+
+
+def assert_same_scalars(script: str, flags, baseline_run: str, current_run: str) -> None:
+    """Every scalar of the baseline's run folder (tags under `UNTIMED` aside) logged by the current one with the same
+    steps and values, bit for bit."""
+    old_scalars, new_scalars = all_scalars(baseline_run), all_scalars(current_run)
+    assert old_scalars, f"the baseline run logged no scalars in {baseline_run}"
     for tag, points in old_scalars.items():
         assert new_scalars.get(tag) == points, f"{script} {' '.join(flags)}: '{tag}' differs from {BASELINE}"
-    return folders[0], folders[1]
+
+
+def wandb_records(path: str):
+    """The records of a .wandb file, parsed with W&B's own protobuf (wandb.proto): the file is W&B's LevelDB-style
+    log (a 7-byte header ':W&B', 0xBEE1, version; 32 KiB blocks of records, each behind a 7-byte header of CRC-32,
+    length and type: 1 whole, 2 first, 3 middle, 4 last part)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B" and struct.unpack("<H", data[4:6])[0] == 0xBEE1, path
+    pos, block, parts = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little room for a header: the rest of the block is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:
+            break
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            yield record
 
 
 def explicit_fisher(policy, params, obs):

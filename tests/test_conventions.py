@@ -12,6 +12,7 @@ import pytest
 from conftest import ROOT
 
 SCRIPTS = ["ppo_cartpole", "gpt2ppo_lunar", "trpo_gpt2_halfcheetah", "icpi_chain"]
+TORCH_SCRIPTS = SCRIPTS[:3]
 
 IMPORT = """
 import os, signal, sys, threading
@@ -139,3 +140,33 @@ def test_one_convention_per_concern_in_all_four_scripts(name):
 def test_the_torch_scripts_share_the_run_machinerys_names(name):
     for script in SCRIPTS[:3]:
         definition(script, name)
+
+
+@pytest.mark.parametrize("script", TORCH_SCRIPTS)
+@pytest.mark.parametrize(
+    "error, why",
+    [
+        (OSError(28, "No space left on device"), "No space left on device"),
+        (RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed"), "is the disk full?"),
+    ],
+    ids=["OSError", "RuntimeError"],
+)
+def test_a_failed_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch, script, error, why):
+    import importlib
+
+    import torch
+
+    module = importlib.import_module(script)
+    path = tmp_path / f"{script}.pt"
+    path.write_bytes(b"the previous checkpoint")
+
+    def broken_save(obj, f):  # writes part of the file, then fails as a full disk does
+        with open(f, "wb") as out:
+            out.write(b"partial")
+        raise error
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(module.UserError, match="could not save the checkpoint") as e:
+        module.save_checkpoint(str(path), {"model": {}})
+    assert f"{why}); the file there, if any, is unchanged" in str(e.value) and "enforce" not in str(e.value)
+    assert os.listdir(tmp_path) == [f"{script}.pt"] and path.read_bytes() == b"the previous checkpoint"

@@ -19,14 +19,15 @@ import torch
 
 import gpt2ppo_lunar as g2
 from conftest import (
-    BASELINE,
     ROOT,
     SCRIPT_ENV,
     all_scalars,
+    assert_same_scalars,
     baseline_script,
     only_run_dir,
     read_scalars,
     stop_when_printed,
+    wandb_records,
 )
 
 TINY = ("--hidden-size", "16", "--n-head", "2", "--context-len", "8", "--update-epochs", "2", "--minibatch-size", "64")
@@ -521,10 +522,7 @@ def _same_numbers_in_process(baseline, flags, tmp_path) -> tuple[str, str]:
             code, _, err = cli_in_process(flags, cwd)
             assert code == 0, err
         folders.append(only_run_dir(str(cwd)))
-    old_scalars, new_scalars = all_scalars(folders[0]), all_scalars(folders[1])
-    assert old_scalars, f"the baseline run logged no scalars in {folders[0]}"
-    for tag, points in old_scalars.items():
-        assert new_scalars.get(tag) == points, f"gpt2ppo_lunar.py {' '.join(flags)}: '{tag}' differs from {BASELINE}"
+    assert_same_scalars("gpt2ppo_lunar.py", flags, *folders)
     return folders[0], folders[1]
 
 
@@ -1047,16 +1045,6 @@ FULL_DISK = [
 ]
 
 
-@pytest.mark.parametrize("error", FULL_DISK, ids=["OSError", "RuntimeError"])
-def test_a_failed_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch, error):
-    path = tmp_path / "gpt2ppo_lunar.pt"
-    path.write_bytes(b"the previous checkpoint")
-    monkeypatch.setattr(torch, "save", _full_disk(error))
-    with pytest.raises(g2.UserError, match="could not save the checkpoint .* the file there, if any, is unchanged"):
-        g2.save_checkpoint(str(path), {"actor": {}})
-    assert os.listdir(tmp_path) == ["gpt2ppo_lunar.pt"] and path.read_bytes() == b"the previous checkpoint"
-
-
 def test_a_full_disk_at_the_end_of_a_run_is_one_sentence_and_exit_2(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", _full_disk(FULL_DISK[1]))
     flags = ("--critic", "mlp", "--total-timesteps", "256", "--steps-per-epoch", "256", "--save-model", *TINY)
@@ -1370,33 +1358,6 @@ def test_the_wait_for_a_new_second_of_a_resumed_run_is_at_most_2_s(tmp_path, mon
 # ---------------------------------------------------------------------------------------------
 
 
-def _wandb_log(path: str):
-    """The records of a .wandb file, parsed with W&B's own protobuf (wandb.proto): the file is W&B's LevelDB-style
-    log (a 7-byte header ':W&B', 0xBEE1, version; 32 KiB blocks of records, each behind a 7-byte header of CRC-32,
-    length and type: 1 whole, 2 first, 3 middle, 4 last part)."""
-    import struct
-
-    from wandb.proto import wandb_internal_pb2
-
-    with open(path, "rb") as f:
-        data = f.read()
-    assert data[:4] == b":W&B" and struct.unpack("<H", data[4:6])[0] == 0xBEE1, path
-    pos, block, parts = 7, 32768, b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # too little room for a header: the rest of the block is padding
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if length == 0 and kind == 0:
-            break
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        parts = chunk if kind in (1, 2) else parts + chunk
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(parts)
-            yield record
-
-
 def _wandb_records(run_dir: str) -> list[dict]:
     """Each offline W&B run under `run_dir`/wandb, in the order they were made: {"id", "config" (its keys), "history"
     (each logged key, nested keys joined by '/': the number of records holding it)}."""
@@ -1406,7 +1367,7 @@ def _wandb_records(run_dir: str) -> list[dict]:
     runs = []
     for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))):
         run = {"id": None, "config": set(), "history": {}}
-        for record in _wandb_log(path):
+        for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 run["id"] = record.run.run_id

@@ -5,44 +5,15 @@ import glob
 import json
 import os
 import signal
-import struct
 import sys
 from dataclasses import fields
 
 import pytest
 
 import icpi_chain as ic
-from conftest import all_scalars, only_run_dir
+from conftest import all_scalars, only_run_dir, wandb_records
 
 WANDB_ENV = ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_DIR", "WANDB_CACHE_DIR", "NETRC")
-
-
-def wandb_records(path: str) -> list:
-    """The records of a W&B run file (`run-<id>.wandb`): a ":W&B" header of 7 bytes, then LevelDB's log format
-    (blocks of 32 KiB; each chunk a 7-byte header: CRC-32, length, type full/first/middle/last) of protobuf Records."""
-    from wandb.proto import wandb_internal_pb2
-
-    with open(path, "rb") as f:
-        data = f.read()
-    assert data[:4] == b":W&B", data[:8]
-    pos, part, records = 7, b"", []
-    while pos + 7 <= len(data):
-        left = 32768 - pos % 32768
-        if left < 7:  # the block's tail, too short for a header: padding
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0 and length == 0:  # zero padding to the block's end
-            pos += left
-            continue
-        part += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # full, or the last chunk of a record
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(part)
-            records.append(record)
-            part = b""
-    return records
 
 
 def test_track_mirrors_the_scalars_and_the_flags_into_an_offline_wandb_run(tmp_path, monkeypatch, capsys):
@@ -71,7 +42,7 @@ def test_track_mirrors_the_scalars_and_the_flags_into_an_offline_wandb_run(tmp_p
         os.path.join(run, "wandb", "**", "events.out.tfevents.*"), recursive=True
     )  # scalars mirrored, event files not copied
     [path] = glob.glob(os.path.join(run, "wandb", "offline-run-*", "run-*.wandb"))
-    records = wandb_records(path)
+    records = list(wandb_records(path))
     [info] = [r.run for r in records if r.HasField("run")]
     assert info.display_name == os.path.basename(run) and info.project == "icpi-test"
     config = {item.key: json.loads(item.value_json) for item in info.config.update}

@@ -4,7 +4,6 @@ import glob
 import io
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 import ppo_cartpole as ppo
-from conftest import all_scalars, only_run_dir, read_scalars, run_script, same_numbers, stop_when_printed
+from conftest import all_scalars, only_run_dir, read_scalars, run_script, same_numbers, stop_when_printed, wandb_records
 
 # ---------------------------------------------------------------------------------------------
 # The math
@@ -227,31 +226,6 @@ def test_save_model_eval_equals_eval_checkpoint(tmp_path):
     assert train["env_id"] == "CartPole-v1" and train["seed"] == 6 and run_name == os.path.basename(run)
     saved = torch.load(ckpt, weights_only=True)["model"]
     assert all(torch.equal(v, saved[k]) for k, v in agent.state_dict().items())
-
-
-def wandb_records(path: str):
-    """The records of an offline W&B run's .wandb file, read with W&B's own protobuf: a LevelDB-style log (a 7-byte
-    file header, 32 KiB blocks of chunks, each with a 7-byte header: checksum, length, type 1 full, 2 first, 3 middle,
-    4 last)."""
-    from wandb.proto import wandb_internal_pb2
-
-    with open(path, "rb") as f:
-        data = f.read()
-    assert data[:4] == b":W&B", data[:7]
-    pos, pending = 7, b""
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # too little room for a chunk header: the block's tail is padding
-            pos += 32768 - pos % 32768
-            continue
-        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind == 0:
-            break
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            yield record
 
 
 @pytest.fixture(scope="module")
@@ -635,29 +609,6 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
             f.close()
         for folder in reversed(mounted):
             subprocess.run(["umount", "--lazy", str(folder)], check=True)  # even while a file in it is open
-
-
-@pytest.mark.parametrize(
-    "error, why",
-    [
-        (OSError(28, "No space left on device"), "No space left on device"),
-        (RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed"), "is the disk full?"),
-    ],
-)
-def test_a_failed_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch, capsys, error, why):
-    path = tmp_path / "ppo_cartpole.pt"
-    path.write_bytes(b"the previous checkpoint")
-
-    def broken_save(obj, f):  # writes part of the file, then fails as a full disk does
-        with open(f, "wb") as out:
-            out.write(b"partial")
-        raise error
-
-    monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(ppo.UserError, match="could not save the checkpoint") as e:
-        ppo.save_checkpoint(str(path), {"model": {}})
-    assert f"{why}); the file there, if any, is unchanged" in str(e.value) and "enforce" not in str(e.value)
-    assert os.listdir(tmp_path) == ["ppo_cartpole.pt"] and path.read_bytes() == b"the previous checkpoint"
 
 
 def test_a_signal_during_evaluation_stops_after_the_episode(capsys):

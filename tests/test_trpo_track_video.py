@@ -4,14 +4,13 @@ MuJoCo through OSMesa without a display): real runs read back with W&B's own rec
 import ctypes.util
 import glob
 import os
-import struct
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, SCRIPT_ENV, read_scalars
+from conftest import ROOT, SCRIPT_ENV, read_scalars, wandb_records
 from test_trpo_gpt2_halfcheetah import _mount, _training_state
 
 SCRIPT = os.path.join(ROOT, "trpo_gpt2_halfcheetah.py")
@@ -30,28 +29,6 @@ def run(cwd, *flags, **env):
     return subprocess.run(
         [sys.executable, SCRIPT, *flags], cwd=cwd, env=environ, capture_output=True, text=True, timeout=600
     )
-
-
-def wandb_records(path: str):
-    """The protobuf records of a .wandb file: a LevelDB-style log (a 7-byte header, then 32 KiB blocks of chunks
-    with a 7-byte header each: checksum, length, type FULL/FIRST/MIDDLE/LAST), as wandb-core writes it."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = open(path, "rb").read()
-    assert data[:4] == b":W&B", data[:7]
-    pos, buf = 7, b""
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # the rest of a block too short for a chunk header: padding
-            pos += 32768 - pos % 32768
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        buf = data[pos + 7 : pos + 7 + length] if kind in (1, 2) else buf + data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4) and buf:
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(buf)
-            yield record
-            buf = b""
 
 
 @pytest.fixture(scope="module")
