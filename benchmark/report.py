@@ -386,7 +386,8 @@ def speed_records(e: dict) -> list[list]:
             for c, m in med.items()
         ]
     med = lambda r, k: fmt(np.median(r[f"time/{k}_seconds"]))  # noqa: E731
-    parts = lambda r: [len(r["time/update_seconds"]), med(r, "rollout"), med(r, "update"), f"{r['steps_done']:,}"]  # noqa: E731
+    updates = lambda r: r.get("updates", len(r["time/update_seconds"]))  # noqa: E731 (a probe says what it timed)
+    parts = lambda r: [updates(r), med(r, "rollout"), med(r, "update"), f"{r['steps_done']:,}"]  # noqa: E731
     return [[name, *parts(r), fmt(r["wall_seconds"], 0), f"`{' '.join(r['flags'])}`"] for name, r in d["runs"].items()]
 
 
