@@ -1359,17 +1359,24 @@ def policy_from_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
     return policy.eval(), obs_rms, {**asdict(train), "run_name": ckpt["run_name"]}
 
 
+def video_env(env_id: str) -> gym.Env:
+    """An env that renders frames, through its MuJoCo model's `track` camera when it has one: the default free camera
+    stands still, and a running HalfCheetah leaves its view within a second."""
+    env = gym.make(env_id, render_mode="rgb_array")
+    model = getattr(env.unwrapped, "model", None)
+    if model is not None and "track" in [model.camera(i).name for i in range(model.ncam)]:
+        env.close()
+        env = gym.make(env_id, render_mode="rgb_array", camera_name="track")
+    return env
+
+
 def evaluate(
     policy, obs_rms, env_id: str, episodes: int, seed: int, device, writer, stop: StopSignal, videos=None
 ) -> list[float]:
     """Mean-action episodes with frozen observation statistics, episode i reset with seed + i, logged as
     eval/episodic_return. A stop request ends the evaluation at once (the unfinished episode is not counted).
     `videos`: a folder to record each episode into (eval-episode-<i>.mp4), logged to W&B too when a run is open."""
-    env, returns, dtype = (
-        gym.make(env_id, render_mode="rgb_array" if videos else None),
-        [],
-        next(policy.parameters()).dtype,
-    )
+    env, returns, dtype = (video_env(env_id) if videos else gym.make(env_id), [], next(policy.parameters()).dtype)
     if videos:
         with warnings.catch_warnings():  # (it warns that the folder exists: it was made and checked at the start)
             warnings.simplefilter("ignore")

@@ -124,3 +124,30 @@ def test_a_videos_folder_that_cannot_be_written_is_one_sentence_before_training(
     finally:
         umount = subprocess.run(["umount", videos], capture_output=True, text=True)
     assert umount.returncode == 0, umount.stderr
+
+
+@needs_osmesa
+@pytest.mark.parametrize("camera", ["the model's track camera", "the default free camera"])
+def test_videos_follow_the_body_through_the_models_track_camera(monkeypatch, camera):
+    """A HalfCheetah moved 20 m forward is still in the picture of the evaluation's video env; the default camera
+    (the script's behaviour without the track camera) has lost it."""
+    import gymnasium as gym
+    import mujoco
+
+    import trpo_gpt2_halfcheetah as trpo
+
+    monkeypatch.setenv("MUJOCO_GL", "osmesa")
+    monkeypatch.setenv("PYOPENGL_PLATFORM", "osmesa")
+    track = camera.startswith("the model's")
+    env = trpo.video_env("HalfCheetah-v5") if track else gym.make("HalfCheetah-v5", render_mode="rgb_array")
+    env.reset(seed=0)
+    env.render()  # the first frame, as a video's: the camera is set up here
+    data, model = env.unwrapped.data, env.unwrapped.model
+    data.qpos[0] += 20.0  # the root's x
+    mujoco.mj_forward(model, data)
+    frame = env.render().astype(int)
+    env.close()
+    r, g, b = frame[..., 0], frame[..., 1], frame[..., 2]
+    body = (r > 150) & (r - b > 60) & (g > 60)  # the cheetah's tan and pink; the floor and sky are grey-green
+    assert (body.sum() > 500) == track, body.sum()
+    assert trpo.video_env("InvertedPendulum-v5").unwrapped.mujoco_renderer.camera_id in (-1, None)  # no track camera
