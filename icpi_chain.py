@@ -1064,10 +1064,9 @@ def argmax_random(q, rng: np.random.Generator) -> int:
 
 
 class Agent:
-    def __init__(
-        self, domain: Domain, model, args: Args, rng: np.random.Generator, cache: Optional["CompletionCache"] = None
-    ):
-        """`model` None: tabular-q, which asks no model and builds no prompt."""
+    def __init__(self, domain: Domain, model, args: Args, rng: np.random.Generator, cache=None):
+        """`model` None: tabular-q, which asks no model and builds no prompt. `cache`: the run's completion cache
+        (`--cache`; the run object gives it), whose get/put stand between the agent and the model."""
         self.domain = domain
         self.model = model
         self.args = args

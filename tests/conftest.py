@@ -30,6 +30,11 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+def bad(flags, message):
+    """One row of a hostile-input table: the flags and the sentence they must end in, the flags as its id."""
+    return pytest.param(flags, message, id=" ".join(flags)[:60])
+
+
 def run_script(script: str, *flags: str, cwd: str, timeout: float = 600, check: bool = True):
     """Run `python script flags...` in `cwd` (so its runs/ folder lands there); `script` may be a path."""
     path = script if os.path.isabs(script) else os.path.join(ROOT, script)

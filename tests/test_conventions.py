@@ -96,7 +96,9 @@ def module_layout(script: str):
 
 
 def names_used(node) -> set:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    """The names a definition uses, a string annotation's (`Optional["Run"]`) among them."""
+    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    return names | {c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

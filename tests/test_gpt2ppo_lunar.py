@@ -29,6 +29,7 @@ from conftest import (
     stop_when_printed,
     wandb_records,
 )
+from conftest import bad as _bad
 
 TINY = ("--hidden-size", "16", "--n-head", "2", "--context-len", "8", "--update-epochs", "2", "--minibatch-size", "64")
 TINY_ARGS = dict(hidden_size=16, n_head=2, context_len=8, update_epochs=2, minibatch_size=8)
@@ -875,10 +876,6 @@ def _tree(folder, folder_times: bool = True) -> list[tuple]:
         else (str(p.relative_to(folder)),)
         for p in folder.rglob("*")
     )
-
-
-def _bad(flags, message):
-    return pytest.param(flags, message, id=" ".join(flags)[:60])
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from conftest import (
     post_handler,
     read_scalars,
 )
+from conftest import bad as _bad
 
 # The six domains, their texts and prompts are checked byte for byte against outputs recorded from
 # the original code in tests/test_icpi_original.py; this file checks the rest.
@@ -820,10 +821,6 @@ class _FullDisk:
 
     def __exit__(self, *exc):
         return self.db.__exit__(*exc)
-
-
-def _bad(flags, message):
-    return pytest.param(flags, message, id=" ".join(flags)[:70])
 
 
 _RUN = ("--total-steps", "30", "--min-successes", "0", "--max-retries", "0")  # a run that asks the server soon

@@ -16,6 +16,7 @@ import torch
 
 import ppo_cartpole as ppo
 from conftest import all_scalars, only_run_dir, read_scalars, run_script, same_numbers, stop_when_printed, wandb_records
+from conftest import bad as _bad
 
 # ---------------------------------------------------------------------------------------------
 # The math
@@ -403,10 +404,6 @@ def _files(root, folder_times=True):
             keep = folder_times or name in files
             found[os.path.relpath(os.path.join(folder, name), root)] = (st.st_size, st.st_mtime_ns if keep else 0)
     return found
-
-
-def _bad(flags, message):
-    return pytest.param(flags, message, id=" ".join(flags)[:60])
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from conftest import (
     same_numbers,
     stop_when_printed,
 )
+from conftest import bad as _bad
 
 SCRIPT = "trpo_gpt2_halfcheetah.py"
 needs_smollm2 = pytest.mark.skipif(
@@ -532,10 +533,6 @@ def _open_writer(fifo):
 def _files(folder) -> dict:
     """Every file and folder under `folder` with its size and modification time."""
     return {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in folder.rglob("*")}
-
-
-def _bad(flags, message):
-    return pytest.param(flags, message, id=" ".join(flags)[:60])
 
 
 NOT_OURS = "is not a trpo_gpt2_halfcheetah.py checkpoint"
