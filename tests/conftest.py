@@ -35,6 +35,25 @@ def bad(flags, message):
     return pytest.param(flags, message, id=" ".join(flags)[:60])
 
 
+def checkpoint_file(path: str, kind: str, save) -> str:
+    """`path` as a hostile-input test wants it: written by `save(path)`, or spoiled as `kind` says: "text" (not a
+    checkpoint), "missing_file" (none there), "loop" (a symbolic link to itself), "fifo" (a named pipe: opening it
+    would wait for a writer forever), "truncated" (the saved file cut in half)."""
+    if kind == "loop":
+        os.symlink(os.path.basename(path), path)
+    elif kind == "text":
+        with open(path, "w") as f:
+            f.write("not a checkpoint\n")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind != "missing_file":
+        save(path)
+    if kind == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    return path
+
+
 def run_script(script: str, *flags: str, cwd: str, timeout: float = 600, check: bool = True):
     """Run `python script flags...` in `cwd` (so its runs/ folder lands there); `script` may be a path."""
     path = script if os.path.isabs(script) else os.path.join(ROOT, script)

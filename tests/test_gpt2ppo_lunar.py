@@ -24,6 +24,7 @@ from conftest import (
     all_scalars,
     assert_same_scalars,
     baseline_script,
+    checkpoint_file,
     only_run_dir,
     read_scalars,
     stop_when_printed,
@@ -763,19 +764,7 @@ def _checkpoint(folder, kind):
     elif kind == "gpt2":  # a GPT-2 critic of the default sizes
         args["critic"] = "gpt2"
         ckpt["critic"] = g2.make_critic("gpt2", 8, 4, args).state_dict()
-    if kind == "loop":  # a symbolic link to itself
-        os.symlink(f"{kind}.pt", path)
-    elif kind == "text":
-        with open(path, "w") as f:
-            f.write("not a checkpoint\n")
-    elif kind == "fifo":  # a named pipe: opening it would wait for a writer forever
-        os.mkfifo(path)
-    elif kind not in ("missing_file", "loop"):
-        g2.save_checkpoint(path, ckpt)
-    if kind == "truncated":
-        with open(path, "r+b") as f:
-            f.truncate(os.path.getsize(path) // 2)
-    return path
+    return checkpoint_file(path, kind, lambda p: g2.save_checkpoint(p, ckpt))
 
 
 def _loop_objects(args: g2.Args) -> dict:

@@ -15,7 +15,16 @@ import pytest
 import torch
 
 import ppo_cartpole as ppo
-from conftest import all_scalars, only_run_dir, read_scalars, run_script, same_numbers, stop_when_printed, wandb_records
+from conftest import (
+    all_scalars,
+    checkpoint_file,
+    only_run_dir,
+    read_scalars,
+    run_script,
+    same_numbers,
+    stop_when_printed,
+    wandb_records,
+)
 from conftest import bad as _bad
 
 # ---------------------------------------------------------------------------------------------
@@ -324,15 +333,7 @@ def _checkpoint(folder, kind):
         ckpt = {"weights": [1, 2, 3]}
     elif kind == "pickle":
         ckpt = {"model": ppo.Args()}  # arbitrary objects: refused by weights_only loading
-    if kind == "text":
-        with open(path, "w") as f:
-            f.write("not a checkpoint\n")
-    elif kind != "missing_file":
-        torch.save(ckpt, path)
-    if kind == "truncated":
-        with open(path, "r+b") as f:
-            f.truncate(os.path.getsize(path) // 2)
-    return path
+    return checkpoint_file(path, kind, lambda p: torch.save(ckpt, p))
 
 
 def _obj(state, name):

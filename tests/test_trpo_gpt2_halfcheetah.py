@@ -22,6 +22,7 @@ import trpo_gpt2_halfcheetah as trpo
 from conftest import (
     ROOT,
     all_scalars,
+    checkpoint_file,
     explicit_fisher,
     only_run_dir,
     read_scalars,
@@ -462,15 +463,7 @@ def _checkpoint(folder, kind):
         ckpt = [1, 2, 3]
     elif kind == "pickle":
         ckpt = {"policy": trpo.Args()}  # arbitrary objects: refused by weights_only loading
-    if kind == "text":
-        with open(path, "w") as f:
-            f.write("not a checkpoint\n")
-    elif kind != "missing_file":
-        torch.save(ckpt, path)
-    if kind == "truncated":
-        with open(path, "r+b") as f:
-            f.truncate(os.path.getsize(path) // 2)
-    return path
+    return checkpoint_file(path, kind, lambda p: torch.save(ckpt, p))
 
 
 def _training_state(folder, kind) -> str:
