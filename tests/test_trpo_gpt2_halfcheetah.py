@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import fields
 from typing import Optional
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -413,6 +414,45 @@ def test_learns_inverted_pendulum(tmp_path):
     assert np.mean(rets[-20:]) > 60, np.mean(rets[-20:])
 
 
+def test_perturbed_env_scales_masses_and_frictions_and_adds_seeded_action_noise():
+    fresh = gym.make("HalfCheetah-v5").unwrapped.model
+    for name, k, field in (("mass", 0.7, "body_mass"), ("friction", 1.5, "geom_friction")):
+        model = trpo.perturbed_env(gym.make("HalfCheetah-v5"), f"{name}={k}", 0).unwrapped.model
+        scaled = getattr(fresh, field) * k if name == "mass" else fresh.geom_friction * [k, 1, 1]
+        assert np.allclose(getattr(model, field), scaled) and not np.allclose(
+            getattr(model, field), getattr(fresh, field)
+        )
+        assert gym.make("HalfCheetah-v5").unwrapped.model.body_mass.tolist() == fresh.body_mass.tolist()  # its own copy
+    sent = []
+    env = trpo.perturbed_env(gym.make("HalfCheetah-v5"), "action-noise=0.5", 7)
+    env.unwrapped.step = lambda a: sent.append(a) or (np.zeros(17), 0.0, False, False, {})
+    env.reset(seed=0)
+    for _ in range(200):
+        env.step(np.full(6, 0.9, dtype=np.float32))
+    noise = np.random.default_rng(7).standard_normal((200, 6)) * 0.5
+    assert np.allclose(np.array(sent), np.clip(0.9 + noise, -1, 1), atol=1e-6) and np.array(sent).dtype == np.float32
+
+
+def test_an_evaluation_under_perturbations_logs_each_beside_the_plain_one(tmp_path, monkeypatch, capsys):
+    """--save-model with --eval-perturbations: the plain evaluation, then one per perturbation with the same episode
+    seeds, each under its own tag; --eval-checkpoint gives them again."""
+    flags = ["--policy", "mlp", "--num-envs", "2", "--batch-size", "1000", "--total-timesteps", "1000", "--no-cuda"]
+    flags += ["--save-model", "--eval-episodes", "2", "--eval-perturbations", "mass=0.5", "action-noise=0.3"]
+    assert call_cli(flags, tmp_path, monkeypatch) == 0
+    run = only_run_dir(str(tmp_path))
+    tags = ("eval/episodic_return", "eval/mass=0.5/episodic_return", "eval/action-noise=0.3/episodic_return")
+    evals = [read_scalars(run, tag) for tag in tags]
+    assert [[step for step, _ in e] for e in evals] == [[0, 1]] * 3
+    assert evals[0] != evals[1] and evals[0] != evals[2]  # other dynamics, other returns
+    out = capsys.readouterr().out
+    assert "eval mass=0.5: " in out and "eval action-noise=0.3: " in out and "seeds from 10001)" in out
+    ckpt = os.path.join(run, "trpo_gpt2_halfcheetah.pt")
+    again = ["--eval-checkpoint", ckpt, "--eval-episodes", "2", "--eval-perturbations", "mass=0.5", "action-noise=0.3"]
+    assert call_cli([*again, "--no-cuda"], tmp_path, monkeypatch) == 0
+    (eval_run,) = glob.glob(os.path.join(run + "-eval__10001__*"))
+    assert [read_scalars(eval_run, tag) for tag in tags] == evals
+
+
 def test_help_lists_the_flags_with_their_docs(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # (a help line unwrapped)
     with pytest.raises(SystemExit) as e:
@@ -558,6 +598,19 @@ MLP = ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2", 
         _bad(("--policy", "lstm"), None),  # (tyro's own message: the flag is a Literal)
         _bad(("--state-encoding", "pixels"), None),
         _bad(("--llm-embd", "64"), "--llm-embd and --llm-heads apply to --llm-init random only"),
+        _bad(("--llm-init", "shuffled", "--llm-embd", "64"), "--llm-embd and --llm-heads apply to --llm-init random"),
+        _bad(("--eval-perturbations", "mass=0.7"), "--eval-perturbations applies to an evaluation: add --save-model"),
+        _bad(
+            ("--save-model", "--eval-perturbations", "mass=0"), "takes mass=X, friction=X or action-noise=X with X > 0"
+        ),
+        _bad(("--save-model", "--eval-perturbations", "gravity=2"), "takes mass=X, friction=X or action-noise=X"),
+        _bad(("--save-model", "--eval-perturbations", "mass=1e3"), "takes mass=X, friction=X or action-noise=X"),
+        _bad(("--save-model", "--eval-perturbations", "mass=2", "mass=2"), "names a perturbation twice: mass=2 mass=2"),
+        _bad(
+            ("--env-id", "LunarLanderContinuous-v3", "--save-model", "--eval-perturbations", "friction=2"),
+            "friction=2 changes a MuJoCo model, and 'LunarLanderContinuous-v3' is not a MuJoCo env",
+        ),
+        _bad(("--eval-checkpoint", "ckpt:good", "--eval-perturbations", "mass=-1"), "with X > 0, got 'mass=-1'"),
         _bad(
             ("--policy", "mlp", "--llm", "/nowhere", "--finetune-blocks", "3", "--instruction", "x"),
             "--policy mlp takes no language-model flags, got --llm --instruction --finetune-blocks",

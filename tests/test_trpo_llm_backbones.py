@@ -100,6 +100,31 @@ def test_a_causal_lm_loads_pretrained_truncates_and_finetunes_its_last_block(lm,
     assert stats["accepted"] and 0 < stats["kl"] <= 0.05
 
 
+@pytest.mark.parametrize("lm", ["tiny_gpt2_dir", "tiny_llama_dir"])
+def test_shuffled_init_permutes_each_pretrained_tensor_by_a_seeded_permutation(lm, request):
+    """--llm-init shuffled: every tensor of the model holds the pretrained values, permuted (the same multiset, other
+    places), the same for the same --seed, other for another; the projection and the head are those of the pretrained
+    policy of that seed (the global random streams untouched)."""
+    folder = request.getfixturevalue(lm)
+    torch.manual_seed(0)
+    pretrained = build(trpo.Args(llm=folder, seed=5), 3, 2)
+    torch.manual_seed(0)
+    shuffled = build(trpo.Args(llm=folder, seed=5, llm_init="shuffled"), 3, 2)
+    torch.manual_seed(0)
+    again = build(trpo.Args(llm=folder, seed=5, llm_init="shuffled"), 3, 2)
+    other = build(trpo.Args(llm=folder, seed=6, llm_init="shuffled"), 3, 2)
+    p, s = pretrained.transformer.state_dict(), shuffled.transformer.state_dict()
+    assert p.keys() == s.keys()
+    for name, value in p.items():
+        assert torch.equal(value.reshape(-1).sort().values, s[name].reshape(-1).sort().values), name
+        assert torch.equal(s[name], again.transformer.state_dict()[name]), name
+        if value.reshape(-1).unique().numel() > 2:  # (a tensor of ones is the same in every order)
+            assert not torch.equal(value, s[name]), name
+            assert not torch.equal(s[name], other.transformer.state_dict()[name]), name
+    heads = [(k, v) for k, v in shuffled.state_dict().items() if not k.startswith("transformer.")]
+    assert heads and all(torch.equal(v, pretrained.state_dict()[k]) for k, v in heads)
+
+
 def test_a_model_without_a_list_of_blocks_is_refused_in_one_sentence():
     with pytest.raises(trpo.UserError, match=r"cannot find the transformer blocks of the language model \(Linear\)"):
         trpo.decoder_layers(torch.nn.Linear(2, 2))
