@@ -21,15 +21,23 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, not a traceback
     signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
 
+import contextlib
+import copy
 import fcntl
+import io
+import itertools
+import math
 import random
 import re
+import shutil
 import stat
 import time
 import types
+import uuid
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Literal, Optional, Union, get_args, get_origin
 
 import gymnasium as gym
 import numpy as np
@@ -230,24 +238,49 @@ def make_envs(env_id: str, num_envs: int):
     )
 
 
-def budget_in_updates(args: Args) -> int:
-    """The updates of a run: its budget in whole rollouts (num_envs * num_steps), rounded up."""
-    return -(-args.total_timesteps // (args.num_envs * args.num_steps))
+def budget(args: Args) -> tuple[int, int]:
+    """(updates, steps per update) of a run: its --total-timesteps in whole rollouts of num_envs * num_steps steps."""
+    steps = args.num_envs * args.num_steps
+    return -(-args.total_timesteps // steps), steps
+
+
+def evaluate(objects: dict, env_id: str, args: Args, seed: int, writer, stop, videos: Optional[str] = None) -> list:
+    """--eval-episodes greedy episodes of the agent on the CPU, episode i reset with seed + i, logged as
+    eval/episodic_return; with `videos` (a folder), each recorded into it as an MP4 file. A stop request ends the
+    evaluation after the current episode."""
+    agent, returns = objects["agent"].cpu().eval(), []
+    env = gym.make(env_id, render_mode=None if videos is None else "rgb_array")
+    if videos is not None:
+        env = gym.wrappers.RecordVideo(env, video_folder=videos, episode_trigger=lambda e: True, name_prefix="eval")
+    with torch.inference_mode():
+        for ep in range(args.eval_episodes):
+            if stop.requested:
+                break
+            obs, done = env.reset(seed=seed + ep)[0], False
+            returns.append(0.0)
+            while not done:
+                action = agent.actor(torch.as_tensor(obs, dtype=torch.float32)[None]).argmax(-1)
+                obs, reward, terminated, truncated, _ = env.step(int(action[0]))
+                returns[-1], done = returns[-1] + float(reward), terminated or truncated
+            writer.add_scalar("eval/episodic_return", returns[-1], ep)
+    env.close()  # the last video is written here
+    mean, std = np.mean(returns or [np.nan]), np.std(returns or [np.nan])
+    where = f"env {env_id}, seeds from {seed}" + ("" if videos is None else f"; videos in {videos}")
+    print(f"eval: {mean:.2f} +- {std:.2f} over {len(returns)} of {args.eval_episodes} episodes ({where})", flush=True)
+    return returns
 
 
 def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     """Train (or, with --eval-checkpoint, evaluate); returns the exit status: 0, or 128 + the signal that stopped it."""
     stop = StopSignal() if stop is None else stop
-    check_args(args)
     if args.eval_checkpoint is not None:
-        torch.set_num_threads(args.torch_threads)
         return evaluate_checkpoint(args, stop)
-    run = Run(args, stop)  # with --resume: the run's own flags, read from its training state
+    run = Run(args, stop)  # the flags checked; with --resume, the run's own, read from its training state
     args = run.args
     torch.set_num_threads(args.torch_threads)
     T, N = args.num_steps, args.num_envs
     batch_size, minibatch_size = N * T, N * T // args.num_minibatches
-    num_updates = budget_in_updates(args)
+    num_updates, _ = budget(args)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
 
     random.seed(args.seed)
@@ -270,7 +303,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     next_obs = envs.reset(seed=args.seed)[0].astype(np.float32)
     # the run folder and its log; a resumed run puts its weights, optimizer, random streams and envs back in place
     begin = run.start(agent=agent, optimizer=optimizer, action_rng=action_rng, envs=envs, next_obs=next_obs)
-    global_step, next_obs, writer = begin.global_step, begin.next_obs, run.writer
+    global_step, writer = begin.global_step, run.writer
     first_step, start_time = global_step, time.time()
     for update in range(begin.update + 1, num_updates + 1):
         if args.anneal_lr:
@@ -361,232 +394,75 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     return run.finish()  # the --save-model checkpoint and its evaluation, the final line
 
 
-# ---- Run machinery: what a run needs around the algorithm (checks, signals, checkpoints, the run object that owns
-# the run folder, its log and the training state that --resume continues from, the evaluation-only mode, the command
-# line). The algorithm is complete above this line.
+# ---- Run machinery: what a run needs around the algorithm (checks of flags and files, signals, atomic saves, the run
+# folder with its lock, log and W&B, the training state that --resume continues from, the evaluation-only mode, the
+# command line). The algorithm is complete above this line. The text down to `# ---- This script's machinery` is the
+# same in the three torch scripts.
+
+SCRIPT = os.path.basename(__file__)
+PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a file or folder name: no separators, not . or ..
+CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
 
 
 class UserError(Exception):
-    """A mistake the user can fix (a flag, a file, an env, the disk): one sentence, exit 2 at the entry point."""
-
-
-RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
-    "seed": (0, 2**32 - 1, False),
-    "torch_threads": (1, 1024, False),
-    "eval_episodes": (1, 10**6, False),
-    "checkpoint_every": (1, 10**9, False),
-    "total_timesteps": (1, 10**12, False),
-    "learning_rate": (0, 1, True),
-    "num_envs": (1, 1024, False),
-    "num_steps": (1, 10**7, False),
-    "gamma": (0, 1, False),
-    "gae_lambda": (0, 1, False),
-    "num_minibatches": (1, 10**7, False),
-    "update_epochs": (1, 10**4, False),
-    "clip_coef": (0, 10, True),
-    "ent_coef": (0, 100, False),
-    "vf_coef": (0, 100, False),
-    "max_grad_norm": (0, 1e6, True),
-    "target_kl": (0, 1e6, True),
-}
-CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
-# all that --eval-checkpoint takes
-EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads", "capture_video"}
-# the flags a resumed run may change: they change only how the run computes (threads, device, checkpointing, saving,
-# evaluation), not what it trains
-RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes", "capture_video"}
-PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
+    """A mistake the user can fix (a flag, a file, an env): one sentence, exit 2 at the entry point."""
 
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_values(args: Args) -> None:
-    """UserError for the first flag out of its range, its choices or its form (what a flag alone can get wrong)."""
+def brief(e: BaseException) -> str:
+    """An exception's message on one line, at most 200 characters."""
+    return (" ".join(str(e).split()) or type(e).__name__)[:200].rstrip(".")
+
+
+def check_args(args: Args) -> None:
+    """UserError for the first flag out of its range, choices or form, or that this script's env cannot take."""
     for name, (low, high, low_excluded) in RANGES.items():
         value = getattr(args, name)
         if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
             raise UserError(f"{flag(name)} must be in {'(' if low_excluded else '['}{low}, {high}], got {value}")
     for name, choices in CHOICES.items():
         if getattr(args, name) not in choices:
-            raise UserError(f"{flag(name)} must be one of {', '.join(map(str, choices))}, got {getattr(args, name)}")
-    rollout = args.num_envs * args.num_steps
-    if rollout % args.num_minibatches:
-        raise UserError(f"--num-minibatches {args.num_minibatches} must divide the rollout of {rollout} samples")
-    if args.norm_adv and rollout // args.num_minibatches < 2:  # one advantage's std is nan, and so every weight
-        raise UserError(
-            f"--norm-adv needs minibatches of 2 samples or more, but {args.num_minibatches} minibatches of a rollout "
-            f"of {rollout} samples hold {rollout // args.num_minibatches} each; use fewer minibatches or --no-norm-adv"
-        )
-    if not PLAIN_NAME.fullmatch(args.exp_name):
-        raise UserError(
-            f"--exp-name must be a plain name of up to 200 letters, digits, '.', '_' or '-', got {args.exp_name!r}"
-        )
-    if args.exp_name == "training_state":  # the --save-model file, {exp_name}.pt, would overwrite it
-        raise UserError("--exp-name training_state is the name of the run's training state; choose another")
-
-
-def check_args(args: Args) -> None:
-    """The one check before anything is made: UserError for the first bad flag, or an env that does not fit this
-    script, or rollout buffers that do not fit in memory."""
-    check_values(args)
+            raise UserError(f"{flag(name)} must be one of {', '.join(map(str, choices))}, got {getattr(args, name)!r}")
+    if not PLAIN_NAME.fullmatch(args.exp_name) or args.exp_name == "training_state":  # (its --save-model file's name)
+        raise UserError(f"--exp-name must be a plain name other than training_state, got {args.exp_name!r}")
     given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
-    if args.eval_checkpoint is not None:
-        if given:
-            raise UserError(
-                f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}"
-            )
-        return  # the env and its sizes are the checkpoint's (its renderer: evaluate_checkpoint checks it)
-    obs_space, _ = env_spaces(args.env_id)
-    check_memory(args, obs_space)
-    if args.track:
-        check_wandb()
-    if args.capture_video:
-        check_renderer(args.env_id)
-
-
-def check_wandb() -> None:
-    """UserError unless `wandb` imports and has a way to log in (never a prompt: there may be no one to answer it)."""
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise UserError("--track needs the wandb package (pip install wandb)")
-    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+    if args.eval_checkpoint is not None and given:
+        raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
+    if args.eval_checkpoint is not None:  # (the env and the model are the checkpoint's)
         return
-    import netrc
-    from urllib.parse import urlparse
-
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        if netrc.netrc().authenticators(host):
-            return
-    except (OSError, netrc.NetrcParseError):
-        pass
-    raise UserError(
-        f"--track needs a way to log in to Weights & Biases: WANDB_API_KEY, `wandb login` (a {host} entry in "
-        f"~/.netrc), or WANDB_MODE=offline"
-    )
-
-
-def check_renderer(env_id: str) -> None:
-    """UserError unless the env renders a frame (--capture-video): made with render_mode="rgb_array", reset, one
-    frame. MuJoCo without a display renders through OSMesa."""
-    entry_point = str(getattr(gym.spec(env_id), "entry_point", ""))
-    if "mujoco" in entry_point and not os.environ.get("DISPLAY") and not os.environ.get("MUJOCO_GL"):
-        os.environ.setdefault("MUJOCO_GL", "osmesa")
-        os.environ.setdefault("PYOPENGL_PLATFORM", "osmesa")
-    if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):  # pygame draws into arrays alone
+    check_this_script(args)
+    if args.capture_video and not os.environ.get("DISPLAY"):  # MuJoCo renders through OSMesa, pygame into arrays
+        os.environ.setdefault("MUJOCO_GL", "osmesa")  # (read when MuJoCo is first imported)
+        os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
         os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
-    try:
-        env = gym.make(env_id, render_mode="rgb_array")
-        try:
-            env.reset(seed=0)
-            frame = env.render()
-        finally:
-            env.close()
-        if not isinstance(frame, np.ndarray) or frame.ndim != 3:
-            raise RuntimeError(f"it gave {type(frame).__name__}, not an image")
-    except Exception as e:
-        why = (str(e).splitlines() or [type(e).__name__])[0].rstrip(".")
-        hint = (
-            "set MUJOCO_GL=osmesa and install OSMesa (Debian: apt-get install libosmesa6)"
-            if "mujoco" in entry_point
-            else "install pygame (pip install pygame)"
-        )
-        raise UserError(f"--capture-video cannot render {env_id} ({why}); {hint}")
-
-
-def check_writable(folder: str, what: str) -> None:
-    """UserError unless a small file can be made, written to disk and removed in `folder` (made when missing)."""
-    probe = os.path.join(folder, f".write-test.tmp{os.getpid()}")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
-    except OSError as e:
-        if os.path.lexists(probe):
-            os.remove(probe)
-        raise UserError(f"cannot write into {what} {folder} ({e.strerror or e})")
-
-
-def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
-    """(observation space, action space) of an env that fits this script; UserError otherwise."""
-    try:
-        env = gym.make(env_id)
-    except Exception as e:
-        raise UserError(f"cannot make env '{env_id}': {(str(e).splitlines() or [type(e).__name__])[0].rstrip('.?!')}")
-    obs, act = env.observation_space, env.action_space
-    env.close()
-    if not isinstance(act, gym.spaces.Discrete) or not isinstance(obs, gym.spaces.Box) or len(obs.shape) != 1:
-        raise UserError(
-            f"ppo_cartpole.py needs a flat Box observation and Discrete actions, but '{env_id}' has {obs} and {act}"
-        )
-    return obs, act
-
-
-def check_memory(args: Args, obs_space: gym.Space) -> None:
-    """UserError when the rollout buffers would need over half of this machine's memory."""
-    samples = args.num_steps * args.num_envs
-    need = 4 * samples * (4 * int(obs_space.shape[0]) + 16)
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have / 2:
-        raise UserError(
-            f"a rollout of {samples} samples needs about {need / 2**30:.1f} GiB, over half of this machine's memory"
-        )
+    try:  # a frame now, not after training
+        with gym.make(args.env_id, render_mode="rgb_array") if args.capture_video else contextlib.nullcontext() as env:
+            assert env is None or env.reset(seed=0) and getattr(env.render(), "ndim", 0) == 3, "it gave no image"
+    except Exception as e:  # renderers raise many kinds (ImportError, RuntimeError, GL errors)
+        fix = "pip install pygame" if "mujoco" not in str(gym.spec(args.env_id).entry_point) else "libosmesa6"
+        raise UserError(f"--capture-video cannot render {args.env_id} ({brief(e)}; {fix})")
 
 
 def fits(value, hint) -> bool:
-    """Whether `value` is of the type `hint`: int excludes bool, float accepts int (not bool), Optional and unions any
-    of theirs, list/tuple/dict element by element, Any everything."""
+    """Whether `value` is of a flag's type `hint`: int not bool, float or int, by member (Optional, Literal, tuple)."""
     origin, parts = get_origin(hint), get_args(hint)
-    if hint is Any:
-        return True
-    if hint is None or hint is type(None):
-        return value is None
-    if origin in (Union, types.UnionType):
-        return any(fits(value, h) for h in parts)
-    if origin is Literal:
-        return any(type(value) is type(p) and value == p for p in parts)
-    if hint is float:
-        return type(value) in (float, int)
-    if hint in (int, bool, str):
-        return type(value) is hint
-    if origin is dict:
-        return isinstance(value, dict) and all(fits(k, parts[0]) and fits(v, parts[1]) for k, v in value.items())
-    if origin is list:
-        return isinstance(value, list) and all(fits(v, parts[0]) for v in value)
+    if origin in (Union, types.UnionType, Literal):
+        return any(fits(value, p) if origin is not Literal else type(value) is type(p) and value == p for p in parts)
     if origin is tuple:
-        if not isinstance(value, tuple):
-            return False
-        if len(parts) == 2 and parts[1] is Ellipsis:
-            return all(fits(v, parts[0]) for v in value)
-        return len(value) == len(parts) and all(fits(v, h) for v, h in zip(value, parts))
-    return isinstance(value, origin or hint)
-
-
-def returns_text(returns) -> str:
-    """The mean return of the last episodes, as the progress and final lines give it."""
-    if len(returns) == 0:
-        return "no episode finished yet"
-    return f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}"
+        return type(value) is tuple and all(fits(v, parts[0]) for v in value)
+    return type(value) is hint or hint is float and type(value) is int
 
 
 class StopSignal:
-    """SIGINT (Ctrl-C) and SIGTERM: the first asks the run to stop at the next safe point and keep what was done,
-    a second quits at once. `install` puts the handler in place (the entry point does; importing does not)."""
+    """SIGINT (Ctrl-C) and SIGTERM, once `handle` is their handler (the entry point's doing, not an import's): the first
+    stops the run at the next safe point, keeping what was done; a second quits at once."""
 
     def __init__(self):
         self.signum = 0
         self.last_state = "no training state was saved"  # the run object says where its last state is
-
-    def install(self) -> "StopSignal":
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self.handle)
-        return self
 
     def handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -606,671 +482,389 @@ class StopSignal:
 
 
 def save_checkpoint(path: str, obj: dict) -> None:
-    """Write to a temporary file in the same folder, then rename: a failed save leaves the previous file or none."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """Write `obj` to a temporary file, synced, then rename it: a failed save leaves the previous file (or none)."""
+    buffer, tmp = io.BytesIO(), f"{path}.tmp{os.getpid()}"
+    torch.save(obj, buffer)
     try:
-        torch.save(obj, tmp)
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # a full disk: OSError from open, RuntimeError from torch's writer
-        why = e.strerror if isinstance(e, OSError) and e.strerror else "the write failed: is the disk full?"
-        raise UserError(f"could not save the checkpoint {path} ({why}); the file there, if any, is unchanged")
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, path) from None  # (a failed write names no file)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
 
 
 def load_checkpoint(path: str) -> dict:
-    """The dict in a checkpoint file, read without running code (weights_only); UserError for anything else."""
+    """A checkpoint or training state of this script, read without running code (weights_only), its flags typed."""
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a folder, a FIFO (opening it would wait forever), a device
+        raise UserError(f"'{path}' is not a regular file")
+    with open(path, "rb") as f:
+        data = io.BytesIO(f.read())
     try:
-        os.lstat(path)
-    except OSError:
-        raise UserError(f"cannot read the checkpoint '{path}' (it does not exist)")
-    try:  # a link that leads nowhere or loops, a file that may not be read: why, in the system's words
-        mode = os.stat(path).st_mode
-        if stat.S_ISREG(mode):  # not a folder, a FIFO or a device: opening a FIFO would wait forever
-            os.close(os.open(path, os.O_RDONLY))
-    except OSError as e:
-        raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror or e})")
-    if not stat.S_ISREG(mode):
-        raise UserError(f"cannot read the checkpoint '{path}' (not a regular file)")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        saved = torch.load(data, map_location="cpu", weights_only=True)
     except Exception:
-        raise UserError(f"cannot read the checkpoint '{path}' (not a torch file)")
-    if not isinstance(checkpoint, dict):
-        raise UserError(f"'{path}' is not a ppo_cartpole.py checkpoint")
-    return checkpoint
+        saved = None
+    if not isinstance(saved, dict) or saved.get("script") != SCRIPT or not isinstance(saved.get("args"), dict):
+        raise UserError(f"'{path}' is not a checkpoint or training state of {SCRIPT}")
+    flags, name = saved["args"], saved.get("run_name")
+    typed = flags.keys() == {f.name for f in fields(Args)} and all(fits(flags[f.name], f.type) for f in fields(Args))
+    if not typed or not (isinstance(name, str) and PLAIN_NAME.fullmatch(name)):
+        raise UserError(f"'{path}' was made by another version of {SCRIPT} (its flags or run name differ)")
+    return saved
 
 
-CHECKPOINT = {"model": dict[str, torch.Tensor], "args": dict[str, Any], "run_name": str}  # a --save-model file
-CHECKPOINT_ARGS = {"env_id": str, "seed": int}  # the flags of its run that the evaluation reads
+def load_into(path: str, saved: dict, fresh: dict, objects: dict, names) -> None:
+    """Put the objects `names` of `saved` back into `objects` once `saved` matches `fresh`, what they would save."""
+    why = mismatch({key: saved.get(key) for key in fresh}, fresh, "it")
+    try:
+        for name in names if why is None else ():
+            restore(objects[name], saved["objects"][name])
+    except (ValueError, RuntimeError, TypeError, KeyError, IndexError) as e:  # the libraries' own checks
+        why = brief(e)
+    if why is not None:
+        raise UserError(f"'{path}' does not fit this run of {SCRIPT}: {why}")
 
 
-def agent_from_checkpoint(path: str) -> tuple[Agent, dict, str]:
-    """(agent, training args, run name) of a --save-model checkpoint, checked key by key and against its env."""
-    checkpoint = load_checkpoint(path)
-    train = checkpoint.get("args")
-    if not (
-        all(fits(checkpoint.get(key), hint) for key, hint in CHECKPOINT.items())
-        and all(fits(train.get(key), hint) for key, hint in CHECKPOINT_ARGS.items())
-        and PLAIN_NAME.fullmatch(checkpoint["run_name"])
-    ):
-        raise UserError(
-            f"'{path}' is not a ppo_cartpole.py checkpoint (model, args.env_id, args.seed or run_name is "
-            f"missing, mistyped or not a plain name)"
-        )
-    obs_space, act_space = env_spaces(train["env_id"])
-    agent = Agent(int(obs_space.shape[0]), int(act_space.n))
-    want = {k: v.shape for k, v in agent.state_dict().items()}
-    got = {k: v.shape for k, v in checkpoint["model"].items() if v.dtype == torch.float32 and bool(v.isfinite().all())}
-    if got != want:
-        raise UserError(
-            f"'{path}' holds no network of this script's shapes for {train['env_id']} (finite float32 weights)"
-        )
-    agent.load_state_dict(checkpoint["model"])
-    return agent, train, checkpoint["run_name"]
+def mismatch(saved, fresh, where: str) -> Optional[str]:
+    """Where `saved` differs from `fresh` in structure or kind (keys, lengths, exact types, tensor dtypes and shapes;
+    strings, the names of things, by value) or holds a number that is not finite. None in `fresh` (an env's counter not
+    set yet, a device this machine lacks) takes None, a number or a tensor."""
+    if fresh is None:
+        return None if saved is None or type(saved) in (int, float) or torch.is_tensor(saved) else f"{where} is set"
+    if isinstance(fresh, (dict, list, tuple)):
+        keys = fresh.keys() if isinstance(fresh, dict) else range(len(fresh))
+        same = type(saved) is type(fresh) and len(saved) == len(fresh)
+        if not same or isinstance(fresh, dict) and saved.keys() != keys:
+            return f"{where} is not a {type(fresh).__name__} of {len(fresh)} ({', '.join(map(str, keys))[:50]})"
+        return next((why for k in keys if (why := mismatch(saved[k], fresh[k], f"{where}.{k}")) is not None), None)
+    if torch.is_tensor(fresh):
+        if not (torch.is_tensor(saved) and saved.dtype == fresh.dtype and saved.shape == fresh.shape):
+            return f"{where} is not a {fresh.dtype} tensor of shape {tuple(fresh.shape)}"
+        return None if not saved.is_floating_point() or bool(saved.isfinite().all()) else f"{where} is not finite"
+    if type(saved) is not type(fresh) or isinstance(fresh, str) and saved != fresh:
+        return f"{where} is {saved!r:.30}, not {fresh!r:.30}"
+    return None if not isinstance(saved, float) or math.isfinite(saved) else f"{where} is {saved}"
 
 
-def evaluate(
-    agent: Agent, env_id: str, episodes: int, seed: int, writer, stop: "StopSignal", videos: Optional[str] = None
-) -> list[float]:
-    """Greedy episodes on the CPU, episode i reset with seed + i, logged as eval/episodic_return; with `videos` (a
-    folder), each episode recorded as an MP4 file in it (eval-episode-{i}.mp4).
-
-    A stop request ends the evaluation after the current episode.
-    """
-    env, returns = gym.make(env_id, render_mode=None if videos is None else "rgb_array"), []
-    if videos is not None:
-        env = gym.wrappers.RecordVideo(env, video_folder=videos, episode_trigger=lambda e: True, name_prefix="eval")
-    with torch.inference_mode():
-        for ep in range(episodes):
-            if stop.requested:
-                break
-            obs, done = env.reset(seed=seed + ep)[0], False
-            returns.append(0.0)
-            while not done:
-                action = agent.actor(torch.as_tensor(obs, dtype=torch.float32)[None]).argmax(-1)
-                obs, reward, terminated, truncated, _ = env.step(int(action[0]))
-                returns[-1], done = returns[-1] + float(reward), terminated or truncated
-            writer.add_scalar("eval/episodic_return", returns[-1], ep)
-    env.close()  # the last video is written here
-    mean, std = np.mean(returns or [np.nan]), np.std(returns or [np.nan])
-    print(
-        f"eval: {mean:.2f} +- {std:.2f} over {len(returns)} of {episodes} episodes (env {env_id}, seeds from {seed})"
-        + ("" if videos is None else f"; videos in {videos}"),
-        flush=True,
-    )
-    return returns
+def saved_form(obj, fresh: bool = False):
+    """What a checkpoint keeps of an object; `fresh`: an optimizer's as its first step makes it (with its moments)."""
+    if isinstance(obj, torch.optim.Optimizer) and fresh:
+        obj = copy.deepcopy(obj)
+        for p in (p for group in obj.param_groups for p in group["params"]):
+            p.grad = torch.zeros_like(p)
+        obj.step()
+    if hasattr(obj, "state_dict"):  # a model, an optimizer, an object of the script's own
+        return obj.state_dict()
+    if isinstance(obj, np.random.Generator):
+        return obj.bit_generator.state
+    if isinstance(obj, gym.vector.VectorEnv):
+        return env_state(obj)
+    if isinstance(obj, deque):  # padded to its length, as a fresh one is
+        padded = [*obj, *[0.0] * (obj.maxlen - len(obj))]
+        return {"values": torch.tensor(padded, dtype=torch.float64), "count": len(obj)}
+    return torch.from_numpy(obj.copy()) if isinstance(obj, np.ndarray) else getattr(obj, "item", lambda: obj)()
 
 
-def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
-    """The evaluation-only mode: greedy episodes of a saved agent, seeded as the evaluation after its training."""
-    from torch.utils.tensorboard import SummaryWriter
+def restore(obj, saved):
+    """Put a saved form back into `obj`, in place; returns `obj`, or what replaces it (a plain value)."""
+    if isinstance(obj, torch.optim.Optimizer):  # its settings stay those the run's flags made: its state returns
+        saved = {**saved, "param_groups": obj.state_dict()["param_groups"]}
+    if hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(saved)  # (the library's own strict loading)
+    elif isinstance(obj, np.random.Generator):
+        obj.bit_generator.state = saved  # (numpy's own check)
+    elif isinstance(obj, gym.vector.VectorEnv):
+        for layer, state in zip(env_layers(obj), saved):
+            for key, value in ((k, v) for k, v in state.items() if v is not None):  # (None: not saved, or None)
+                setattr(layer, key, restore(getattr(layer, key), value))
+    elif type(obj).__name__ == "MjData":  # its integration state, and what MuJoCo derives from it
+        import mujoco
 
-    agent, train, run = agent_from_checkpoint(args.eval_checkpoint)
-    if args.capture_video:
-        check_renderer(train["env_id"])
-    seed = 10_000 + (args.seed if args.seed != 1 else train["seed"])  # a --seed given replaces the run's
-    run_dir = os.path.join("runs", make_run_dir(f"{run}-eval__{seed}"))
-    print(f"device: cpu (evaluation), logging to {run_dir}", flush=True)
-    videos = os.path.join(run_dir, "videos") if args.capture_video else None
-    with SummaryWriter(run_dir) as writer:
-        evaluate(agent, train["env_id"], args.eval_episodes, seed, writer, stop, videos)
-    return stop.exit_status
+        mujoco.mj_setState(obj.model, obj, saved.numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+        mujoco.mj_forward(obj.model, obj)
+    elif isinstance(obj, deque):
+        obj.clear()
+        obj.extend(saved["values"][: saved["count"]].tolist())
+    elif isinstance(obj, np.ndarray):
+        obj[...] = saved.numpy()
+    else:  # a plain value, or an array where the fresh object has none yet
+        return saved.numpy() if torch.is_tensor(saved) else saved
+    return obj
+
+
+def env_layers(env) -> list:
+    """An env and every env inside it, its wrapped env or a vector env's copies, down to the envs themselves."""
+    inner = [env.env] if hasattr(env, "env") else getattr(env, "envs", [])
+    return [env, *(layer for e in inner for layer in env_layers(e))]
+
+
+def env_state(envs) -> Optional[list[dict]]:
+    """The state of classic-control and MuJoCo envs (not Box2D's): every layer's attributes, those that are not plain
+    values (numbers, strings, arrays, random generators, queues) as None, and MuJoCo's integration state. (Ant and
+    Humanoid read, before a step, positions MuJoCo derived during the last one: their first reward after a resume reads
+    them derived anew.)"""
+    env = env_layers(envs)[-1].unwrapped
+    mujoco = type(getattr(env, "data", None)).__name__ == "MjData"
+    if not mujoco and not type(env).__module__.startswith("gymnasium.envs.classic_control"):
+        return None
+    kinds = (np.random.Generator, deque, np.ndarray, np.generic, bool, int, float, str)
+    plain = lambda v: isinstance(v, kinds) and getattr(v, "dtype", "") != "O"  # noqa: E731
+    saved = [{k: saved_form(v) if plain(v) else None for k, v in vars(x).items()} for x in env_layers(envs)]
+    if mujoco:
+        import mujoco
+
+        saved[-1]["data"] = torch.zeros(mujoco.mj_stateSize(env.model, mujoco.mjtState.mjSTATE_INTEGRATION)).double()
+        mujoco.mj_getState(env.model, env.data, saved[-1]["data"].numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+    return saved
 
 
 class Run:
-    """A training run around the loop of `main`: its folder, the TensorBoard writer, the stop signals, the progress
-    line, the training state (saved every --checkpoint-every updates, at the last update and at a stop) and --resume.
-
-    `main` meets it three times: `start` before the loop (a new run gets its folder; a resumed one puts its training
-    state back into the objects it is given), `end_update` after each update, `finish` after the loop.
-    """
+    """A training run around the loop of `main`, which meets it three times: `start` before the loop (the folder, its
+    lock and log; a resumed run's state put back), `end_update` after each update, `finish` after the loop."""
 
     def __init__(self, args: Args, stop: StopSignal):
-        """Nothing is written. With --resume, `run.args` are the run's own flags, read from its training state."""
-        self.stop, self.state, self.writer = stop, None, None
+        """The run's flags, checked: those given, or its own with --resume (RESUME_FLAGS given replace them)."""
+        self.stop, self.state, self.lock, self.wandb_id, self.run_dir = stop, None, None, None, args.resume
         if args.resume is not None:
-            args, self.state = load_training_state(args)
-        self.args, self.num_updates = args, budget_in_updates(args)
-        self.run_dir = args.resume
+            self.state = load_checkpoint(os.path.join(args.resume, "training_state.pt"))
+            saved, given = self.state["args"], [f.name for f in fields(Args) if getattr(args, f.name) != f.default]
+            for name in (n for n in given if n not in RESUME_FLAGS and getattr(args, n) != saved[n]):
+                raise UserError(
+                    f"--resume continues a run: {flag(name)} {getattr(args, name)} is not its {saved[name]}"
+                )
+            args = Args(**{**saved, **{n: getattr(args, n) for n in given}})
+        check_args(args)
+        self.args, (self.num_updates, self.steps_per_update) = args, budget(args)
 
-    @property
-    def state_path(self) -> str:
-        return os.path.join(self.run_dir, "training_state.pt")
-
-    @property
-    def videos(self) -> str:
-        return os.path.join(self.run_dir, "videos")
+    def training_state(self, update: int, fresh: bool = False) -> dict:
+        """All a run needs to continue exactly, once the work in flight (a value fit in a thread) is done."""
+        for pending in (x for x in self.objects.values() if isinstance(x, Future)):
+            pending.result()
+        objects = {k: saved_form(v, fresh) for k, v in self.objects.items() if not isinstance(v, Future)}
+        keys, *numpy = np.random.get_state()[1:]
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        random_streams = {"numpy": [torch.from_numpy(keys), *numpy], "torch": torch.get_rng_state(), "cuda": cuda}
+        run = {"script": SCRIPT, "args": asdict(self.args), "run_name": self.run_name, "wandb_id": self.wandb_id}
+        return {**run, "update": update, "random": random_streams, "objects": objects}
 
     def start(self, **objects) -> types.SimpleNamespace:
-        """Before the loop, given what a training state holds: the objects restored in place (networks, optimizers,
-        random generators, vector envs) and the loop's arrays (such as the current observation).
-
-        A new run gets its folder, locked, and its writer, with the hyperparameters logged. A resumed run gets its
-        training state checked against the objects (before anything is written), put back into them, its folder
-        locked and checked writable, the temporary files of a killed save removed, and its log continued. Returns
-        the counters the loop starts from (update, global_step) and the loop's arrays."""
-        args, state = self.args, self.state
-        self.objects = {name: obj for name, obj in objects.items() if not isinstance(obj, np.ndarray)}
-        values = {name: obj for name, obj in objects.items() if isinstance(obj, np.ndarray)}
-        if state is None:
-            update, global_step = 0, 0
-            base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}"
-            self.run_dir = os.path.join("runs", make_run_dir(base))
-            self.lock = lock_run_dir(self.run_dir)
+        """Given the objects a training state holds (models, optimizers, generators, envs, the loop's arrays, queues):
+        a resumed run's state checked and put back into them; the folder, its lock and log. Where the loop goes on."""
+        self.objects, self.update, args, made = objects, 0, self.args, not os.path.exists("runs")
+        if self.state is None:
+            self.run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}")
+            self.run_dir = os.path.join("runs", self.run_name)
         else:
-            validate_training_state(self.state_path, state, args, objects)
-            update, global_step, values = restore_training_state(state, self.objects, values, args)
-            if args.capture_video and os.path.lexists(self.videos):  # what a resumed run's evaluation writes into
-                check_writable(self.videos, "the videos folder")
+            self.restore()
+        try:
             self.lock = lock_run_dir(self.run_dir)
-            self.stop.last_state = f"the last training state is {self.state_path} (update {update})"
-        self.run_name = os.path.basename(os.path.abspath(self.run_dir))
-        devices = {str(p.device) for obj in objects.values() if isinstance(obj, nn.Module) for p in obj.parameters()}
-        print(f"device: {', '.join(sorted(devices))}, logging to {self.run_dir}", flush=True)
-        # imported here, not at the top: tensorboard is slow to import, and neither importing this file nor a refused
-        # run should wait for it
-        from torch.utils.tensorboard import SummaryWriter
-
-        if state is not None:  # TensorBoard reads a run's event files in name order, which begins with their second
-            wait_for_a_new_second(self.run_dir)
-        self.wandb_id = None if state is None else state["wandb_id"]
-        if args.track:  # before the writer: W&B mirrors what it logs; a resumed run continues its W&B run
-            import wandb
-            from wandb.sdk.lib.runid import generate_id
-
-            self.wandb_id = self.wandb_id or generate_id()
-            if not wandb.patched["tensorboard"]:  # the scalars only: a copy of the event files would land in W&B's
-                wandb.tensorboard.patch(save=False)  # folder inside the run folder, where W&B would read it again
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=vars(args),
-                name=self.run_name,
-                save_code=True,
-                dir=self.run_dir,
-                id=self.wandb_id,
-                resume="allow",
-            )
-        # a resumed run hides what was logged after its last training state, so no step appears twice
-        self.writer = SummaryWriter(self.run_dir, purge_step=None if state is None else global_step + 1)
-        if state is None:
-            table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-        self.update, self.global_step, self.first_step = update, global_step, global_step
+            self.open_log()
+        except BaseException:  # a refused start (another process, W&B) leaves nothing behind
+            os.close(self.lock) if self.lock is not None else None
+            shutil.rmtree("runs" if made else self.run_dir) if self.state is None else None
+            raise
+        self.global_step = self.first_step = self.update * self.steps_per_update
         self.start_time = self.last_line = time.time()
-        return types.SimpleNamespace(update=update, global_step=global_step, **values)
+        return types.SimpleNamespace(update=self.update, global_step=self.global_step)
+
+    def restore(self) -> None:
+        """The training state put back into the run's objects once it matches what they would save. The loop's
+        arrays and queues (the episodes in progress) return with the envs, or stay as made."""
+        state, path = self.state, os.path.join(self.run_dir, "training_state.pt")
+        self.run_name, self.wandb_id, self.update = state["run_name"], state.get("wandb_id"), state.get("update")
+        if type(self.update) is not int or not 0 <= self.update <= self.num_updates:
+            raise UserError(f"'{path}' does not fit this run of {SCRIPT}: its update is not within its budget")
+        fresh, envs = self.training_state(0, fresh=True), (state.get("objects") or {}).get("envs")
+        names = [k for k, v in self.objects.items() if envs is not None or not isinstance(v, (np.ndarray, deque))]
+        load_into(path, state, {k: fresh[k] for k in ("random", "objects")}, self.objects, names)
+        np.random.set_state(("MT19937", state["random"]["numpy"][0].numpy(), *state["random"]["numpy"][1:]))
+        torch.set_rng_state(state["random"]["torch"])
+        if state["random"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["random"]["cuda"])
+        self.stop.last_state = f"the last training state is {path} (update {self.update})"
+
+    def open_log(self) -> None:
+        """The log (and W&B); a resumed one hides what came after its state, from an event file of a new second."""
+        from torch.utils.tensorboard import SummaryWriter  # (slow to import: not before a run starts)
+
+        args, names = self.args, os.listdir(self.run_dir)
+        for name in (n for n in names if re.fullmatch(r".+\.tmp\d+", n)):  # what a killed save left
+            os.remove(os.path.join(self.run_dir, name))
+        events = [int(n.split(".")[3]) for n in names if re.fullmatch(r"events\.out\.tfevents\.\d+\..+", n)]
+        time.sleep(min(2.0, max(0.0, max(events, default=0) + 1 - time.time())))  # (2 s at most: a clock set back)
+        self.wandb_id = self.wandb_id or uuid.uuid4().hex[:12]
+        where = dict(project=args.wandb_project_name, entity=args.wandb_entity, dir=self.run_dir, id=self.wandb_id)
+        try:  # W&B's own checks (the package, its mode, the project, the credentials) may refuse the run
+            if args.track:
+                import wandb  # (it mirrors the scalars; a copy of the event files in its folder would be read again)
+
+                wandb.tensorboard.patch(save=False) if not wandb.patched["tensorboard"] else None
+                wandb.init(**where, name=self.run_name, config=vars(args), sync_tensorboard=True, resume="allow")
+        except Exception as e:
+            raise UserError(f"--track: W&B refused to start the run ({brief(e)})")
+        purge = self.update * self.steps_per_update + 1 if self.state is not None else None
+        self.writer = SummaryWriter(self.run_dir, purge_step=purge)
+        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}") if self.state is None else None
+        devices = {str(p.device) for x in self.objects.values() if isinstance(x, nn.Module) for p in x.parameters()}
+        print(f"device: {', '.join(sorted(devices))}, logging to {self.run_dir}", flush=True)
 
     def end_update(self, update: int, global_step: int, **loop_state) -> bool:
-        """After an update, given the loop's arrays: the log flushed and the training state saved when due (every
-        --checkpoint-every updates, at the last update, at a stop), the progress line; True when the run should
-        stop."""
+        """The training state saved when due, the progress line; True when the run should stop."""
         stopping = self.stop.requested  # read once: a signal after this line stops the run at the next update
         self.update, self.global_step = update, global_step
+        self.objects.update(loop_state)
         if stopping or update % self.args.checkpoint_every == 0 or update == self.num_updates:
-            self.writer.flush()  # the logged events of the updates the state holds are on disk before it
-            state = training_state(self.args, update, global_step, {**self.objects, **loop_state}, self.wandb_id)
-            save_checkpoint(self.state_path, state)
-            self.stop.last_state = f"the last training state is {self.state_path} (update {update})"
-        due = update % max(1, self.num_updates // 10) == 0 or time.time() - self.last_line >= 60
+            state, path = self.training_state(update), os.path.join(self.run_dir, "training_state.pt")
+            self.writer.flush()  # the events of the updates the state holds are on disk before it
+            save_checkpoint(path, state)
+            self.stop.last_state = f"the last training state is {path} (update {update})"
+        due = update % max(1, self.num_updates // 10) == 0 or time.time() - self.last_line > 60
         if due and not stopping and update < self.num_updates:
             self.last_line = time.time()
-            print(
-                f"{self.run_name}: update {update}/{self.num_updates}, {global_step} steps, {self.steps_per_second()} "
-                f"steps/s, {returns_text(self.objects['envs'].return_queue)}",
-                flush=True,
-            )
+            print(f"{self.run_name}: update {update}/{self.num_updates}, {self.progress()}", flush=True)
         return stopping
 
-    def steps_per_second(self) -> int:
-        return int((self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9))
+    def progress(self, of: str = "") -> str:
+        speed = (self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9)
+        returns = recent_returns(self.objects)
+        mean = (
+            f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}" if returns else "no episode yet"
+        )
+        return f"{self.global_step}{of} steps, {int(speed)} steps/s, {mean}"
 
     def finish(self) -> int:
-        """After the loop: the envs closed, the --save-model checkpoint of the agent, the final line, the evaluation
-        (with --save-model, unless stopped), the writer closed. Returns the exit status."""
-        args, envs, agent = self.args, self.objects["envs"], self.objects["agent"]
-        envs.close()
-        self.writer.flush()
-        model_path = os.path.join(self.run_dir, f"{args.exp_name}.pt")
-        if args.save_model:
-            save_checkpoint(model_path, {"model": agent.state_dict(), "args": asdict(args), "run_name": self.run_name})
-        saved = f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"
-        budget = self.num_updates * args.num_envs * args.num_steps
-        print(
-            f"{self.run_name}: {self.global_step} of {budget} steps, {returns_text(envs.return_queue)}, "
-            f"{self.steps_per_second()} steps/s; {saved}"
-            + (f"; interrupted (continue it: --resume {self.run_dir})" if self.update < self.num_updates else ""),
-            flush=True,
-        )
+        """The --save-model checkpoint, the final line, the evaluation (unless stopped); the exit status."""
+        args, path, videos = self.args, os.path.join(self.run_dir, f"{self.args.exp_name}.pt"), None
+        self.training_state(self.update)  # (waits for the work in flight)
+        self.objects["envs"].close()
+        if args.save_model:  # the flags, the run's name and the model
+            model = {k: saved_form(self.objects[k]) for k in MODEL}
+            save_checkpoint(path, {"script": SCRIPT, "args": asdict(args), "run_name": self.run_name, "objects": model})
+        saved = f"checkpoint saved to {path}" if args.save_model else "no checkpoint (no --save-model)"
+        stopped = f"; interrupted (continue it: --resume {self.run_dir})" if self.update < self.num_updates else ""
+        print(f"{self.run_name}: {self.progress(f' of {self.num_updates * self.steps_per_update}')}; {saved}{stopped}")
         if args.save_model and not self.stop.requested:
-            videos = self.videos if args.capture_video else None
-            seed = 10_000 + args.seed
-            evaluate(agent.cpu().eval(), args.env_id, args.eval_episodes, seed, self.writer, self.stop, videos)
+            videos = os.path.join(self.run_dir, "videos") if args.capture_video else None
+            evaluate(self.objects, args.env_id, args, 10_000 + args.seed, self.writer, self.stop, videos)
         self.writer.close()
         if args.track:
             import wandb
 
-            if args.save_model and args.capture_video and os.path.isdir(self.videos):
-                for name in sorted(os.listdir(self.videos)):
-                    wandb.log({"videos/eval": wandb.Video(os.path.join(self.videos, name), format="mp4")})
+            for name in sorted(os.listdir(videos)) if videos else []:
+                wandb.log({"videos/eval": wandb.Video(os.path.join(videos, name), format="mp4")})
             wandb.finish()
             wandb.tensorboard.unpatch()
         os.close(self.lock)  # the folder is free for another process
         return self.stop.exit_status
 
 
-def training_state(args: Args, update: int, global_step: int, objects: dict, wandb_id: Optional[str] = None) -> dict:
-    """Everything a run needs to continue exactly: its flags, counters, the global random streams and the saved form
-    of each object the loop carries (weights, optimizer, random generators, envs, arrays)."""
-    _, keys, *rest = np.random.get_state()
-    return {
-        "script": "ppo_cartpole.py",
-        "args": asdict(args),
-        "update": update,
-        "global_step": global_step,
-        "wandb_id": wandb_id,
-        "torch_rng": torch.get_rng_state(),
-        "numpy_rng": [torch.from_numpy(keys.copy()), *rest],
-        "objects": {name: saved_form(obj) for name, obj in objects.items()},
-    }
+def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
+    """The evaluation-only mode: a --save-model checkpoint's model built from its flags, seeded as its run's."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    check_args(args)
+    torch.set_num_threads(args.torch_threads)
+    path, saved = args.eval_checkpoint, load_checkpoint(args.eval_checkpoint)
+    if "update" in saved:
+        raise UserError(f"'{path}' is a training state: continue its run with --resume {os.path.dirname(path) or '.'}")
+    train = Args(**{**saved["args"], "capture_video": args.capture_video})
+    check_args(train)  # (its renderer too, with --capture-video)
+    objects = model_objects(train)
+    load_into(path, saved, {"objects": {k: saved_form(objects[k]) for k in MODEL}}, objects, MODEL)
+    seed = 10_000 + (args.seed if args.seed != 1 else train.seed)
+    run_dir = os.path.join("runs", make_run_dir(f"{saved['run_name']}-eval__{seed}"))
+    print(f"device: cpu (evaluation), logging to {run_dir}", flush=True)
+    with SummaryWriter(run_dir) as writer:
+        videos = os.path.join(run_dir, "videos") if args.capture_video else None
+        evaluate(objects, train.env_id, args, seed, writer, stop, videos)
+    return stop.exit_status
 
 
-def saved_form(obj):
-    """What a training state keeps of an object: a state dict, a generator's state, an env state, a tensor."""
-    if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
-        return obj.state_dict()
-    if isinstance(obj, np.random.Generator):
-        return obj.bit_generator.state
-    if isinstance(obj, gym.vector.VectorEnv):
-        return env_state(obj)
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj.copy())
-    raise TypeError(f"a training state cannot hold a {type(obj).__name__}")
-
-
-def restore_training_state(state: dict, objects: dict, values: dict, args: Args) -> tuple[int, int, dict]:
-    """Put a training state (checked by validate_training_state) back into freshly made objects; (updates done, steps
-    done, the loop's arrays).
-
-    Envs whose state was not saved (Box2D's LunarLander, MuJoCo) start new episodes, seeded by the run's seed and the
-    update: the episodes in progress are cut off, unlogged."""
-    saved, update = state["objects"], state["update"]
-    for name, obj in objects.items():
-        if isinstance(obj, gym.vector.VectorEnv):
-            if saved[name] is not None:
-                restore_env_state(obj, saved[name])
-        elif isinstance(obj, np.random.Generator):
-            obj.bit_generator.state = saved[name]
-        else:
-            obj.load_state_dict(saved[name])
-    torch.set_rng_state(state["torch_rng"])
-    keys, *rest = state["numpy_rng"]
-    np.random.set_state(("MT19937", keys.numpy(), *rest))
-    values = {name: saved[name].numpy() for name in values}
-    if saved["envs"] is None:  # new episodes, the same in every resume of this state
-        envs = objects["envs"]
-        values["next_obs"] = envs.reset(seed=args.seed + envs.num_envs * update)[0].astype(np.float32)
-    return update, state["global_step"], values
-
-
-TRAINING_STATE = {  # the keys of a training state and their types
-    "script": str,
-    "args": dict[str, Any],
-    "update": int,
-    "global_step": int,
-    "wandb_id": Optional[str],
-    "torch_rng": torch.Tensor,
-    "numpy_rng": list,
-    "objects": dict[str, Any],
-}
-
-
-def validate_training_state(path: str, state: dict, args: Args, objects: dict) -> None:
-    """UserError "'{path}' is a damaged training state (why)" unless `state` fits the run's flags `args` and the freshly
-    made `objects` (those `Run.start` is given) in every key, type, shape and range. Reads only: nothing is written."""
-    why = training_state_problem(state, args, objects)
-    if why is not None:
-        raise UserError(f"'{path}' is a damaged training state ({why})")
-
-
-def training_state_problem(state: dict, args: Args, objects: dict) -> Optional[str]:
-    """What is wrong with a training state for these flags and objects, or None."""
-    for key, hint in TRAINING_STATE.items():
-        if key not in state:
-            return f"no {key}"
-        if not fits(state[key], hint):
-            return f"its {key} is {short(state[key])}, not of type {getattr(hint, '__name__', hint)}"
-    if set(state) != set(TRAINING_STATE):
-        return f"unknown keys {', '.join(sorted(map(str, set(state) - set(TRAINING_STATE))))}"
-    update, steps = state["update"], state["global_step"]
-    per_update, budget = args.num_envs * args.num_steps, budget_in_updates(args)
-    if update < 0 or steps < 0:
-        return f"negative counters: update {update}, global_step {steps}"
-    if steps != update * per_update:
-        return f"global_step {steps} is not update {update} times the {per_update} steps of an update"
-    if update > budget:
-        return f"update {update} is past the run's budget of {budget} updates"
-    fresh = training_state(args, 0, 0, objects)
-    for key in ("torch_rng", "numpy_rng"):
-        why = differs(state[key], fresh[key], key)
-        if why is not None:
-            return why
-    if not 0 <= state["numpy_rng"][1] <= 624:
-        return f"numpy_rng's position {state['numpy_rng'][1]} is outside [0, 624]"
-    saved = state["objects"]
-    if set(saved) != set(objects):
-        return f"objects {', '.join(sorted(map(str, saved)))} where the run has {', '.join(sorted(objects))}"
-    for name, obj in objects.items():
-        if isinstance(obj, torch.optim.Optimizer):
-            why = optimizer_state_problem(saved[name], obj, name)
-        elif isinstance(obj, gym.vector.VectorEnv):
-            why = env_state_problem(saved[name], fresh["objects"][name], env_layers(obj), name)
-        else:  # weights, a random generator's state, an array: the structure of the fresh object's, finite
-            why = differs(saved[name], fresh["objects"][name], name)
-            if why is None and isinstance(obj, np.random.Generator):
-                try:  # the generator's own check of its numbers, on a scratch generator
-                    np.random.default_rng().bit_generator.state = saved[name]
-                except (ValueError, TypeError, OverflowError):
-                    why = f"{name} is not a state of its random generator"
-        if why is not None:
-            return why
-    return None
-
-
-def short(value) -> str:
-    text = repr(value) if isinstance(value, (bool, int, float, str, type(None))) else f"a {type(value).__name__}"
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def differs(saved, fresh, where: str, nonnegative: bool = False) -> Optional[str]:
-    """Where `saved` differs from `fresh` in structure (dict keys, list lengths, types, tensor shapes and dtypes), or
-    holds a number that is not finite (or, with `nonnegative`, below 0); None when it does not."""
-    if isinstance(fresh, dict):
-        if not isinstance(saved, dict):
-            return f"{where} is {short(saved)}, not a dict"
-        if set(saved) != set(fresh):
-            extra, missing = set(saved) - set(fresh), set(fresh) - set(saved)
-            return f"{where} has no {sorted(map(str, missing))[0]}" if missing else f"{where} has {sorted(extra)[0]}"
-        for key in fresh:
-            why = differs(saved[key], fresh[key], f"{where}.{key}", nonnegative)
-            if why is not None:
-                return why
-        return None
-    if isinstance(fresh, (list, tuple)):
-        if not isinstance(saved, (list, tuple)) or len(saved) != len(fresh):
-            return f"{where} is {short(saved)}, not a list of {len(fresh)}"
-        for i, (s, f) in enumerate(zip(saved, fresh)):
-            why = differs(s, f, f"{where}[{i}]", nonnegative)
-            if why is not None:
-                return why
-        return None
-    if torch.is_tensor(fresh):
-        if not torch.is_tensor(saved) or saved.dtype != fresh.dtype or saved.shape != fresh.shape:
-            what = f"a {saved.dtype} tensor of shape {tuple(saved.shape)}" if torch.is_tensor(saved) else short(saved)
-            return f"{where} is {what}, not a {fresh.dtype} tensor of shape {tuple(fresh.shape)}"
-        return number_problem(saved, where, nonnegative)
-    if not fits(saved, type(fresh)) or type(saved) is not type(fresh) and type(fresh) is not float:
-        return f"{where} is {short(saved)}, not of type {type(fresh).__name__}"
-    if type(fresh) is str and saved != fresh:
-        return f"{where} is {short(saved)}, not {short(fresh)}"
-    return number_problem(saved, where, nonnegative)
-
-
-def number_problem(value, where: str, nonnegative: bool) -> Optional[str]:
-    """Not finite, or below 0 where it must not be: what is wrong with a number or tensor; None otherwise."""
-    if torch.is_tensor(value) and (value.is_floating_point() or value.dtype in (torch.int32, torch.int64)):
-        if not bool(value.isfinite().all()):
-            return f"{where} holds a value that is not finite"
-        if nonnegative and value.numel() and bool((value < 0).any()):
-            return f"{where} holds a negative value"
-    elif type(value) in (int, float):
-        if type(value) is float and not np.isfinite(value):
-            return f"{where} is {value}, not finite"
-        if nonnegative and value < 0:
-            return f"{where} is {value}, below 0"
-    return None
-
-
-def optimizer_state_problem(saved, optimizer: torch.optim.Optimizer, where: str) -> Optional[str]:
-    """An optimizer's state dict against the optimizer made for the run: its groups as the fresh one's, and per
-    parameter its moments of the parameter's shape, finite (second moments and step counts not negative)."""
-    fresh = optimizer.state_dict()
-    if not isinstance(saved, dict) or set(saved) != {"state", "param_groups"}:
-        return f"{where} is not an optimizer's state"
-    groups = saved["param_groups"]
-    if not isinstance(groups, list) or len(groups) != len(fresh["param_groups"]):
-        return f"{where} has {short(groups)} as its parameter groups"
-    for i, (group, fresh_group) in enumerate(zip(groups, fresh["param_groups"])):
-        why = differs(group, fresh_group, f"{where}.param_groups[{i}]", nonnegative=True)
-        if why is None and group["params"] != fresh_group["params"]:
-            why = f"{where}.param_groups[{i}] holds other parameters"
-        if why is not None:
-            return why
-    shapes = [p.shape for group in optimizer.param_groups for p in group["params"]]
-    if not isinstance(saved["state"], dict) or not set(saved["state"]) <= set(range(len(shapes))):
-        return f"{where}.state is not a state per parameter of the {len(shapes)}"
-    for index, moments in saved["state"].items():
-        if not isinstance(moments, dict) or not all(torch.is_tensor(m) for m in moments.values()):
-            return f"{where}.state[{index}] is not a dict of tensors"
-        for name, value in moments.items():
-            if value.ndim and value.shape != shapes[index]:
-                return f"{where}.state[{index}].{name} has shape {tuple(value.shape)}, not {tuple(shapes[index])}"
-            why = number_problem(value, f"{where}.state[{index}].{name}", nonnegative=name in ("exp_avg_sq", "step"))
-            if why is not None:
-                return why
-    return None
-
-
-def env_state_problem(saved, fresh, layers: list, where: str) -> Optional[str]:
-    """An env state (env_state's form) against the fresh envs': the same layers and keys, each value of the same kind
-    and shape, numbers finite and counters not negative, episode queues no longer than theirs."""
-    if fresh is None or saved is None:
-        return None if saved is fresh else f"{where} is {short(saved)}, where the envs' state is {short(fresh)}"
-    if not isinstance(saved, list) or len(saved) != len(fresh):
-        return f"{where} has {len(saved) if isinstance(saved, list) else short(saved)} env layers, not {len(fresh)}"
-    for i, (plain, fresh_plain, layer) in enumerate(zip(saved, fresh, layers)):
-        if not isinstance(plain, dict):
-            return f"{where}[{i}] is {short(plain)}, not a dict"
-        for key in set(plain) | set(fresh_plain):
-            value, fresh_value, at = plain.get(key), fresh_plain.get(key), f"{where}[{i}].{key}"
-            if fresh_value is None:  # an attribute set later in an episode: a plain value or none
-                if not (value is None or type(value) in (bool, int, float, str)):
-                    return f"{at} is {short(value)}, not a plain value"
-                continue
-            if isinstance(fresh_value, dict) and "deque" in fresh_value:
-                ok = isinstance(value, dict) and set(value) == {"deque"} and torch.is_tensor(value["deque"])
-                if not ok or value["deque"].ndim != 1 or len(value["deque"]) > (getattr(layer, key).maxlen or 2**62):
-                    return f"{at} is not an episode queue of at most {getattr(layer, key).maxlen} numbers"
-                why = number_problem(value["deque"], at, nonnegative=False)
-            elif number_kind(fresh_value):
-                if number_kind(value) != number_kind(fresh_value):
-                    return f"{at} is {short(value)}, not a number"
-                number = value["scalar"] if isinstance(value, dict) else value
-                why = number_problem(number, at, nonnegative=number_kind(fresh_value) == "int")
-            elif torch.is_tensor(fresh_value):
-                if not (
-                    torch.is_tensor(value)
-                    and value.shape == fresh_value.shape
-                    and kind_of(value) == kind_of(fresh_value)
-                ):
-                    return f"{at} is {short(value)}, not a tensor of shape {tuple(fresh_value.shape)}"
-                why = number_problem(value, at, nonnegative=kind_of(value) == "int")
-            else:  # a generator's state, a flag, a name
-                why = differs(value, fresh_value, at)
-            if why is not None:
-                return why
-    return None
-
-
-def number_kind(value) -> Optional[str]:
-    """'int' or 'float' for a plain number or env_state's {"scalar": tensor}; None for anything else."""
-    if isinstance(value, dict) and set(value) == {"scalar"} and torch.is_tensor(value["scalar"]):
-        return kind_of(value["scalar"]) if value["scalar"].ndim == 0 and kind_of(value["scalar"]) != "bool" else None
-    return type(value).__name__ if type(value) in (int, float) else None
-
-
-def kind_of(tensor: torch.Tensor) -> str:
-    return "bool" if tensor.dtype == torch.bool else "float" if tensor.is_floating_point() else "int"
-
-
-def env_layers(envs) -> list:
-    """The vector env's wrappers, the vector env, and each copy's wrappers down to the env itself."""
-    layers = [envs]
-    while hasattr(layers[-1], "env"):
-        layers.append(layers[-1].env)
-    for env in layers[-1].envs:
-        layers.append(env)
-        while hasattr(layers[-1], "env"):
-            layers.append(layers[-1].env)
-    return layers
-
-
-def env_state(envs) -> Optional[list[dict]]:
-    """The plain attributes (numbers, arrays, random generators, episode queues) of every layer of the envs, or None
-    when an env keeps its state in other objects (Box2D's world: LunarLander; MuJoCo's data).
-
-    For classic-control envs (CartPole, Acrobot, MountainCar) this is their whole state: an episode in progress
-    continues where it stopped.
-    """
-    saved = []
-    for layer in env_layers(envs):
-        plain = {}
-        for key, value in vars(layer).items():
-            if isinstance(value, np.random.Generator):
-                plain[key] = {"generator": value.bit_generator.state}
-            elif isinstance(value, np.ndarray) and value.dtype != object:
-                plain[key] = torch.from_numpy(value.copy())
-            elif isinstance(value, np.generic):  # a numpy number, such as a counter summed with np.sum
-                plain[key] = {"scalar": torch.from_numpy(np.array(value))}
-            elif isinstance(value, deque):
-                plain[key] = {"deque": torch.from_numpy(np.array(value))}
-            elif value is None or isinstance(value, (bool, int, float, str)):
-                plain[key] = value
-            elif isinstance(layer, gym.Env) and not isinstance(layer, gym.Wrapper):  # the env itself
-                if not isinstance(value, (gym.Space, gym.envs.registration.EnvSpec)):
-                    return None  # a simulator's object: the plain attributes are not the whole state
-        saved.append(plain)
-    return saved
-
-
-def restore_env_state(envs, saved: list[dict]) -> None:
-    layers = env_layers(envs)
-    if len(layers) != len(saved):
-        raise ValueError(f"{len(saved)} env layers saved where the run's flags make {len(layers)}")
-    for layer, plain in zip(layers, saved):
-        for key, value in plain.items():
-            if isinstance(value, dict) and "generator" in value:
-                generator = np.random.default_rng()
-                generator.bit_generator.state = value["generator"]
-                setattr(layer, key, generator)
-            elif isinstance(value, dict) and "scalar" in value:
-                setattr(layer, key, value["scalar"].numpy()[()])
-            elif isinstance(value, dict) and "deque" in value:
-                queue = getattr(layer, key)
-                queue.clear()
-                queue.extend(list(value["deque"].numpy()))
-            elif torch.is_tensor(value):
-                setattr(layer, key, value.numpy())
-            else:
-                setattr(layer, key, value)
-
-
-def load_training_state(args: Args) -> tuple[Args, dict]:
-    """The flags and training state of the run folder `args.resume`; UserError when it cannot be continued."""
-    path = os.path.join(args.resume, "training_state.pt")
-    if not os.path.isdir(args.resume):
-        raise UserError(f"--resume {args.resume} is not a run folder")
-    if not os.path.lexists(path):
-        raise UserError(f"--resume {args.resume} holds no training_state.pt (it stopped before its first checkpoint)")
-    state = load_checkpoint(path)
-    saved = state.get("args")
-    if (
-        state.get("script") != "ppo_cartpole.py"
-        or not isinstance(saved, dict)
-        or set(saved) != {f.name for f in fields(Args)}
-        or not isinstance(state.get("objects"), dict)
-    ):
-        raise UserError(f"'{path}' is not a training state of this version of ppo_cartpole.py")
-    for f in fields(Args):
-        if not fits(saved[f.name], f.type):
-            raise UserError(f"'{path}' is a damaged training state (its {flag(f.name)} is {saved[f.name]!r})")
-    given = {f.name: getattr(args, f.name) for f in fields(Args) if getattr(args, f.name) != f.default}
-    for name, value in given.items():
-        if name not in RESUME_FLAGS and value != saved[name]:
-            raise UserError(
-                f"--resume continues a run with its own flags, but {flag(name)} {value} differs from its {saved[name]}"
-            )
-    resumed = Args(**{**saved, **given})  # the flags given may only change those in RESUME_FLAGS
-    try:  # the flags given were checked: what fails here is the file's
-        check_values(resumed)
-    except UserError as e:
-        raise UserError(f"'{path}' is a damaged training state ({' '.join(str(e).split())[:200]})")
-    check_args(resumed)  # the run's env on this machine
-    return resumed, state
-
-
-def wait_for_a_new_second(run_dir: str) -> None:
-    """Wait until the clock is past the second of the newest event file in `run_dir` (2 s at most: a file stamped in
-    the future, by a clock that was set back, must not stall the run)."""
-    made = [int(f.split(".")[3]) for f in os.listdir(run_dir) if re.fullmatch(r"events\.out\.tfevents\.\d+\..*", f)]
-    time.sleep(min(2.0, max(0.0, max(made, default=0) + 1 - time.time())))
-
-
-def make_run_dir(base: str, root: str = "runs") -> str:
-    """Create root/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
-    stamp, k = int(time.time()), 1
-    while True:
-        name = f"{base}__{stamp}" + (f"-{k}" if k > 1 else "")
-        try:
-            os.makedirs(os.path.join(root, name))
+def make_run_dir(base: str) -> str:
+    """Create runs/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
+    for name in (f"{base}__{int(time.time())}" + (f"-{k}" if k > 1 else "") for k in itertools.count(1)):
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(os.path.join("runs", name))
             return name
-        except FileExistsError:
-            k += 1
-        except OSError as e:
-            raise UserError(f"cannot create the run folder {os.path.join(root, name)} ({e.strerror or e})")
 
 
 def lock_run_dir(run_dir: str) -> int:
-    """Hold `run_dir`/.lock (flock) for the life of this process's run, with its pid in it; the file descriptor.
-
-    UserError when another process holds it, or the folder cannot be written (read-only, full): checked by writing
-    a small file before anything else is, and the temporary files of a killed save are removed."""
-    path = os.path.join(run_dir, ".lock")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror or e})")
+    """Hold `run_dir`/.lock (its holder's pid in it) while this process runs it; UserError when another one does."""
+    fd = os.open(os.path.join(run_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip()
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise UserError(f"another process (pid {holder or 'unknown'}) is running {run_dir}")
-    try:
-        check_writable(run_dir, "the run folder")
-        for name in os.listdir(run_dir):  # another process's save that was killed before its rename
-            if re.fullmatch(r".+\.tmp\d+", name):
-                os.remove(os.path.join(run_dir, name))
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except (OSError, UserError) as e:
-        os.close(fd)
-        if isinstance(e, UserError):
-            raise
-        raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror or e})")
+        raise UserError(f"another process (pid {holder}) is running {run_dir}")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 
 def cli(argv: Optional[list[str]] = None) -> int:
-    """The entry point: parse the flags, install the signal handler, run; a user's mistake is one sentence, exit 2."""
-    args = tyro.cli(Args, args=argv)
+    """The entry point: a user's mistake, a file the system refuses (a full disk), too little memory: one sentence."""
+    args, stop = tyro.cli(Args, args=argv), StopSignal()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop.handle)
     try:
-        return main(args, StopSignal().install())
+        return main(args, stop)
     except UserError as e:
         print(f"error: {e}.", file=sys.stderr, flush=True)
-        return 2
+    except OSError as e:
+        print(f"error: {e.filename or 'a file'}: {e.strerror or brief(e)}.", file=sys.stderr, flush=True)
+    except MemoryError:  # (the buffers are made before anything is written)
+        print("error: this machine does not have the memory these flags need.", file=sys.stderr, flush=True)
+    return 2
+
+
+# ---- This script's machinery: the ranges of its flags, what it checks, its model's checkpoint.
+
+RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
+    "seed": (0, 2**32 - 1, False),
+    **dict.fromkeys(["torch_threads", "num_envs"], (1, 4096, False)),
+    **dict.fromkeys(["eval_episodes", "checkpoint_every", "total_timesteps", "num_steps"], (1, 10**12, False)),
+    **dict.fromkeys(["num_minibatches", "update_epochs"], (1, 10**12, False)),
+    **dict.fromkeys(["gamma", "gae_lambda"], (0, 1, False)),
+    **dict.fromkeys(["learning_rate", "clip_coef", "max_grad_norm", "target_kl"], (0, 1e6, True)),
+    **dict.fromkeys(["ent_coef", "vf_coef"], (0, 1e6, False)),
+}
+EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads", "capture_video"}
+# the flags a resumed run may change: how it computes (threads, device, checkpointing, saving, evaluation), not what
+RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes", "capture_video"}
+MODEL = ("agent",)  # what a --save-model checkpoint holds
+
+
+def check_this_script(args: Args) -> None:
+    """UserError for minibatches that do not fit the rollout or an env this script cannot take."""
+    rollout = args.num_envs * args.num_steps
+    if rollout % args.num_minibatches or args.norm_adv and rollout // args.num_minibatches < 2:
+        raise UserError(
+            f"--num-minibatches {args.num_minibatches} must divide the rollout of {rollout} samples (into minibatches "
+            f"of 2 or more with --norm-adv: one advantage's std is nan)"
+        )
+    model_objects(args)
+
+
+def model_objects(args: Args) -> dict:
+    """The agent for the env of `args` (UserError for an env this script cannot take)."""
+    try:
+        env = gym.make(args.env_id)
+    except Exception as e:  # gymnasium raises several kinds (an unknown id, a missing package)
+        raise UserError(f"cannot make env '{args.env_id}': {brief(e)}")
+    obs, act = env.observation_space, env.action_space
+    env.close()
+    if not isinstance(act, gym.spaces.Discrete) or not isinstance(obs, gym.spaces.Box) or len(obs.shape) != 1:
+        raise UserError(f"{SCRIPT} needs a flat Box observation and Discrete actions; '{args.env_id}' has {obs}, {act}")
+    return {"agent": Agent(obs.shape[0], int(act.n))}
+
+
+def recent_returns(objects: dict):
+    return objects["envs"].return_queue
 
 
 if __name__ == "__main__":
