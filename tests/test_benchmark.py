@@ -130,6 +130,42 @@ def test_regret_of_the_last_quarter_an_evaluation_row_and_a_subset_of_seeds_merg
     assert [r["seeds"] for r in report.load(str(tmp_path / "res"))["rows"] if r["setting"] == "e"] == [[1, 2]]
 
 
+def test_a_real_run_stores_its_entropy_and_each_perturbed_evaluation_and_merges_them_with_kept_seeds(tmp_path):
+    # a real run of the TRPO script through the harness (2 updates of 1000 steps, two evaluations under perturbations)
+    flags = ("--policy", "mlp", "--num-envs", "2", "--batch-size", "1000", "--save-model", "--eval-episodes", "2")
+    flags += ("--eval-perturbations", "mass=0.5", "action-noise=0.3", "--no-cuda")
+    s = bench.S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "tiny", 2000, (1, 2), flags, tag="eval/episodic_return")
+    s = bench.replace(s, last_n=2)
+    runs = str(tmp_path / "runs")
+    assert bench.main(["--runs-dir", runs, "--seeds", "1", "--workers", "1", *_out(tmp_path)], registry=[s]) == 0
+    df = bench.read_run(bench.run_folder(runs, s, 1))
+    logged = lambda tag: df.value[df.tag == tag].round(4).tolist()  # noqa: E731
+    (row,) = report.load(str(tmp_path / "res"))["rows"]
+    assert len(logged("losses/entropy")) == 2 and row["entropy_series"]["1"]["values"] == logged("losses/entropy")
+    assert sorted(row["perturbed_series"]) == ["action-noise=0.3", "mass=0.5"]
+    for p in ("mass=0.5", "action-noise=0.3"):
+        stored = row["perturbed_series"][p]["1"]
+        assert stored["steps"] == [0, 1] and stored["values"] == logged(f"eval/{p}/episodic_return")
+    assert row["perturbed_series"]["mass=0.5"]["1"] != row["series"]["1"]  # not the unperturbed evaluation
+    # seed 2 elsewhere, with one of the two perturbations: seed 1's series are kept beside it
+    extra = [("losses/entropy", [7.0, 6.5]), ("eval/mass=0.5/episodic_return", [3.0, 4.0])]
+    _finished_run(str(tmp_path / "other"), s, 2, [1.0, 2.0], extra=extra)
+    assert _collect(str(tmp_path / "other"), tmp_path, "--seeds", "2", registry=[s]) == 0
+    (row,) = report.load(str(tmp_path / "res"))["rows"]
+    assert row["seeds"] == [1, 2] and row["entropy_series"]["2"]["values"] == [7.0, 6.5]
+    assert row["entropy_series"]["1"]["values"] == logged("losses/entropy")
+    assert list(row["perturbed_series"]["mass=0.5"]) == ["1", "2"]
+    assert row["perturbed_series"]["mass=0.5"]["2"]["values"] == [3.0, 4.0]
+    assert list(row["perturbed_series"]["action-noise=0.3"]) == ["1"]
+    # a run that logs neither stores neither key
+    plain = bench.S("ppo_cartpole", "CartPole-v1", "t", 1000, (1,))
+    _finished_run(str(tmp_path / "plain"), plain, 1, [5.0])
+    assert _collect(str(tmp_path / "plain"), tmp_path, registry=[plain]) == 0
+    where = {"script": "ppo_cartpole", "env": "CartPole-v1", "setting": "t", "steps": 1000}
+    stored = json.load(open(report.row_path(str(tmp_path / "res"), where)))
+    assert "entropy_series" not in stored and "perturbed_series" not in stored
+
+
 def test_each_seed_keeps_its_machine_and_script_version_when_rows_merge(tmp_path):
     # seeds 1, 2 on an AMD EPYC by version a, then seed 3 on an Intel Xeon by version b: one row, each seed's own
     s = bench.S("ppo_cartpole", "CartPole-v1", "t", 1000, (1, 2, 3, 4))
