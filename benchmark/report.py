@@ -226,17 +226,60 @@ def machines(row: dict) -> str:
     return ", ".join(f"{k} x{kinds.count(k)}" for k in dict.fromkeys(kinds))
 
 
+def prediction_interval(x, level: float = 0.95) -> tuple[float, float]:
+    """The interval that holds one more draw from the distribution of the sample `x` with probability `level`, for
+    normal data: mean ± t(n - 1) · s · sqrt(1 + 1/n), s the sample std."""
+    x = np.asarray(x, dtype=float)
+    half = stats.t.ppf((1 + level) / 2, len(x) - 1) * x.std(ddof=1) * math.sqrt(1 + 1 / len(x))
+    return float(x.mean() - half), float(x.mean() + half)
+
+
+def pooling_check(row: dict) -> list[str]:
+    """Per metric of a row that pools seeds across machines (its number, and an evaluation row's training return):
+    each seed of another machine against the 95% prediction interval of the seeds of the row's most frequent machine
+    (at least 3 of them), as `H200 seed 5, 3442.83: inside [a, b]`."""
+    per, kinds = seed_machines(row), {}
+    for s in (str(s) for s in row["seeds"] if str(s) in per):
+        kinds.setdefault(short_machine(per[s]), []).append(s)
+    main = max(kinds, key=lambda k: len(kinds[k]), default=None)
+    if len(kinds) < 2 or len(kinds[main]) < 3:
+        return []
+    out, metrics = [], [("evaluation " * row["tag"].startswith("eval/"), row["per_seed"])]
+    if "train" in row["extra"]:
+        metrics.append(("training return ", row["extra"]["train"]["per_seed"]))
+    for what, values in metrics:
+        low, high = prediction_interval([values[s] for s in kinds[main]])
+        for k, seeds in ((k, v) for k, v in kinds.items() if k != main):
+            out += [
+                f"{what}{k} seed {s}, {fmt(values[s])}: {'inside' if low <= values[s] <= high else 'OUTSIDE'} "
+                f"[{fmt(low)}, {fmt(high)}] of its {len(kinds[main])} {main} seeds"
+                for s in seeds
+            ]
+    return out
+
+
 def pooled(rows: list[dict]) -> str:
-    """The sentence under a table with a `machines` column: whether its rows pool seeds across machines."""
+    """The sentence under a table with a `machines` column: whether its rows pool seeds across machines, the
+    assumption that pooling makes, and the check of it that the store allows (`pooling_check`)."""
     kinds = sorted({short_machine(m) for r in rows for m in seed_machines(r).values()})
-    why = (
-        "a different processor changes a seed's floating-point trajectory, not the distribution it is drawn from, "
-        "and every seed was computed by the script with its row's flags"
+    assumption = (
+        "the assumption that a different processor changes a seed's floating-point trajectory but not the distribution "
+        "it is drawn from (every seed was computed by the script with its row's flags)"
     )
-    if len(kinds) > 1:
-        return f"Seeds are pooled across machines ({', '.join(kinds)}; per row in the machines column): {why}."
-    on = f"on {kinds[0]}" if kinds else "on machines not recorded per seed"
-    return f"Every seed here ran {on}; seeds from other machines would be pooled into a row: {why}."
+    if len(kinds) <= 1:
+        on = f"on {kinds[0]}" if kinds else "on machines not recorded per seed"
+        return f"Every seed here ran {on}; seeds from other machines would be pooled into a row under {assumption}."
+    checks = [f"`{r['setting']}`: {'; '.join(c)}" for r in rows if (c := pooling_check(r))]
+    check = (
+        " The check the store allows: per row, each seed of another machine against the 95% prediction interval "
+        "(Student's t) of the seeds of the row's most frequent machine, for the row's number and its training return "
+        "(`benchmark/report.py`, `pooling_check`): "
+        + ". ".join(checks)
+        + ". A seed inside its interval is consistent with the assumption and does not prove it: one seed per row "
+        "would show only a shift of the order of the interval's half-width."
+    ) * bool(checks)
+    where = f"{', '.join(kinds)}; per row in the machines column"
+    return f"Seeds are pooled across machines ({where}) under {assumption}.{check}"
 
 
 def short_machine(machine: str) -> str:
@@ -301,8 +344,17 @@ def picked(data: dict, lines: list[str]) -> list[dict]:
 def rows_table(data: dict, columns: str, lines: list[str]) -> str:
     """One line per named row with the given columns (CELLS), then the rows' published numbers."""
     rows = picked(data, lines)
-    refs = {f"- {r['env']}, {r['steps']:,} steps: {ref_text(x)}": 0 for r in rows for x in r["refs"]}
-    head = ["", "Published (other code, machines and library versions):", ""] if refs else []
+    beside = {}  # a published number -> the budgets of the rows of each env it stands beside
+    for r, x in ((r, x) for r in rows for x in r["refs"]):
+        beside.setdefault((r["env"], ref_text(x)), set()).add(r["steps"])
+    budgets = lambda env, steps: (  # noqa: E731 (named where not every row of the env is meant)
+        ""
+        if steps == {r["steps"] for r in rows if r["env"] == env}
+        else f" of {' and '.join(f'{n:,}' for n in sorted(steps))} steps"
+    )
+    refs = {f"- beside the {env} rows{budgets(env, steps)}: {text}": 0 for (env, text), steps in beside.items()}
+    head = ["", "Published (other code, machines and library versions; each with its own env and budget):", ""]
+    head = head if refs else []
     note = ["", pooled(rows)] if "machines" in columns.split() else []
     table = markdown([{CELLS[c][0]: CELLS[c][1](r) for c in columns.split()} for r in rows])
     return "\n".join([table, *note, *head, *refs])
@@ -335,17 +387,18 @@ def compare_table(data: dict, lines: list[str], labels: list[str] | None = None)
     for label, (script, env, steps, a, b) in zip(labels, (line.split() for line in lines)):
         ra, rb = find(data, script, env, int(steps), a), find(data, script, env, int(steps), b)
         found.append(compare(list(ra["per_seed"].values()), list(rb["per_seed"].values())))
-        c, ci = found[-1], lambda lo, hi: f"[{fmt(lo)}, {fmt(hi)}]"  # noqa: E731
+        d = 3 if ra.get("tag") == "charts/regret" else 2  # digits (the power line: one fewer)
+        c, ci = found[-1], lambda lo, hi, k=d: f"[{fmt(lo, k)}, {fmt(hi, k)}]"  # noqa: E731
         records.append({"comparison": label, "a": f"`{a}`", "b": f"`{b}`"})
         records[-1]["seeds"] = f"{len(ra['per_seed'])} vs {len(rb['per_seed'])}"
-        records[-1].update({f"{k} [95% CI]": f"{fmt(c[k][0])} {ci(*c[k][1])}" for k in ("mean a - b", "IQM a - b")})
-        records[-1].update({"P(a > b) [95% CI]": f"{fmt(c['P(a > b)'][0])} {ci(*c['P(a > b)'][1])}"})
+        records[-1].update({f"{k} [95% CI]": f"{fmt(c[k][0], d)} {ci(*c[k][1])}" for k in ("mean a - b", "IQM a - b")})
+        records[-1].update({"P(a > b) [95% CI]": f"{fmt(c['P(a > b)'][0])} {ci(*c['P(a > b)'][1], 2)}"})
         records[-1].update({"Welch 95% CI of a - b": ci(*c["welch_ci"]), "Welch p": fmt_p(c["welch_p"])})
         n_a, n_b = len(ra["per_seed"]), len(rb["per_seed"])
         power.append(
-            f"- {label}: with {n_a} and {n_b} seeds and their pooled std {fmt(c['pooled_std'], 1)}, a true difference "
-            f"of {fmt(c['detectable'], 1)} would be detected with 80% power "
-            f"(the observed: {fmt(c['mean a - b'][0], 1)})."
+            f"- {label}: with {n_a} and {n_b} seeds and their pooled std {fmt(c['pooled_std'], d - 1)}, a true "
+            f"difference of {fmt(c['detectable'], d - 1)} would be detected with 80% power "
+            f"(the observed: {fmt(c['mean a - b'][0], d - 1)})."
         )
     corrected = holm([c["welch_p"] for c in found])
     for record, p in zip(records, corrected):
@@ -536,12 +589,14 @@ def throughput_table(data: dict, script: str) -> str:
     head = "steps per run, runs each, ours steps/s, peer, peer threads, peer steps/s, ratio".split(", ")
     keys = ("steps", "repeats", "sps", "peer_label", "peer_threads", "peer_sps", "ratio")
     cell = lambda x, k: fmt(x, 2 * (k == "ratio")) if isinstance(x, float) else f"{x:,}" if isinstance(x, int) else x  # noqa: E731
+    cores = lambda t: re.search(r"(\d+) cores", t["machine"])  # noqa: E731
+    load = lambda t: f"{t['load'][0]} / {t['load'][1]}" + (f" on {cores(t)[1]} cores" if cores(t) else "")  # noqa: E731
     records = [
-        [short_machine(t["machine"])] + [cell(t[k], k) for k in keys]
+        [short_machine(t["machine"])] + [cell(t[k], k) for k in keys] + [load(t)]
         for t in data["throughput"]
         if t["script"] == script
     ]
-    return markdown(records, ["machine", *head])
+    return markdown(records, ["machine", *head, "1-minute load before / after"])
 
 
 def speed_records(e: dict) -> list[list]:
@@ -766,6 +821,12 @@ def curves_figure(rows: list[dict], f: dict, path: str) -> str:
     return path
 
 
+def curve_refs(rows: list[dict]) -> list[dict]:
+    """The published numbers of `rows` that a panel of training curves draws: those that measure training (a learning
+    curve, or its last episodes), each once; an evaluation of a trained agent is another metric and is left out."""
+    return list({(x["value"], x["source"]): x for r in rows for x in r["refs"] if x.get("kind") == "training"}.values())
+
+
 def plot(rows: list[dict], plots_dir: str, points: int = 200) -> list[str]:
     """One PNG per figure of the registry (a script's settings, or its rows that no other figure takes), a panel
     per (env, steps): per setting the running mean of the row's window over each seed's episodes, mean over
@@ -803,8 +864,7 @@ def plot(rows: list[dict], plots_dir: str, points: int = 200) -> list[str]:
             here = [r for r in mine if (r["env"], r["steps"]) == (env, steps)]
             for r in here:
                 band(ax, r["series"], r["steps"], r["last_n"], colour[r["setting"]], r["setting"], points)
-            refs = {(x["value"], x["source"]): x for r in here for x in r["refs"]}
-            for i, x in enumerate(refs.values()):
+            for i, x in enumerate(curve_refs(here)):
                 ax.axhline(x["value"], color="k", ls=["--", ":", "-."][i % 3], lw=0.8, label=ref_text(x, where=False))
             ylabel = "training return" if here[0].get("train_series") else here[0]["y_label"]
             ax.set(xlabel=here[0]["x_label"], title=f"{env}, {steps:,} steps")

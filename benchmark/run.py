@@ -75,6 +75,7 @@ class Ref:
     std: Optional[float]
     source: str
     address: str = ""  # where the number stands: the table's or figure's web address, or the figure of a document
+    kind: str = ""  # what it measures: "training" (a learning curve, its last episodes) or "evaluation" (an agent's)
 
 
 @dataclass(frozen=True)

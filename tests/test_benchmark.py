@@ -591,10 +591,59 @@ def test_every_published_number_says_where_it_stands_and_the_store_holds_it_as_t
     refs = {key: bench.Ref(v[0], v[1] if v[1] != "" else None, *v[2:]) for key, v in report.REGISTRY["refs"].items()}
     for key, ref in refs.items():  # a web address of the table or figure, or the figure of a document without one
         assert re.match(r"https://\S+|seed report \d{3}, Fig\. \d+$", ref.address), key
+        # a file on GitHub at the commit it was read at (a branch's file changes: the zoo's table did)
+        assert "github.com" not in ref.address or re.search(r"/blob/[0-9a-f]{40}/", ref.address), key
+        assert ref.kind in ("training", "evaluation"), key  # what it measures: which plots may draw it
+        assert re.search(r"\d+[kM]? steps", ref.source), key  # its own budget, whatever row it stands beside
+        # a ± that is not a spread over seeds is said in words, never printed as a seed std
+        assert ref.std is None or "not over seeds" not in ref.source, key
+    assert all(refs[k].std is None and "not over seeds" in refs[k].source for k in refs if k.startswith("zoo-"))
     known = [bench.asdict(r) for r in refs.values()]
     stored = [(r["_file"], x) for r in report.load(STORE)["rows"] for x in r["refs"]]
     assert stored and [(f, x) for f, x in stored if x not in known] == []
     assert "<https://sb3-contrib.readthedocs.io/en/master/modules/trpo.html#results>" in report.ref_text(known[3])
+
+
+def test_a_published_number_is_printed_with_its_own_budget_and_drawn_only_beside_training_curves():
+    data = report.load(STORE)
+    text = report.table(data, report.REGISTRY["tables"]["gpt2ppo"])
+    published = [line for line in text.splitlines() if line.startswith("- ")]
+    assert published and all(re.match(r"- beside the [\w-]+ rows( of [\d,]+ steps)?: ", line) for line in published)
+    # a number that stands beside some of an env's rows only says which
+    assert "- beside the LunarLander-v3 rows of 307,200 steps: -45 (seed 002 GPT2PPO" in text
+    assert not re.search(r"^- [\w-]+, [\d,]+ steps:", text, re.M)  # not the row's budget, which it may not share
+    assert any("rl-baselines3-zoo PPO on LunarLander-v2, 1M steps" in line for line in published)
+    # the seed report's numbers at ~307k steps stand beside the 307,200-step rows only
+    for row in data["rows"]:
+        assert row["steps"] == 307200 or not any("~307k" in x["source"] for x in row["refs"]), row["_file"]
+    # a panel of training curves draws the training numbers, not an evaluation of a trained agent
+    rows = [r for r in data["rows"] if r["script"] == "trpo_gpt2_halfcheetah" and r["refs"]]
+    assert rows and report.curve_refs(rows) == []
+    lunar = [r for r in data["rows"] if r["env"] == "LunarLander-v3" and r["steps"] == 307200]
+    drawn = [x["source"] for x in report.curve_refs(lunar)]
+    assert drawn and all("seed 002" in x for x in drawn)
+
+
+def test_seeds_pooled_across_machines_are_checked_against_the_prediction_interval_of_the_others():
+    epyc, h200 = "AMD EPYC (no AMX), 2 cores, no GPU", "Intel Xeon, 16 cores, NVIDIA H200"
+    values = {"1": 10.0, "2": 11.0, "3": 12.0, "4": 13.0, "5": 14.0, "6": 12.5, "7": 40.0}
+    row = {"setting": "x", "seeds": [1, 2, 3, 4, 5, 6, 7], "per_seed": values, "tag": "eval/episodic_return"}
+    row.update(extra={}, seed_machine={s: epyc if int(s) <= 5 else h200 for s in values})
+    # 10..14: mean 12, sample std sqrt(2.5); t(0.975, 4) = 2.776445; half-width 2.776445 * 1.581139 * sqrt(1.2) = 4.809
+    assert report.prediction_interval([10, 11, 12, 13, 14]) == (
+        pytest.approx(7.1910, abs=1e-3),
+        pytest.approx(16.809, abs=1e-3),
+    )
+    checks = report.pooling_check(row)
+    assert checks == [
+        "evaluation H200 seed 6, 12.50: inside [7.19, 16.81] of its 5 AMD EPYC seeds",
+        "evaluation H200 seed 7, 40.00: OUTSIDE [7.19, 16.81] of its 5 AMD EPYC seeds",
+    ]
+    text = report.pooled([row])
+    assert text.startswith("Seeds are pooled across machines (AMD EPYC, H200;") and "under the assumption" in text
+    assert checks[1] in text and "does not prove it" in text
+    # fewer than 3 seeds on the most frequent machine: nothing to check against
+    assert report.pooling_check(dict(row, seeds=[1, 2, 6])) == []
 
 
 def test_every_stored_command_names_a_script_that_exists():
