@@ -226,17 +226,60 @@ def machines(row: dict) -> str:
     return ", ".join(f"{k} x{kinds.count(k)}" for k in dict.fromkeys(kinds))
 
 
+def prediction_interval(x, level: float = 0.95) -> tuple[float, float]:
+    """The interval that holds one more draw from the distribution of the sample `x` with probability `level`, for
+    normal data: mean ± t(n - 1) · s · sqrt(1 + 1/n), s the sample std."""
+    x = np.asarray(x, dtype=float)
+    half = stats.t.ppf((1 + level) / 2, len(x) - 1) * x.std(ddof=1) * math.sqrt(1 + 1 / len(x))
+    return float(x.mean() - half), float(x.mean() + half)
+
+
+def pooling_check(row: dict) -> list[str]:
+    """Per metric of a row that pools seeds across machines (its number, and an evaluation row's training return):
+    each seed of another machine against the 95% prediction interval of the seeds of the row's most frequent machine
+    (at least 3 of them), as `H200 seed 5, 3442.83: inside [a, b]`."""
+    per, kinds = seed_machines(row), {}
+    for s in (str(s) for s in row["seeds"] if str(s) in per):
+        kinds.setdefault(short_machine(per[s]), []).append(s)
+    main = max(kinds, key=lambda k: len(kinds[k]), default=None)
+    if len(kinds) < 2 or len(kinds[main]) < 3:
+        return []
+    out, metrics = [], [("evaluation " * row["tag"].startswith("eval/"), row["per_seed"])]
+    if "train" in row["extra"]:
+        metrics.append(("training return ", row["extra"]["train"]["per_seed"]))
+    for what, values in metrics:
+        low, high = prediction_interval([values[s] for s in kinds[main]])
+        for k, seeds in ((k, v) for k, v in kinds.items() if k != main):
+            out += [
+                f"{what}{k} seed {s}, {fmt(values[s])}: {'inside' if low <= values[s] <= high else 'OUTSIDE'} "
+                f"[{fmt(low)}, {fmt(high)}] of its {len(kinds[main])} {main} seeds"
+                for s in seeds
+            ]
+    return out
+
+
 def pooled(rows: list[dict]) -> str:
-    """The sentence under a table with a `machines` column: whether its rows pool seeds across machines."""
+    """The sentence under a table with a `machines` column: whether its rows pool seeds across machines, the
+    assumption that pooling makes, and the check of it that the store allows (`pooling_check`)."""
     kinds = sorted({short_machine(m) for r in rows for m in seed_machines(r).values()})
-    why = (
-        "a different processor changes a seed's floating-point trajectory, not the distribution it is drawn from, "
-        "and every seed was computed by the script with its row's flags"
+    assumption = (
+        "the assumption that a different processor changes a seed's floating-point trajectory but not the distribution "
+        "it is drawn from (every seed was computed by the script with its row's flags)"
     )
-    if len(kinds) > 1:
-        return f"Seeds are pooled across machines ({', '.join(kinds)}; per row in the machines column): {why}."
-    on = f"on {kinds[0]}" if kinds else "on machines not recorded per seed"
-    return f"Every seed here ran {on}; seeds from other machines would be pooled into a row: {why}."
+    if len(kinds) <= 1:
+        on = f"on {kinds[0]}" if kinds else "on machines not recorded per seed"
+        return f"Every seed here ran {on}; seeds from other machines would be pooled into a row under {assumption}."
+    checks = [f"`{r['setting']}`: {'; '.join(c)}" for r in rows if (c := pooling_check(r))]
+    check = (
+        " The check the store allows: per row, each seed of another machine against the 95% prediction interval "
+        "(Student's t) of the seeds of the row's most frequent machine, for the row's number and its training return "
+        "(`benchmark/report.py`, `pooling_check`): "
+        + ". ".join(checks)
+        + ". A seed inside its interval is consistent with the assumption and does not prove it: one seed per row "
+        "would show only a shift of the order of the interval's half-width."
+    ) * bool(checks)
+    where = f"{', '.join(kinds)}; per row in the machines column"
+    return f"Seeds are pooled across machines ({where}) under {assumption}.{check}"
 
 
 def short_machine(machine: str) -> str:
@@ -301,8 +344,17 @@ def picked(data: dict, lines: list[str]) -> list[dict]:
 def rows_table(data: dict, columns: str, lines: list[str]) -> str:
     """One line per named row with the given columns (CELLS), then the rows' published numbers."""
     rows = picked(data, lines)
-    refs = {f"- {r['env']}, {r['steps']:,} steps: {ref_text(x)}": 0 for r in rows for x in r["refs"]}
-    head = ["", "Published (other code, machines and library versions):", ""] if refs else []
+    beside = {}  # a published number -> the budgets of the rows of each env it stands beside
+    for r, x in ((r, x) for r in rows for x in r["refs"]):
+        beside.setdefault((r["env"], ref_text(x)), set()).add(r["steps"])
+    budgets = lambda env, steps: (  # noqa: E731 (named where not every row of the env is meant)
+        ""
+        if steps == {r["steps"] for r in rows if r["env"] == env}
+        else f" of {' and '.join(f'{n:,}' for n in sorted(steps))} steps"
+    )
+    refs = {f"- beside the {env} rows{budgets(env, steps)}: {text}": 0 for (env, text), steps in beside.items()}
+    head = ["", "Published (other code, machines and library versions; each with its own env and budget):", ""]
+    head = head if refs else []
     note = ["", pooled(rows)] if "machines" in columns.split() else []
     table = markdown([{CELLS[c][0]: CELLS[c][1](r) for c in columns.split()} for r in rows])
     return "\n".join([table, *note, *head, *refs])
@@ -335,17 +387,18 @@ def compare_table(data: dict, lines: list[str], labels: list[str] | None = None)
     for label, (script, env, steps, a, b) in zip(labels, (line.split() for line in lines)):
         ra, rb = find(data, script, env, int(steps), a), find(data, script, env, int(steps), b)
         found.append(compare(list(ra["per_seed"].values()), list(rb["per_seed"].values())))
-        c, ci = found[-1], lambda lo, hi: f"[{fmt(lo)}, {fmt(hi)}]"  # noqa: E731
+        d = 3 if ra.get("tag") == "charts/regret" else 2  # digits (the power line: one fewer)
+        c, ci = found[-1], lambda lo, hi, k=d: f"[{fmt(lo, k)}, {fmt(hi, k)}]"  # noqa: E731
         records.append({"comparison": label, "a": f"`{a}`", "b": f"`{b}`"})
         records[-1]["seeds"] = f"{len(ra['per_seed'])} vs {len(rb['per_seed'])}"
-        records[-1].update({f"{k} [95% CI]": f"{fmt(c[k][0])} {ci(*c[k][1])}" for k in ("mean a - b", "IQM a - b")})
-        records[-1].update({"P(a > b) [95% CI]": f"{fmt(c['P(a > b)'][0])} {ci(*c['P(a > b)'][1])}"})
+        records[-1].update({f"{k} [95% CI]": f"{fmt(c[k][0], d)} {ci(*c[k][1])}" for k in ("mean a - b", "IQM a - b")})
+        records[-1].update({"P(a > b) [95% CI]": f"{fmt(c['P(a > b)'][0])} {ci(*c['P(a > b)'][1], 2)}"})
         records[-1].update({"Welch 95% CI of a - b": ci(*c["welch_ci"]), "Welch p": fmt_p(c["welch_p"])})
         n_a, n_b = len(ra["per_seed"]), len(rb["per_seed"])
         power.append(
-            f"- {label}: with {n_a} and {n_b} seeds and their pooled std {fmt(c['pooled_std'], 1)}, a true difference "
-            f"of {fmt(c['detectable'], 1)} would be detected with 80% power "
-            f"(the observed: {fmt(c['mean a - b'][0], 1)})."
+            f"- {label}: with {n_a} and {n_b} seeds and their pooled std {fmt(c['pooled_std'], d - 1)}, a true "
+            f"difference of {fmt(c['detectable'], d - 1)} would be detected with 80% power "
+            f"(the observed: {fmt(c['mean a - b'][0], d - 1)})."
         )
     corrected = holm([c["welch_p"] for c in found])
     for record, p in zip(records, corrected):
@@ -359,16 +412,191 @@ def compare_table(data: dict, lines: list[str], labels: list[str] | None = None)
     return "\n".join([markdown(records), "", verdict, "", head, "", *power])
 
 
+# ----------------------------------------------------------------------------------------------- a registered test
+
+
+def registered(script: str, env: str, steps: int, name: str) -> dict:
+    """A setting as registry.toml registers it: its seeds and its flags (KeyError when it has none such)."""
+    for e in REGISTRY["settings"]:
+        pairs = e["envs"].items() if isinstance(e["envs"], dict) else [(v, n) for n in e["steps"] for v in e["envs"]]
+        if e["script"] == script and name in e["names"] and (env, steps) in pairs:
+            return {"seeds": [str(s) for s in e["seeds"]], "flags": e["names"][name].split()}
+    raise KeyError(f"no setting {script} {env} {steps} {name} in registry.toml")
+
+
+def perturbations(flags: list[str]) -> list[str]:
+    """The perturbations of `--eval-perturbations` among a setting's flags."""
+    words = flags[flags.index("--eval-perturbations") + 1 :] if "--eval-perturbations" in flags else []
+    return words[: next((i for i, w in enumerate(words) if w.startswith("--")), len(words))]
+
+
+def find_or_none(data: dict, script: str, env: str, steps: int, setting: str) -> dict | None:
+    try:
+        return find(data, script, env, steps, setting)
+    except KeyError:
+        return None
+
+
+METRICS = {  # a registered metric: (its name on the page, digits)
+    "train-all": ("H1 metric: mean training return over all episodes of the run", 2),
+    "eval": ("H2 metric: mean return of the deterministic evaluation", 2),
+    "robustness": (
+        "H3 score: mean over the perturbations of the perturbed evaluation's mean / the evaluation's mean",
+        3,
+    ),
+}
+
+
+def seed_metric(row: dict, seed: str, metric: str, perturbed: list[str]) -> tuple[float | None, str]:
+    """One seed's value of a registered metric, or None and why it has none. `train-all`: the mean of every training
+    episodic return of the run; `eval`: the mean of its evaluation episodes; `robustness`: the mean over `perturbed` of
+    each perturbed evaluation's mean, over the unperturbed evaluation's mean (none when that mean is at most 0)."""
+    mean = lambda s: float(np.mean(s["values"])) if s and s["values"] else None  # noqa: E731
+    if metric == "train-all":
+        x = mean((row.get("train_series") or {}).get(seed))
+        return x, "" if x is not None else "no training episode stored"
+    unperturbed = mean(row["series"].get(seed))
+    if metric == "eval" or unperturbed is None:
+        return unperturbed, "" if unperturbed is not None else "no evaluation stored"
+    if unperturbed <= 0:
+        return None, f"no score: unperturbed mean {fmt(unperturbed)} <= 0"
+    under = [mean((row.get("perturbed_series") or {}).get(p, {}).get(seed)) for p in perturbed]
+    if None in under:
+        return None, f"no score: {perturbed[under.index(None)]} not stored"
+    return float(np.mean(under)) / unperturbed, ""
+
+
+def welch_mw(a: list[float], b: list[float]) -> dict:
+    """Welch's two-sided t-test of a - b (95% interval, p), the two-sided Mann-Whitney U test beside it, and the
+    difference of means that a two-sided t-test at alpha 0.05 detects with 80% power with these seeds (`detectable`)."""
+    welch = stats.ttest_ind(a, b, equal_var=False)
+    mw = stats.mannwhitneyu(a, b, alternative="two-sided")
+    out = {"diff": float(np.mean(a) - np.mean(b)), "welch_p": float(welch.pvalue), "mw_u": float(mw.statistic)}
+    out.update(welch_ci=tuple(map(float, welch.confidence_interval(0.95))), mw_p=float(mw.pvalue))
+    out.update(pooled_std=pooled_std(a, b), detectable=detectable(pooled_std(a, b), len(a), len(b)))
+    return out
+
+
+def confirm_table(data: dict, spec: dict) -> str:
+    """A pre-registered test (`confirm` in a [tables.NAME] entry): per arm (a setting and its registered seeds) the
+    registered metrics per seed; when every arm holds all of its registered seeds, each registered comparison a - b
+    (Welch's two-sided test with its 95% interval, p Holm-corrected over the comparisons, the two-sided Mann-Whitney U
+    test beside it, the difference detectable with 80% power); before that, the seeds stored and no test. Then the
+    `exploratory` comparison, labelled as such."""
+    script, env, steps = spec["confirm"].split()
+    steps, arms = int(steps), spec["arms"]
+    reg = {a: registered(script, env, steps, name) for a, name in arms.items()}
+    rows = {a: find_or_none(data, script, env, steps, name) for a, name in arms.items()}
+    stored = {a: [s for s in reg[a]["seeds"] if r and s in r["series"]] for a, r in rows.items()}
+    complete = all(len(stored[a]) == len(reg[a]["seeds"]) for a in arms)
+    used = {a: dict.fromkeys(m for _, m, x, y in spec["comparisons"] if a in (x, y)) for a in arms}
+    values = {
+        (a, m): {s: seed_metric(rows[a], s, m, perturbations(reg[a]["flags"])) for s in stored[a]}
+        for a in arms
+        for m in used[a]
+    }
+    counts = ", ".join(f"{a} {len(stored[a])} of {len(reg[a]['seeds'])}" for a in arms)
+    out = []
+    if not complete:
+        out += [
+            f"**Incomplete: not the registered test.** Seeds stored per arm, of those registered: {counts}. The tests "
+            "run only when every arm holds all of its registered seeds; until then no test or p-value is shown.",
+            "",
+        ]
+    else:
+        records, power, results = [], [], []
+        for label, m, x, y in spec["comparisons"]:
+            a = [v for v, _ in values[(x, m)].values() if v is not None]
+            b = [v for v, _ in values[(y, m)].values() if v is not None]
+            results.append(welch_mw(a, b) if min(len(a), len(b)) >= 2 else None)
+            c, d = results[-1], METRICS[m][1]
+            rec = {"comparison": label, "metric": METRICS[m][0].split(":")[0], "a - b": f"{x} - {y}"}
+            rec.update(seeds=f"{len(a)} vs {len(b)}", **{"mean a": fmt(_mean(a), d), "mean b": fmt(_mean(b), d)})
+            if c:
+                rec["a - b"] = f"{x} - {y} = {fmt(c['diff'], d)}"
+                rec["Welch 95% CI"] = f"[{fmt(c['welch_ci'][0], d)}, {fmt(c['welch_ci'][1], d)}]"
+                rec["Welch p"] = fmt_p(c["welch_p"])
+                rec["Mann-Whitney U (p)"] = f"{c['mw_u']:g} ({fmt_p(c['mw_p'])})"
+                power.append(
+                    f"- {label}: with {len(a)} and {len(b)} seeds and their pooled std {fmt(c['pooled_std'], d)}, a "
+                    f"true difference of {fmt(c['detectable'], d)} would be detected with 80% power (the observed: "
+                    f"{fmt(c['diff'], d)})."
+                )
+            records.append(rec)
+        corrected = holm([c["welch_p"] if c else 1.0 for c in results])
+        for rec, p, c in zip(records, corrected, results):
+            rec[f"Holm p ({len(results)} comparisons)"] = fmt_p(p) if c else "n/a"
+        below = [
+            f"{label} ({fmt_p(p)})"
+            for (label, *_), p, c in zip(spec["comparisons"], corrected, results)
+            if c is not None and p < 0.05
+        ]
+        head = "The difference of means that a two-sided two-sample t-test at alpha 0.05 detects with 80% power:"
+        columns = [*records[0], "Welch 95% CI", "Welch p", f"Holm p ({len(results)} comparisons)", "Mann-Whitney U (p)"]
+        out += [
+            f"Every arm holds its registered seeds ({counts}).",
+            "",
+            markdown(records, list(dict.fromkeys(columns))),
+        ]
+        out += [""]
+        out += [f"Holm-corrected p below 0.05: {', '.join(below) or 'none'}, of {len(results)} comparisons.", ""]
+        out += [head, "", *power, ""]
+    per_arm = []
+    for (a, m), vals in ((k, v) for k, v in values.items() if v):
+        cells = [f"{s}: {fmt(v, METRICS[m][1]) if v is not None else why}" for s, (v, why) in vals.items()]
+        per_arm.append([a, f"`{arms[a]}`", METRICS[m][0].split(":")[0], len(vals), "; ".join(cells)])
+    if any(stored.values()):
+        out += ["Per seed:", "", markdown(per_arm, ["arm", "setting", "metric", "seeds", "per seed"]), ""]
+        left = [f"{a} seed {s} ({why})" for (a, m), vals in values.items() for s, (v, why) in vals.items() if v is None]
+        out += [f"Seeds without a value, left out of their comparisons: {', '.join(left) or 'none'}."]
+        out += [f"Machines: {'; '.join(f'{a} {machines(rows[a])}' for a in arms if stored[a])}.", ""]
+    else:
+        out += ["No seed of the registered test is stored yet.", ""]
+    out += [
+        "Metrics: " + "; ".join(f"{k}" for k in dict.fromkeys(METRICS[m][0] for _, m, *_ in spec["comparisons"])) + "."
+    ]
+    if "exploratory" in spec:
+        out += ["", exploratory_line(data, spec["exploratory"], script, env, steps)]
+    return "\n".join(out)
+
+
+def exploratory_line(data: dict, ex: dict, script: str, env: str, steps: int) -> str:
+    """The registered test's metric on seeds that were looked at before it was registered: Welch and Mann-Whitney,
+    labelled exploratory (no correction; it tests nothing)."""
+    (x, a_name), (y, b_name) = ex["arms"].items()
+    ra, rb = find(data, script, env, steps, a_name), find(data, script, env, steps, b_name)
+    m, d = ex["metric"], METRICS[ex["metric"]][1]
+    a = [v for s in map(str, ra["seeds"]) if (v := seed_metric(ra, s, m, [])[0]) is not None]
+    b = [v for s in map(str, rb["seeds"]) if (v := seed_metric(rb, s, m, [])[0]) is not None]
+    c = welch_mw(a, b)
+    rec = {"comparison": f"{x} - {y} (exploratory)", "metric": METRICS[m][0].split(":")[0], "a": f"`{a_name}`"}
+    rec.update(
+        b=f"`{b_name}`", seeds=f"{len(a)} vs {len(b)}", **{"mean a": fmt(_mean(a), d), "mean b": fmt(_mean(b), d)}
+    )
+    rec.update(
+        {"a - b": fmt(c["diff"], d), "Welch 95% CI": f"[{fmt(c['welch_ci'][0], d)}, {fmt(c['welch_ci'][1], d)}]"}
+    )
+    rec.update({"Welch p": fmt_p(c["welch_p"]), "Mann-Whitney U (p)": f"{c['mw_u']:g} ({fmt_p(c['mw_p'])})"})
+    seeds = [", ".join(map(str, r["seeds"])) for r in (ra, rb)]
+    seeds = f"seeds {seeds[0]} of each" if seeds[0] == seeds[1] else f"seeds {seeds[0]} and {seeds[1]}"
+    return (
+        f"Exploratory, not part of the test: the {METRICS[m][0].split(':')[0]} on the seeds looked at before the "
+        f"registration ({seeds}), without correction:\n\n" + markdown([rec])
+    )
+
+
 def throughput_table(data: dict, script: str) -> str:
     head = "steps per run, runs each, ours steps/s, peer, peer threads, peer steps/s, ratio".split(", ")
     keys = ("steps", "repeats", "sps", "peer_label", "peer_threads", "peer_sps", "ratio")
     cell = lambda x, k: fmt(x, 2 * (k == "ratio")) if isinstance(x, float) else f"{x:,}" if isinstance(x, int) else x  # noqa: E731
+    cores = lambda t: re.search(r"(\d+) cores", t["machine"])  # noqa: E731
+    load = lambda t: f"{t['load'][0]} / {t['load'][1]}" + (f" on {cores(t)[1]} cores" if cores(t) else "")  # noqa: E731
     records = [
-        [short_machine(t["machine"])] + [cell(t[k], k) for k in keys]
+        [short_machine(t["machine"])] + [cell(t[k], k) for k in keys] + [load(t)]
         for t in data["throughput"]
         if t["script"] == script
     ]
-    return markdown(records, ["machine", *head])
+    return markdown(records, ["machine", *head, "1-minute load before / after"])
 
 
 def speed_records(e: dict) -> list[list]:
@@ -436,6 +664,8 @@ def table(data: dict, spec: dict) -> str:
         return pivot_table(data, spec["pivot"], spec["settings"], spec["envs"])
     if "compare" in spec:
         return compare_table(data, spec["compare"], spec.get("labels"))
+    if "confirm" in spec:
+        return confirm_table(data, spec)
     if "throughput" in spec:
         return throughput_table(data, spec["throughput"])
     if "speed" in spec:
@@ -540,20 +770,82 @@ def write_pages(data: dict, root: str = ROOT) -> list[str]:
 # ----------------------------------------------------------------------------------------------- plots
 
 
+def band(ax, series: dict, steps: int, window: int, colour: str, label: str, points: int = 200) -> int:
+    """Per seed the running mean of `window` values of its series, interpolated on a grid of `steps`; their mean over
+    seeds as a line with a ±std band. Returns the seeds drawn (a seed with no value draws nothing)."""
+    grid, ys = np.linspace(0, steps, points), []
+    for s in (s for s in series.values() if s["steps"]):
+        run = pd.Series(s["values"], dtype=float).rolling(window, min_periods=1).mean()
+        ys.append(np.interp(grid, s["steps"], run, left=np.nan, right=np.nan))
+    if not ys:
+        return 0
+    with warnings.catch_warnings():  # grid points before any seed's first episode
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
+    ax.plot(grid, mean, lw=1.2, color=colour, label=f"{label} ({len(ys)} seed{'s' * (len(ys) > 1)})")
+    ax.fill_between(grid, mean - std, mean + std, color=colour, alpha=0.15)
+    return len(ys)
+
+
+CURVES = {  # a curve of a `curves` figure: (the row's key, y label, window)
+    "train": ("train_series", "training return (running mean of {n} episodes)", None),
+    "entropy": ("entropy_series", "policy entropy (per update)", 1),
+}
+
+
+def curves_figure(rows: list[dict], f: dict, path: str) -> str:
+    """A figure of `curves` (registry [figures]): a panel per curve, a line per setting with the seeds stored, and
+    "no seed stored yet" on a panel with none."""
+    import matplotlib.pyplot as plt
+
+    mine = {s: find_or_none({"rows": rows}, f["script"], f["env"], f["steps"], s) for s in f["settings"]}
+    fig, axes = plt.subplots(1, len(f["curves"]), figsize=(5.5 * len(f["curves"]), 4.2), squeeze=False)
+    for ax, curve in zip(axes.flat, f["curves"]):
+        key, ylabel, window = CURVES[curve]
+        n = next((r.get("train_last_n", TRAIN_LAST_N) for r in mine.values() if r), TRAIN_LAST_N)
+        drawn = sum(
+            band(ax, r.get(key) or {}, f["steps"], window or n, f"C{i % 10}", setting)
+            for i, (setting, r) in enumerate(mine.items())
+            if r
+        )
+        if not drawn:
+            ax.text(0.5, 0.5, "no seed stored yet", ha="center", va="center", transform=ax.transAxes)
+        ax.set(xlabel="environment steps", xlim=(0, f["steps"]), title=f"{f['env']}, {f['steps']:,} steps")
+        ax.set_ylabel(ylabel.format(n=n), fontsize=8)
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
+def curve_refs(rows: list[dict]) -> list[dict]:
+    """The published numbers of `rows` that a panel of training curves draws: those that measure training (a learning
+    curve, or its last episodes), each once; an evaluation of a trained agent is another metric and is left out."""
+    return list({(x["value"], x["source"]): x for r in rows for x in r["refs"] if x.get("kind") == "training"}.values())
+
+
 def plot(rows: list[dict], plots_dir: str, points: int = 200) -> list[str]:
     """One PNG per figure of the registry (a script's settings, or its rows that no other figure takes), a panel
     per (env, steps): per setting the running mean of the row's window over each seed's episodes, mean over
-    seeds with a ±std band, and the published numbers as lines. Evaluation rows draw their training return."""
+    seeds with a ±std band, and the published numbers that measure the same (a training curve) as lines. Evaluation
+    rows draw their training return; a figure of `curves` draws those (`curves_figure`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figures = {name: (f["script"], f.get("settings")) for name, f in REGISTRY["figures"].items()}
+    written = []
+    for name, f in REGISTRY["figures"].items():
+        if "curves" in f:
+            os.makedirs(plots_dir, exist_ok=True)
+            written.append(curves_figure(rows, f, os.path.join(plots_dir, f"{name}.png")))
+    figures = {name: (f["script"], f.get("settings")) for name, f in REGISTRY["figures"].items() if "curves" not in f}
     train = lambda r: dict(r, series=r["train_series"], last_n=r.get("train_last_n", TRAIN_LAST_N))  # noqa: E731
     rows = [train(r) if r.get("train_series") else r for r in rows if r.get("train_series") or r["tag"][:5] != "eval/"]
     taken = {(script, s) for script, settings in figures.values() for s in settings or ()}
-    written = []
     for name, (script, settings) in figures.items():
         mine = [
             r
@@ -571,20 +863,8 @@ def plot(rows: list[dict], plots_dir: str, points: int = 200) -> list[str]:
         for ax, (env, steps) in zip(axes.flat, panels):
             here = [r for r in mine if (r["env"], r["steps"]) == (env, steps)]
             for r in here:
-                grid, ys = np.linspace(0, r["steps"], points), []
-                for s in (s for s in r["series"].values() if s["steps"]):  # a seed with no episode draws nothing
-                    run = pd.Series(s["values"], dtype=float).rolling(r["last_n"], min_periods=1).mean()
-                    ys.append(np.interp(grid, s["steps"], run, left=np.nan, right=np.nan))
-                if not ys:
-                    continue
-                with warnings.catch_warnings():  # grid points before any seed's first episode
-                    warnings.simplefilter("ignore", RuntimeWarning)
-                    mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
-                label = f"{r['setting']} ({len(ys)} seed{'s' * (len(ys) > 1)})"
-                ax.plot(grid, mean, lw=1.2, color=colour[r["setting"]], label=label)
-                ax.fill_between(grid, mean - std, mean + std, color=colour[r["setting"]], alpha=0.15)
-            refs = {(x["value"], x["source"]): x for r in here for x in r["refs"]}
-            for i, x in enumerate(refs.values()):
+                band(ax, r["series"], r["steps"], r["last_n"], colour[r["setting"]], r["setting"], points)
+            for i, x in enumerate(curve_refs(here)):
                 ax.axhline(x["value"], color="k", ls=["--", ":", "-."][i % 3], lw=0.8, label=ref_text(x, where=False))
             ylabel = "training return" if here[0].get("train_series") else here[0]["y_label"]
             ax.set(xlabel=here[0]["x_label"], title=f"{env}, {steps:,} steps")

@@ -75,6 +75,7 @@ class Ref:
     std: Optional[float]
     source: str
     address: str = ""  # where the number stands: the table's or figure's web address, or the figure of a document
+    kind: str = ""  # what it measures: "training" (a learning curve, its last episodes) or "evaluation" (an agent's)
 
 
 @dataclass(frozen=True)
@@ -425,6 +426,9 @@ def read_run(folder: str):
     return df[~(df.tag.str.startswith("eval/") & df.duplicated(["tag", "step"], keep="last"))].reset_index(drop=True)
 
 
+PERTURBED = re.compile(r"eval/(.+)/episodic_return$")  # an evaluation under one of --eval-perturbations
+
+
 def series(df, tag: str) -> dict:
     return {"steps": df.step[df.tag == tag].astype(int).tolist(), "values": df.value[df.tag == tag].round(4).tolist()}
 
@@ -449,6 +453,19 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
         row["train_series"] = {k: series(df, info.tag) for k, df in dfs.items()}
         row.update({"train_last_n": s.train_last_n} if s.train_last_n else {})
     logged = lambda t: {k: df.value[df.tag == t] for k, df in dfs.items() if (df.tag == t).any()}  # noqa: E731
+    # where logged: the policy's entropy per update, and each perturbed evaluation (eval/<perturbation>/episodic_return)
+    row["entropy_series"] = {
+        k: series(df, "losses/entropy") for k, df in dfs.items() if (df.tag == "losses/entropy").any()
+    }
+    perturbed = sorted({m[1] for df in dfs.values() for t in df.tag.unique() if (m := PERTURBED.match(t))})
+    row["perturbed_series"] = {
+        p: {
+            k: series(df, f"eval/{p}/episodic_return")
+            for k, df in dfs.items()
+            if (df.tag == f"eval/{p}/episodic_return").any()
+        }
+        for p in perturbed
+    }
     rollout, update = logged("time/rollout_seconds"), logged("time/update_seconds")
     row["seconds_per_update"] = {k: [round(rollout[k].mean(), 3), round(v.mean(), 3)] for k, v in update.items()}
     row["seed_replayed"] = {k: int(v.sum()) for k, v in logged("model/replayed").items()}
@@ -468,10 +485,17 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
     if keep and [old.get("flags"), old.get("tag")] == [row["flags"], tag]:
         row["seeds"] = sorted(row["seeds"] + list(map(int, keep)))
         old["seed_machine"], old["seed_code"] = report.seed_machines(old), report.seed_codes(old)
-        per_seed_keys = ("series", "train_series", "seconds_per_update", "seed_replayed", "seed_sps")
+        per_seed_keys = ("series", "train_series", "entropy_series", "seconds_per_update", "seed_replayed", "seed_sps")
+        by_seed = lambda new, was: dict(  # noqa: E731 (the kept seeds' entries, then the fresh ones, in seed order)
+            sorted({**{k: was[k] for k in keep if k in (was or {})}, **(new or {})}.items(), key=lambda kv: int(kv[0]))
+        )
         for key in (*per_seed_keys, "seed_wall_seconds", "seed_machine", "seed_code"):
-            merged = {**{k: old[key][k] for k in keep if k in (old.get(key) or {})}, **row.get(key, {})}
-            row[key] = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
+            row[key] = by_seed(row.get(key), old.get(key))
+        was = old.get("perturbed_series") or {}
+        row["perturbed_series"] = {
+            p: by_seed(row["perturbed_series"].get(p), was.get(p)) for p in sorted({*was, *row["perturbed_series"]})
+        }
+        row["perturbed_series"] = {p: v for p, v in row["perturbed_series"].items() if v}
         for key in ("machine", "versions", "nice", "harness_command"):
             row[key] = " / ".join(dict.fromkeys(f"{old.get(key, '')} / {row[key]}".strip(" /").split(" / ")))
         for key in ("run_commands", "code", "load"):

@@ -130,6 +130,42 @@ def test_regret_of_the_last_quarter_an_evaluation_row_and_a_subset_of_seeds_merg
     assert [r["seeds"] for r in report.load(str(tmp_path / "res"))["rows"] if r["setting"] == "e"] == [[1, 2]]
 
 
+def test_a_real_run_stores_its_entropy_and_each_perturbed_evaluation_and_merges_them_with_kept_seeds(tmp_path):
+    # a real run of the TRPO script through the harness (2 updates of 1000 steps, two evaluations under perturbations)
+    flags = ("--policy", "mlp", "--num-envs", "2", "--batch-size", "1000", "--save-model", "--eval-episodes", "2")
+    flags += ("--eval-perturbations", "mass=0.5", "action-noise=0.3", "--no-cuda")
+    s = bench.S("trpo_gpt2_halfcheetah", "HalfCheetah-v5", "tiny", 2000, (1, 2), flags, tag="eval/episodic_return")
+    s = bench.replace(s, last_n=2)
+    runs = str(tmp_path / "runs")
+    assert bench.main(["--runs-dir", runs, "--seeds", "1", "--workers", "1", *_out(tmp_path)], registry=[s]) == 0
+    df = bench.read_run(bench.run_folder(runs, s, 1))
+    logged = lambda tag: df.value[df.tag == tag].round(4).tolist()  # noqa: E731
+    (row,) = report.load(str(tmp_path / "res"))["rows"]
+    assert len(logged("losses/entropy")) == 2 and row["entropy_series"]["1"]["values"] == logged("losses/entropy")
+    assert sorted(row["perturbed_series"]) == ["action-noise=0.3", "mass=0.5"]
+    for p in ("mass=0.5", "action-noise=0.3"):
+        stored = row["perturbed_series"][p]["1"]
+        assert stored["steps"] == [0, 1] and stored["values"] == logged(f"eval/{p}/episodic_return")
+    assert row["perturbed_series"]["mass=0.5"]["1"] != row["series"]["1"]  # not the unperturbed evaluation
+    # seed 2 elsewhere, with one of the two perturbations: seed 1's series are kept beside it
+    extra = [("losses/entropy", [7.0, 6.5]), ("eval/mass=0.5/episodic_return", [3.0, 4.0])]
+    _finished_run(str(tmp_path / "other"), s, 2, [1.0, 2.0], extra=extra)
+    assert _collect(str(tmp_path / "other"), tmp_path, "--seeds", "2", registry=[s]) == 0
+    (row,) = report.load(str(tmp_path / "res"))["rows"]
+    assert row["seeds"] == [1, 2] and row["entropy_series"]["2"]["values"] == [7.0, 6.5]
+    assert row["entropy_series"]["1"]["values"] == logged("losses/entropy")
+    assert list(row["perturbed_series"]["mass=0.5"]) == ["1", "2"]
+    assert row["perturbed_series"]["mass=0.5"]["2"]["values"] == [3.0, 4.0]
+    assert list(row["perturbed_series"]["action-noise=0.3"]) == ["1"]
+    # a run that logs neither stores neither key
+    plain = bench.S("ppo_cartpole", "CartPole-v1", "t", 1000, (1,))
+    _finished_run(str(tmp_path / "plain"), plain, 1, [5.0])
+    assert _collect(str(tmp_path / "plain"), tmp_path, registry=[plain]) == 0
+    where = {"script": "ppo_cartpole", "env": "CartPole-v1", "setting": "t", "steps": 1000}
+    stored = json.load(open(report.row_path(str(tmp_path / "res"), where)))
+    assert "entropy_series" not in stored and "perturbed_series" not in stored
+
+
 def test_each_seed_keeps_its_machine_and_script_version_when_rows_merge(tmp_path):
     # seeds 1, 2 on an AMD EPYC by version a, then seed 3 on an Intel Xeon by version b: one row, each seed's own
     s = bench.S("ppo_cartpole", "CartPole-v1", "t", 1000, (1, 2, 3, 4))
@@ -555,10 +591,59 @@ def test_every_published_number_says_where_it_stands_and_the_store_holds_it_as_t
     refs = {key: bench.Ref(v[0], v[1] if v[1] != "" else None, *v[2:]) for key, v in report.REGISTRY["refs"].items()}
     for key, ref in refs.items():  # a web address of the table or figure, or the figure of a document without one
         assert re.match(r"https://\S+|seed report \d{3}, Fig\. \d+$", ref.address), key
+        # a file on GitHub at the commit it was read at (a branch's file changes: the zoo's table did)
+        assert "github.com" not in ref.address or re.search(r"/blob/[0-9a-f]{40}/", ref.address), key
+        assert ref.kind in ("training", "evaluation"), key  # what it measures: which plots may draw it
+        assert re.search(r"\d+[kM]? steps", ref.source), key  # its own budget, whatever row it stands beside
+        # a ± that is not a spread over seeds is said in words, never printed as a seed std
+        assert ref.std is None or "not over seeds" not in ref.source, key
+    assert all(refs[k].std is None and "not over seeds" in refs[k].source for k in refs if k.startswith("zoo-"))
     known = [bench.asdict(r) for r in refs.values()]
     stored = [(r["_file"], x) for r in report.load(STORE)["rows"] for x in r["refs"]]
     assert stored and [(f, x) for f, x in stored if x not in known] == []
     assert "<https://sb3-contrib.readthedocs.io/en/master/modules/trpo.html#results>" in report.ref_text(known[3])
+
+
+def test_a_published_number_is_printed_with_its_own_budget_and_drawn_only_beside_training_curves():
+    data = report.load(STORE)
+    text = report.table(data, report.REGISTRY["tables"]["gpt2ppo"])
+    published = [line for line in text.splitlines() if line.startswith("- ")]
+    assert published and all(re.match(r"- beside the [\w-]+ rows( of [\d,]+ steps)?: ", line) for line in published)
+    # a number that stands beside some of an env's rows only says which
+    assert "- beside the LunarLander-v3 rows of 307,200 steps: -45 (seed 002 GPT2PPO" in text
+    assert not re.search(r"^- [\w-]+, [\d,]+ steps:", text, re.M)  # not the row's budget, which it may not share
+    assert any("rl-baselines3-zoo PPO on LunarLander-v2, 1M steps" in line for line in published)
+    # the seed report's numbers at ~307k steps stand beside the 307,200-step rows only
+    for row in data["rows"]:
+        assert row["steps"] == 307200 or not any("~307k" in x["source"] for x in row["refs"]), row["_file"]
+    # a panel of training curves draws the training numbers, not an evaluation of a trained agent
+    rows = [r for r in data["rows"] if r["script"] == "trpo_gpt2_halfcheetah" and r["refs"]]
+    assert rows and report.curve_refs(rows) == []
+    lunar = [r for r in data["rows"] if r["env"] == "LunarLander-v3" and r["steps"] == 307200]
+    drawn = [x["source"] for x in report.curve_refs(lunar)]
+    assert drawn and all("seed 002" in x for x in drawn)
+
+
+def test_seeds_pooled_across_machines_are_checked_against_the_prediction_interval_of_the_others():
+    epyc, h200 = "AMD EPYC (no AMX), 2 cores, no GPU", "Intel Xeon, 16 cores, NVIDIA H200"
+    values = {"1": 10.0, "2": 11.0, "3": 12.0, "4": 13.0, "5": 14.0, "6": 12.5, "7": 40.0}
+    row = {"setting": "x", "seeds": [1, 2, 3, 4, 5, 6, 7], "per_seed": values, "tag": "eval/episodic_return"}
+    row.update(extra={}, seed_machine={s: epyc if int(s) <= 5 else h200 for s in values})
+    # 10..14: mean 12, sample std sqrt(2.5); t(0.975, 4) = 2.776445; half-width 2.776445 * 1.581139 * sqrt(1.2) = 4.809
+    assert report.prediction_interval([10, 11, 12, 13, 14]) == (
+        pytest.approx(7.1910, abs=1e-3),
+        pytest.approx(16.809, abs=1e-3),
+    )
+    checks = report.pooling_check(row)
+    assert checks == [
+        "evaluation H200 seed 6, 12.50: inside [7.19, 16.81] of its 5 AMD EPYC seeds",
+        "evaluation H200 seed 7, 40.00: OUTSIDE [7.19, 16.81] of its 5 AMD EPYC seeds",
+    ]
+    text = report.pooled([row])
+    assert text.startswith("Seeds are pooled across machines (AMD EPYC, H200;") and "under the assumption" in text
+    assert checks[1] in text and "does not prove it" in text
+    # fewer than 3 seeds on the most frequent machine: nothing to check against
+    assert report.pooling_check(dict(row, seeds=[1, 2, 6])) == []
 
 
 def test_every_stored_command_names_a_script_that_exists():
@@ -578,3 +663,122 @@ def test_every_script_page_links_its_paper_and_reference_implementation():
 def test_a_stored_harness_command_names_no_folder_of_this_machine():
     command = f"python benchmark/run.py --runs-dir /elsewhere/sweep-runs --plots-dir {bench.ROOT}/benchmark/out/p"
     assert bench.portable(command) == "python benchmark/run.py --runs-dir <sweep-runs> --plots-dir benchmark/out/p"
+
+
+# ----------------------------------------------------------------------------------------------- the registered test
+
+CONFIRM = report.REGISTRY["tables"]["trpo-confirm"]
+PERTURBATIONS = ["mass=0.7", "mass=1.3", "friction=0.5", "friction=1.5", "action-noise=0.2"]
+
+
+def _series(values, start=0, every=1):
+    return {"steps": [start + every * i for i in range(len(values))], "values": [round(float(v), 4) for v in values]}
+
+
+def _confirm_store(folder, seeds: dict, rng, negative=()):
+    """A store with the registered test's arms (seeds per arm letter) and the exploratory rows: training returns,
+    evaluations, entropies and perturbed evaluations drawn at random, an arm's level apart from another's.
+    `negative`: (arm, seed) pairs whose unperturbed evaluation is below 0. Returns the data and every seed's numbers,
+    computed here."""
+    level = {"P": 1000.0, "R": 1500.0, "S": 1200.0, "M": 900.0}
+    arms = {**CONFIRM["arms"], **{f"x{k}": v for k, v in CONFIRM["exploratory"]["arms"].items()}}
+    seeds = {**seeds, "xR": [1, 2, 3, 4, 5, 19, 20, 21, 22, 23], "xP": [1, 2, 3, 4, 5, 19, 20, 21, 22, 23]}
+    truth = {}
+    for arm, name in arms.items():
+        row = {"script": "trpo_gpt2_halfcheetah", "env": "HalfCheetah-v5", "setting": name, "steps": 1000000}
+        row.update(seeds=seeds.get(arm, []), flags=[], tag="eval/episodic_return", last_n=10, refs=[])
+        row.update(x_label="environment steps", y_label="eval/episodic_return")
+        row.update(series={}, train_series={}, entropy_series={}, perturbed_series={p: {} for p in PERTURBATIONS})
+        row["seed_machine"] = {str(s): "AMD EPYC (no AMX), 2 cores, no GPU" for s in row["seeds"]}
+        for s in map(str, row["seeds"]):
+            base = level[arm.lstrip("x")] + rng.normal(0, 150)
+            train = rng.normal(base, 400, 40 + int(rng.integers(0, 20)))  # every episode of the run
+            evals = rng.normal(-50 if (arm, s) in negative else 2 * base, 100, 10)
+            under = {p: rng.normal(2 * base * rng.uniform(0.4, 1.0), 100, 10) for p in PERTURBATIONS}
+            row["train_series"][s], row["series"][s] = _series(train, 1000, 1000), _series(evals)
+            row["entropy_series"][s] = _series(rng.normal(8.0, 0.5, 5), 15000, 15000)
+            for p in PERTURBATIONS:
+                row["perturbed_series"][p][s] = _series(under[p])
+            rounded = lambda x: np.round(x, 4)  # noqa: E731 (as stored)
+            h2 = float(rounded(evals).mean())
+            h3 = np.mean([rounded(under[p]).mean() for p in PERTURBATIONS]) / h2 if h2 > 0 else None
+            truth[(arm, s)] = {"train-all": float(rounded(train).mean()), "eval": h2, "robustness": h3}
+        if row["seeds"]:
+            report.dump(row, report.row_path(str(folder), row))
+    return report.load(str(folder)), truth
+
+
+def _cells(text, first):
+    """The cells of the table line whose first cell is `first`."""
+    (line,) = [x for x in text.splitlines() if x.startswith("| ") and x.split("|")[1].strip() == first]
+    return [c.strip() for c in line.split("|")[1:-1]]
+
+
+def test_the_registered_test_against_scipy_with_holm_over_six_and_a_seed_without_a_score(tmp_path):
+    rng = np.random.default_rng(7)
+    seeds = {arm: list(range(6, 16)) for arm in "PRSM"}
+    data, truth = _confirm_store(tmp_path / "res", seeds, rng, negative={("P", "9")})
+    text = report.table(data, CONFIRM)
+    assert "Incomplete" not in text and "Every arm holds its registered seeds (P 10 of 10, R 10 of 10" in text
+    expected, welch_p = {}, []
+    for label, metric, a, b in CONFIRM["comparisons"]:
+        x = [truth[(a, str(s))][metric] for s in range(6, 16) if truth[(a, str(s))][metric] is not None]
+        y = [truth[(b, str(s))][metric] for s in range(6, 16) if truth[(b, str(s))][metric] is not None]
+        t, u = stats.ttest_ind(x, y, equal_var=False), stats.mannwhitneyu(x, y, alternative="two-sided")
+        expected[label] = (x, y, t, u)
+        welch_p.append(t.pvalue)
+    # Holm, written out here: the i-th smallest of the six times (6 - i), running maximum, capped at 1
+    order = np.argsort(welch_p)
+    adjusted = np.minimum(1, np.maximum.accumulate(np.array(welch_p)[order] * (6 - np.arange(6))))
+    holm = np.empty(6)
+    holm[order] = adjusted
+    assert sorted(welch_p)[0] < 0.01 and max(welch_p) > 0.05  # the synthetic arms give both kinds
+    head = [c.strip() for c in text.split("\n| comparison")[1].splitlines()[0].split("|")[1:-1]]
+    for (label, metric, a, b), h in zip(CONFIRM["comparisons"], holm):
+        x, y, t, u = expected[label]
+        cell = dict(zip(["comparison", *head], _cells(text, label)))
+        d = 3 if metric == "robustness" else 2
+        assert cell["seeds"] == f"{len(x)} vs {len(y)}"
+        assert float(cell["mean a"]) == pytest.approx(np.mean(x), abs=10**-d) and cell["a - b"].startswith(f"{a} - {b}")
+        assert float(cell["a - b"].split("= ")[1]) == pytest.approx(np.mean(x) - np.mean(y), abs=10**-d)
+        low, high = t.confidence_interval(0.95)
+        assert cell["Welch 95% CI"] == f"[{report.fmt(low, d)}, {report.fmt(high, d)}]"
+        assert cell["Welch p"] == report.fmt_p(t.pvalue) and cell["Holm p (6 comparisons)"] == report.fmt_p(h)
+        assert cell["Mann-Whitney U (p)"] == f"{u.statistic:g} ({report.fmt_p(u.pvalue)})"
+        assert f"- {label}: with {len(x)} and {len(y)} seeds" in text  # its power line
+    below = [f"{label} ({report.fmt_p(h)})" for (label, *_), h in zip(CONFIRM["comparisons"], holm) if h < 0.05]
+    assert f"Holm-corrected p below 0.05: {', '.join(below)}, of 6 comparisons." in text
+    # P seed 9's evaluation is below 0: no H3 score, listed, and left out of H3a and H3b only
+    assert truth[("P", "9")]["robustness"] is None and _cells(text, "H3a")[3] == "9 vs 10"
+    assert _cells(text, "H2")[3] == "10 vs 10" and "P seed 9 (no score: unperturbed mean" in text
+    # the exploratory comparison beside it, labelled, with Welch and Mann-Whitney on its own seeds
+    x = [truth[("xR", str(s))]["train-all"] for s in (1, 2, 3, 4, 5, 19, 20, 21, 22, 23)]
+    y = [truth[("xP", str(s))]["train-all"] for s in (1, 2, 3, 4, 5, 19, 20, 21, 22, 23)]
+    cells = _cells(text, "R - P (exploratory)")
+    assert cells[-2] == report.fmt_p(stats.ttest_ind(x, y, equal_var=False).pvalue)
+    assert cells[-1].endswith(f"({report.fmt_p(stats.mannwhitneyu(x, y, alternative='two-sided').pvalue)})")
+
+
+def test_an_incomplete_registered_test_shows_its_seeds_and_no_test(tmp_path):
+    rng = np.random.default_rng(3)
+    seeds = {"P": list(range(6, 16)), "R": [6, 7, 8, 9], "S": list(range(6, 15))}  # M: none stored
+    data, truth = _confirm_store(tmp_path / "res", seeds, rng)
+    text = report.table(data, CONFIRM)
+    test, exploratory = text.split("Exploratory")
+    assert test.startswith("**Incomplete: not the registered test.**")
+    assert "P 10 of 10, R 4 of 10, S 9 of 10, M 0 of 10" in test
+    for word in ("Welch", "Holm", "Mann-Whitney", "p (", "< 0.001", "80% power"):
+        assert word not in test, word
+    tables = [x.split("|")[1].strip() for x in test.splitlines() if x.startswith("| ")]
+    assert set(tables) == {"arm", "P", "R", "S"}  # the only table: the seeds stored, per arm and metric
+    h1 = [c for c in test.splitlines() if c.startswith("| R ") and "H1" in c][0]
+    assert h1.split("|")[-2].strip() == "; ".join(f"{s}: {truth[('R', str(s))]['train-all']:.2f}" for s in (6, 7, 8, 9))
+    assert "Welch p" in exploratory  # the exploratory comparison is not the registered test
+    # nothing stored at all: said so, and the figure says so too
+    empty = report.table(_confirm_store(tmp_path / "none", {}, rng)[0], CONFIRM)
+    assert (
+        "P 0 of 10, R 0 of 10, S 0 of 10, M 0 of 10" in empty
+        and "No seed of the registered test is stored yet" in empty
+    )
+    written = report.plot([], str(tmp_path / "plots"))
+    assert [os.path.basename(p) for p in written] == ["trpo_gpt2_halfcheetah_confirm.png"]
