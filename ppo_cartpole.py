@@ -518,7 +518,7 @@ def load_checkpoint(path: str) -> dict:
 
 def load_into(path: str, saved: dict, fresh: dict, objects: dict, names) -> None:
     """Put the objects `names` of `saved` back into `objects` once `saved` matches `fresh`, what they would save."""
-    why = mismatch({key: saved.get(key) for key in fresh}, fresh, "it")
+    why = mismatch(saved, fresh, "it")
     try:
         for name in names if why is None else ():
             restore(objects[name], saved["objects"][name])
@@ -677,9 +677,10 @@ class Run:
         self.run_name, self.wandb_id, self.update = state["run_name"], state.get("wandb_id"), state.get("update")
         if type(self.update) is not int or not 0 <= self.update <= self.num_updates:
             raise UserError(f"'{path}' does not fit this run of {SCRIPT}: its update is not within its budget")
-        fresh, envs = self.training_state(0, fresh=True), (state.get("objects") or {}).get("envs")
+        fresh = {**self.training_state(0, fresh=True), **{k: state[k] for k in ("args", "run_name", "update")}}
+        fresh["wandb_id"], envs = state.get("wandb_id"), (state.get("objects") or {}).get("envs")
         names = [k for k, v in self.objects.items() if envs is not None or not isinstance(v, (np.ndarray, deque))]
-        load_into(path, state, {k: fresh[k] for k in ("random", "objects")}, self.objects, names)
+        load_into(path, state, fresh, self.objects, names)
         np.random.set_state(("MT19937", state["random"]["numpy"][0].numpy(), *state["random"]["numpy"][1:]))
         torch.set_rng_state(state["random"]["torch"])
         if state["random"]["cuda"] is not None and torch.cuda.is_available():
@@ -774,7 +775,8 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
     train = Args(**{**saved["args"], "capture_video": args.capture_video})
     check_args(train)  # (its renderer too, with --capture-video)
     objects = model_objects(train)
-    load_into(path, saved, {"objects": {k: saved_form(objects[k]) for k in MODEL}}, objects, MODEL)
+    fresh = {"script": SCRIPT, "args": saved["args"], "run_name": saved["run_name"]}
+    load_into(path, saved, {**fresh, "objects": {k: saved_form(objects[k]) for k in MODEL}}, objects, MODEL)
     seed = 10_000 + (args.seed if args.seed != 1 else train.seed)
     run_dir = os.path.join("runs", make_run_dir(f"{saved['run_name']}-eval__{seed}"))
     print(f"device: cpu (evaluation), logging to {run_dir}", flush=True)
@@ -794,15 +796,17 @@ def make_run_dir(base: str) -> str:
 
 def lock_run_dir(run_dir: str) -> int:
     """Hold `run_dir`/.lock (its holder's pid in it) while this process runs it; UserError when another one does."""
-    fd = os.open(os.path.join(run_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    path = os.path.join(run_dir, ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        os.ftruncate(fd, os.pwrite(fd, f"{os.getpid()}\n".encode(), 0))  # (over the last pid: no new space needed)
+    except OSError as e:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise UserError(f"another process (pid {holder}) is running {run_dir}")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        if isinstance(e, BlockingIOError):
+            raise UserError(f"another process (pid {holder}) is running {run_dir}")
+        raise OSError(e.errno, e.strerror, path) from None
     return fd
 
 

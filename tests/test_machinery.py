@@ -1,0 +1,263 @@
+"""The run machinery the three torch scripts share, one table over the three: a bad path, a damaged, foreign or
+impossible file, a second process, a read-only or full disk, a signal during a save, a tracker that refuses to start,
+a folder changed during the run. Each ends in one sentence and exit 2, with nothing written or lost."""
+
+import contextlib
+import glob
+import importlib
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from conftest import bad
+
+SCRIPTS = ["ppo_cartpole", "gpt2ppo_lunar", "trpo_gpt2_halfcheetah"]
+TINY = {  # two updates, a training state after each, the model saved: seconds
+    "ppo_cartpole": ["--total-timesteps", "1024", "--num-envs", "2", "--num-steps", "256"],
+    "gpt2ppo_lunar": ["--env-id", "Acrobot-v1", "--total-timesteps", "512", "--steps-per-epoch", "256"]
+    + ["--num-envs", "2", "--hidden-size", "16", "--n-head", "2", "--context-len", "8", "--minibatch-size", "64"],
+    "trpo_gpt2_halfcheetah": ["--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2"]
+    + ["--batch-size", "100", "--total-timesteps", "200", "--no-cuda"],
+}
+
+
+def cli(script: str, flags, cwd) -> tuple[int, str, str]:
+    """The script's entry point in this process, in `cwd`, as its __main__ calls it (tyro's own errors exit 2 from
+    inside it); the signal handlers it installs are put back. (exit status, stdout, stderr)."""
+    module, handlers, here = importlib.import_module(script), {s: signal.getsignal(s) for s in (2, 15)}, os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = module.cli([str(f) for f in flags])
+            except SystemExit as e:
+                code = e.code
+    finally:
+        os.chdir(here)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="session")
+def made(tmp_path_factory):
+    """Per script, lazily: a complete tiny run with --save-model (its run folder, checkpoint and training state)."""
+    runs = {}
+
+    def get(script: str) -> dict:
+        if script not in runs:
+            cwd = tmp_path_factory.mktemp(script)
+            code, out, err = cli(script, [*TINY[script], "--save-model", "--eval-episodes", "1", "--seed", "5"], cwd)
+            assert code == 0, out + err
+            (run,) = glob.glob(str(cwd / "runs" / "*"))
+            runs[script] = {"run": run, "ckpt": os.path.join(run, f"{script}.pt"), "state": f"{run}/training_state.pt"}
+        return runs[script]
+
+    return get
+
+
+def damaged(path: str, damage) -> None:
+    """The checkpoint or training state at `path`, spoiled in place by `damage(dict)`."""
+    saved = torch.load(path, weights_only=True)
+    damage(saved)
+    torch.save(saved, path)
+
+
+def first_tensor(saved: dict) -> tuple[dict, str]:
+    """The state dict of the first model a checkpoint or training state holds, and its first float tensor's key."""
+    model = next(
+        v for v in saved["objects"].values() if isinstance(v, dict) and v and all(map(torch.is_tensor, v.values()))
+    )
+    return model, next(k for k, v in model.items() if v.is_floating_point())
+
+
+def env_layer(saved: dict) -> dict:
+    """The last layer of a training state's saved envs (the env itself)."""
+    return saved["objects"]["envs"][-1]
+
+
+DAMAGE = {  # a file spoiled in one way: what the script must refuse before it writes anything
+    "nan": lambda s: first_tensor(s)[0][first_tensor(s)[1]].view(-1).__setitem__(0, float("nan")),
+    "shape": lambda s: first_tensor(s)[0].update({first_tensor(s)[1]: torch.zeros(3, 3)}),
+    "dtype": lambda s: first_tensor(s)[0].update({first_tensor(s)[1]: first_tensor(s)[0][first_tensor(s)[1]].double()}),
+    "missing_object": lambda s: s["objects"].pop(next(iter(s["objects"]))),
+    "extra_key": lambda s: s.update(extra=1),
+    "other_version": lambda s: s["args"].update(no_such_flag=1),
+    "mistyped_flag": lambda s: s["args"].update(seed="5"),
+    "bad_run_name": lambda s: s.update(run_name="../outside"),
+    "past_budget": lambda s: s.update(update=3),
+    "update_str": lambda s: s.update(update="2"),
+    "torch_rng": lambda s: s["random"].update(torch=torch.zeros(10, dtype=torch.uint8)),
+    "env_attribute": lambda s: env_layer(s).update(step=5),  # a plain value where the env has a method
+    "env_none": lambda s: env_layer(s).update({k: None for k, v in env_layer(s).items() if torch.is_tensor(v)}),
+}
+
+
+def prepare(script: str, flags, tmp_path, made) -> list[str]:
+    """The row's flags with its placeholders made real under tmp_path/given: ckpt[:damage], state[:damage],
+    run[:damage] (a copy of the tiny run's folder), missing, folder, fifo, loop, text, truncated, pickle, foreign
+    (another script's checkpoint), locked (a run folder another process holds), read_only (a run folder on a
+    read-only mount)."""
+    given, out = tmp_path / "given", []
+    given.mkdir(exist_ok=True)
+    for flag in flags:
+        kind, _, damage = flag.partition(":")
+        if kind in ("ckpt", "state", "run", "locked", "read_only"):
+            run = shutil.copytree(made(script)["run"], given / f"run{len(out)}")
+            path = {"ckpt": f"{run}/{script}.pt", "state": f"{run}/training_state.pt"}.get(kind, str(run))
+            if damage:
+                damaged(f"{run}/{'training_state' if kind != 'ckpt' else script}.pt", DAMAGE[damage])
+            if kind == "locked":  # another process's lock: an open file description of its own
+                holder = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+                        "fcntl.flock(f, fcntl.LOCK_EX); f.write('4242\\n'); f.flush(); print(1, flush=True); time.sleep(60)",
+                        f"{run}/.lock",
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                holder.stdout.readline()
+                LOCKS.append(holder)
+            if kind == "read_only":
+                mount("--bind", run, run)
+                mount("-o", "remount,ro,bind", run)
+                MOUNTS.append(run)
+            out.append(path)
+        elif kind in ("missing", "folder", "fifo", "loop", "text", "truncated", "pickle", "foreign"):
+            path = str(given / f"{kind}.pt")
+            if kind == "folder":
+                os.mkdir(path)
+            elif kind == "fifo":  # opening it would wait for a writer forever; a writer after 20 s fails the row
+                os.mkfifo(path)
+                threading.Timer(20, lambda p=path: open(p, "w").close()).start()
+            elif kind == "loop":
+                os.symlink(os.path.basename(path), path)
+            elif kind == "text":
+                open(path, "w").write("not a checkpoint\n")
+            elif kind == "pickle":  # an arbitrary object: refused by weights_only loading
+                torch.save({"script": f"{script}.py", "args": threading.Lock}, path)
+            elif kind in ("truncated", "foreign"):
+                other = SCRIPTS[(SCRIPTS.index(script) + 1) % 3] if kind == "foreign" else script
+                shutil.copy(made(other)["ckpt"], path)
+                if kind == "truncated":
+                    os.truncate(path, os.path.getsize(path) // 2)
+            out.append(path)
+        else:
+            out.append(flag)
+    return out
+
+
+LOCKS, MOUNTS = [], []
+
+
+def mount(*args):
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"mount {' '.join(args)} is not permitted here: {proc.stderr.strip()}")
+
+
+def tree(root) -> dict:
+    """Every file and folder under `root` with its size, modification time and content's hash."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            st = os.lstat(path)
+            data = (
+                open(path, "rb").read() if name in files and os.path.isfile(path) and not os.path.islink(path) else b""
+            )
+            found[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns, hash(data))
+    return found
+
+
+NOT_OURS, NO_FIT = "is not a checkpoint or training state of {script}.py", "does not fit this run of {script}.py: "
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # flags
+        bad(("--exp-name", "../up"), "--exp-name must be a plain name other than training_state, got '../up'"),
+        bad(("--exp-name", "training_state"), "--exp-name must be a plain name other than training_state"),
+        bad(("--seed", "-1"), "--seed must be in [0, 4294967295], got -1"),
+        bad(("--seed", "1.5"), None),  # (tyro's own message)
+        bad(("--total-timesteps", "0"), "--total-timesteps must be in [1, "),
+        # --eval-checkpoint: a path that is no checkpoint of this script, or one that does not fit its own flags
+        bad(("--eval-checkpoint", "missing"), "missing.pt: No such file or directory"),
+        bad(("--eval-checkpoint", "folder"), "folder.pt' is not a regular file"),
+        bad(("--eval-checkpoint", "fifo"), "fifo.pt' is not a regular file"),
+        bad(("--eval-checkpoint", "loop"), "loop.pt: Too many levels of symbolic links"),
+        bad(("--eval-checkpoint", "text"), NOT_OURS),
+        bad(("--eval-checkpoint", "truncated"), NOT_OURS),
+        bad(("--eval-checkpoint", "pickle"), NOT_OURS),
+        bad(("--eval-checkpoint", "foreign"), NOT_OURS),
+        bad(("--eval-checkpoint", "state"), "is a training state: continue its run with --resume "),
+        bad(("--eval-checkpoint", "ckpt:nan"), NO_FIT + "it.objects."),
+        bad(("--eval-checkpoint", "ckpt:shape"), NO_FIT + "it.objects."),
+        bad(("--eval-checkpoint", "ckpt:dtype"), NO_FIT + "it.objects."),
+        bad(("--eval-checkpoint", "ckpt:missing_object"), NO_FIT + "it.objects is not a dict of "),
+        bad(("--eval-checkpoint", "ckpt:extra_key"), NO_FIT + "it is not a dict of "),
+        bad(("--eval-checkpoint", "ckpt:other_version"), "was made by another version of {script}.py"),
+        bad(("--eval-checkpoint", "ckpt:mistyped_flag"), "was made by another version of {script}.py"),
+        bad(("--eval-checkpoint", "ckpt:bad_run_name"), "was made by another version of {script}.py"),
+        bad(("--eval-checkpoint", "ckpt", "--total-timesteps", "5"), "takes no training flags, got --total-timesteps"),
+        # --resume: no run folder, other flags, a damaged training state, a held or read-only folder
+        bad(("--resume", "nowhere"), "nowhere/training_state.pt: No such file or directory"),
+        bad(("--resume", "run", "--seed", "9"), "--resume continues a run: --seed 9 is not its 5"),
+        bad(("--resume", "run", "--eval-checkpoint", "x"), "takes no training flags, got --resume"),
+        bad(("--resume", "run:nan"), NO_FIT + "it.objects."),
+        bad(("--resume", "run:shape"), NO_FIT + "it.objects."),
+        bad(("--resume", "run:missing_object"), NO_FIT + "it.objects is not a dict of "),
+        bad(("--resume", "run:extra_key"), NO_FIT + "it is not a dict of "),
+        bad(("--resume", "run:other_version"), "was made by another version of {script}.py"),
+        bad(("--resume", "run:past_budget"), NO_FIT + "its update is not within its budget"),
+        bad(("--resume", "run:update_str"), NO_FIT + "its update is not within its budget"),
+        bad(("--resume", "run:torch_rng"), NO_FIT + "it.random.torch is not a torch.uint8 tensor of shape"),
+        bad(("--resume", "run:env_attribute"), NO_FIT + "it.objects.envs."),
+        bad(("--resume", "run:env_none"), NO_FIT + "it.objects.envs."),
+        bad(("--resume", "locked"), "another process (pid 4242) is running "),
+        bad(("--resume", "read_only"), ".lock: Read-only file system"),
+        # a run folder that cannot be made: a file named runs stands where the folder would go
+        bad(("!runs_is_a_file",), ": Not a directory"),
+        # a tracker that refuses to start: its own checks, before the run is left in a folder
+        bad(("--track", "!wandb_mode_bogus"), "--track: W&B refused to start the run ("),
+        bad(("--track", "!no_login"), "--track: W&B refused to start the run ("),
+    ],
+)
+def test_hostile_input_ends_in_one_sentence_and_writes_nothing(script, flags, message, tmp_path, made, monkeypatch):
+    if "!runs_is_a_file" in flags:
+        (tmp_path / "runs").write_text("")
+    if "!wandb_mode_bogus" in flags:
+        monkeypatch.setenv("WANDB_MODE", "bogus")
+    if "!no_login" in flags:  # no key, no netrc (a home without one), not offline, no terminal to ask at
+        for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_BASE_URL"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path / "no-home"))
+    try:
+        real = prepare(script, [f for f in flags if not f.startswith("!")], tmp_path, made)
+        new_run = not any(f in ("--eval-checkpoint", "--resume") for f in real)
+        args = [*TINY[script], *real] if new_run else real
+        before = tree(tmp_path)
+        code, out, err = cli(script, args, tmp_path)
+        assert code == 2 and "Traceback" not in err, out + err
+        if message is not None:
+            assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+            assert message.format(script=script) in err, err
+        assert tree(tmp_path) == before  # nothing written, in the folders given either
+    finally:
+        while LOCKS:
+            LOCKS.pop().kill()
+        while MOUNTS:
+            subprocess.run(["umount", "--lazy", MOUNTS.pop()], check=True)
