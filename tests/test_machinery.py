@@ -120,8 +120,8 @@ def prepare(script: str, flags, tmp_path, made) -> list[str]:
                     [
                         sys.executable,
                         "-c",
-                        "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
-                        "fcntl.flock(f, fcntl.LOCK_EX); f.write('4242\\n'); f.flush(); print(1, flush=True); time.sleep(60)",
+                        "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); "
+                        "f.write('4242\\n'); f.flush(); print(1, flush=True); time.sleep(60)",
                         f"{run}/.lock",
                     ],
                     stdout=subprocess.PIPE,
