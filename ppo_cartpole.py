@@ -672,14 +672,15 @@ class Run:
 
     def restore(self) -> None:
         """The training state put back into the run's objects once it matches what they would save. The loop's
-        arrays and queues (the episodes in progress) return with the envs, or stay as made."""
+        arrays and queues (the episodes in progress) return with the envs' state, or stay as made (new episodes)."""
         state, path = self.state, os.path.join(self.run_dir, "training_state.pt")
         self.run_name, self.wandb_id, self.update = state["run_name"], state.get("wandb_id"), state.get("update")
         if type(self.update) is not int or not 0 <= self.update <= self.num_updates:
             raise UserError(f"'{path}' does not fit this run of {SCRIPT}: its update is not within its budget")
         fresh = {**self.training_state(0, fresh=True), **{k: state[k] for k in ("args", "run_name", "update")}}
         fresh["wandb_id"], envs = state.get("wandb_id"), (state.get("objects") or {}).get("envs")
-        names = [k for k, v in self.objects.items() if envs is not None or not isinstance(v, (np.ndarray, deque))]
+        episodes = (np.ndarray, deque, gym.vector.VectorEnv)  # the envs and the episodes in progress
+        names = [k for k, v in self.objects.items() if envs is not None or not isinstance(v, episodes)]
         load_into(path, state, fresh, self.objects, names)
         np.random.set_state(("MT19937", state["random"]["numpy"][0].numpy(), *state["random"]["numpy"][1:]))
         torch.set_rng_state(state["random"]["torch"])

@@ -261,3 +261,71 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(script, flags, me
             LOCKS.pop().kill()
         while MOUNTS:
             subprocess.run(["umount", "--lazy", MOUNTS.pop()], check=True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("error", [SystemExit(130), OSError(28, "No space left on device")], ids=["signal", "full"])
+def test_a_save_stopped_by_a_signal_or_a_full_disk_keeps_the_previous_file(script, error, tmp_path, monkeypatch):
+    """A second Ctrl-C quits at once, from inside a save if it comes then; a full disk fails a write: the file saved
+    before is unchanged, no temporary file stays, and a failed write names the file."""
+    module, path = importlib.import_module(script), tmp_path / "training_state.pt"
+    path.write_bytes(b"the previous state")
+
+    def fail(fd):
+        raise error
+
+    monkeypatch.setattr(module.os, "fsync", fail)
+    with pytest.raises(type(error)) as raised:
+        module.save_checkpoint(str(path), {"weights": torch.zeros(3)})
+    assert os.listdir(tmp_path) == ["training_state.pt"] and path.read_bytes() == b"the previous state"
+    if isinstance(error, OSError):
+        assert raised.value.filename == str(path) and raised.value.strerror == "No space left on device"
+
+
+def stopped_run(script: str, cwd) -> str:
+    """A tiny run stopped (a SIGTERM asked before it began) after its first of two updates: its run folder."""
+    module = importlib.import_module(script)
+    stop = module.StopSignal()
+    stop.signum = signal.SIGTERM
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert module.main(module.cli.__globals__["tyro"].cli(module.Args, args=TINY[script]), stop) == 143
+    finally:
+        os.chdir(here)
+    (run,) = glob.glob(str(cwd / "runs" / "*"))
+    return run
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_full_disk_ends_the_run_in_one_sentence_and_keeps_its_last_training_state(script, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount("-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk))
+    try:
+        run = shutil.copytree(stopped_run(script, tmp_path), disk / "run")
+        kept = open(f"{run}/training_state.pt", "rb").read()
+        with open(disk / "filler", "wb", buffering=0) as filler:  # the disk full once the run is on it
+            with pytest.raises(OSError):
+                while True:
+                    filler.write(b"\0" * 4096)
+        code, out, err = cli(script, ["--resume", run], tmp_path)
+        assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, out + err
+        assert ": No space left on device." in err and "Traceback" not in err, err
+        assert open(f"{run}/training_state.pt", "rb").read() == kept  # the last good state survives
+        assert not glob.glob(f"{run}/*.tmp*")
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_videos_folder_replaced_during_the_run_ends_it_in_one_sentence(script, tmp_path, made):
+    """The videos folder is made where it is used, at the evaluation: a file standing there by then is one sentence
+    naming it, the run's training state and checkpoint kept."""
+    run = shutil.copytree(made(script)["run"], tmp_path / "run")
+    (run / "videos").write_text("not a folder")
+    state = (run / "training_state.pt").read_bytes()
+    code, out, err = cli(script, ["--resume", run, "--save-model", "--capture-video"], tmp_path)
+    assert code == 2 and err == f"error: {run}/videos: File exists.\n", out + err
+    assert (run / "training_state.pt").read_bytes() == state and (run / f"{script}.pt").is_file()
