@@ -108,6 +108,7 @@ def _submit(tmp_path, env, **kw) -> str:
     return proc.stdout
 
 
+@pytest.mark.xdist_group("slurm")  # one cluster at a time
 def test_slurm_array_stores_two_runs(slurm_cluster, tmp_path):
     out = _submit(tmp_path, slurm_cluster, steps=2048, seeds=("1", "2"))
     array, collect = re.search(r"job array (\d+) .* and job (\d+)", out).groups()
@@ -125,6 +126,7 @@ def test_slurm_array_stores_two_runs(slurm_cluster, tmp_path):
     [["scontrol", "requeue"], ["scancel", "--full", "--signal=TERM"]],
     ids=["requeued by Slurm", "SIGTERM as at the time limit: the task requeues itself"],
 )
+@pytest.mark.xdist_group("slurm")  # one cluster at a time
 def test_a_slurm_task_stopped_resumes(slurm_cluster, tmp_path, stop):
     array = re.search(r"job array (\d+) ", _submit(tmp_path, slurm_cluster, steps=40960)).group(1)
     state = _wait_for(str(tmp_path / "runs" / "*" / "runs" / "*" / "training_state.pt"))
