@@ -21,12 +21,12 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, not a traceback
     signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
 
+import contextlib
 import hashlib
 import importlib.util
 import itertools
 import json
 import math
-import netrc
 import random
 import re
 import shutil
@@ -48,7 +48,7 @@ import tyro
 
 
 class UserError(Exception):
-    """A mistake the user can fix (a flag, a file, an env, the disk): one sentence, exit 2 at the entry point."""
+    """A mistake the user can fix (a flag, a file, an env): one sentence, exit 2 at the entry point."""
 
 
 @dataclass
@@ -1467,60 +1467,55 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     return run.finish(steps_done, summary, notes)  # the final line, the notes, the writer closed; the exit status
 
 
-# ---- Run machinery: what a run needs around the algorithm (checks, signals, the completion cache, model files, run
-# folders, the command line). The algorithm is complete above this line.
+# ---- Run machinery: what a run needs around the algorithm (checks of flags and files, signals, the completion cache,
+# the run folder with its log and W&B, the model files, the command line). The algorithm is complete above this line.
 
-
+PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a file or folder name: no separators, not . or ..
+CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
+MODELS = re.compile(r"smollm2|oracle|matching|(?s:(hf|openai):.+)")
 RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
     "seed": (0, 2**32 - 1, False),
     "total_steps": (1, 10**7, False),
-    "advice_prob": (0, 1, True),
-    "advice_decay": (0, 1, True),
+    **dict.fromkeys(["advice_prob", "advice_decay"], (0, 1, True)),
     "shaping_scale": (0, 1e6, True),
     "q_init": (-1e6, 1e6, False),
     "recency": (1, 10**4, False),
     "min_successes": (0, 100, False),  # the warm-up's exp(2 (min_successes - episodes)) stays finite
     "prompt_tokens": (0, 10**7, False),
-    "temperature": (0, 100, False),
+    **dict.fromkeys(["temperature", "max_retries"], (0, 100, False)),
     "max_tokens": (1, 4096, False),
     "attempts": (1, 100, False),
     "request_timeout": (0, 86400, True),
-    "max_retries": (0, 100, False),
     "max_invalid": (0, 1, False),
 }
-CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
-PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
-MODELS = re.compile(r"smollm2|oracle|matching|(?s:(hf|openai):.+)")
 
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def brief(e: BaseException) -> str:
+    """An exception's message on one line, at most 200 characters."""
+    return (" ".join(str(e).split()) or type(e).__name__)[:200].rstrip(".")
+
+
 def check_args(args: Args) -> None:
-    """Raise UserError for the first bad value, before any folder, cache or model exists."""
+    """UserError for the first flag out of its range, choices or form, before any folder, cache or model exists."""
     for name, (low, high, low_excluded) in RANGES.items():
         value = getattr(args, name)
-        if not (low < value <= high if low_excluded else low <= value <= high):
+        if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
             raise UserError(f"{flag(name)} must be in {'(' if low_excluded else '['}{low}, {high}], got {value}")
     for name, choices in CHOICES.items():
         if getattr(args, name) not in choices:
-            raise UserError(f"{flag(name)} must be one of {', '.join(choices)}, got {getattr(args, name)!r}")
+            raise UserError(f"{flag(name)} must be one of {', '.join(map(str, choices))}, got {getattr(args, name)!r}")
     if 0 < args.temperature < 1e-3:  # the logits divided by it would overflow
         raise UserError(f"--temperature must be 0 (greedy) or at least 0.001, got {args.temperature}")
     if not PLAIN_NAME.fullmatch(args.exp_name):
-        raise UserError(
-            f"--exp-name must be a plain name of up to 200 letters, digits, '.', '_' or '-', got {args.exp_name!r}"
-        )
+        raise UserError(f"--exp-name must be a plain name (letters, digits, '.', '_', '-'), got {args.exp_name!r}")
     if not MODELS.fullmatch(args.model):
         raise UserError(
             f"unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, openai:<model>, matching or oracle"
         )
-    is_gguf = args.model.startswith("hf:") and args.model.endswith(".gguf")
-    if is_gguf and not os.path.isfile(os.path.expanduser(args.model[3:])):  # `~` expanded, as the loader does
-        raise UserError(f"GGUF file '{args.model[3:]}' does not exist")
-    if not args.cache:
-        raise UserError("--cache must be a file path, got an empty one (--no-cache runs without a cache)")
     if args.algo in ("llm-advisor", "llm-reward") and args.model == "matching":
         raise UserError(
             f"--model matching only replays transitions and cannot judge a state; --algo {args.algo} needs a "
@@ -1531,52 +1526,29 @@ def check_args(args: Args) -> None:
             f"--dtype {args.dtype} applies to in-process models (smollm2, hf:...) only; '{args.model}' with "
             f"--algo {args.algo} would ignore it"
         )
-    if args.model.startswith("openai:"):
-        try:
-            url = urllib.parse.urlsplit(args.base_url)
-            ok = url.scheme in ("http", "https") and url.hostname and (url.port is None or url.port > 0)
-        except ValueError:  # a port out of range, an unclosed `[` of an IPv6 host
-            ok = False
-        if not ok:
-            raise UserError(
-                f"--base-url must be an http(s) URL with a host and a port in 1..65535, got '{args.base_url}'"
-            )
-    if args.track:
-        try:
-            import wandb  # noqa: F401  (only with --track)
-        except ImportError:
-            raise UserError("--track needs the wandb package (pip install wandb)")
-        if not wandb_can_log_in():
-            raise UserError(
-                "--track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login` once (an "
-                "entry for api.wandb.ai in ~/.netrc), or set WANDB_MODE=offline (upload later with `wandb sync`)"
-            )
-
-
-def wandb_can_log_in() -> bool:
-    """W&B offline or disabled, an API key in the environment, or a ~/.netrc entry for W&B's host: never a prompt."""
-    if os.environ.get("WANDB_MODE", "") in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urllib.parse.urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
     try:
-        entry = netrc.netrc(os.environ.get("NETRC") or os.path.expanduser("~/.netrc")).authenticators(host)
-    except (OSError, netrc.NetrcParseError):  # no file, or one that cannot be read
-        return False
-    return entry is not None and bool(entry[2])  # a password: the API key
+        url = urllib.parse.urlsplit(args.base_url)
+        ok = url.scheme in ("http", "https") and url.hostname and (url.port is None or url.port > 0)
+    except ValueError:  # a port out of range, an unclosed `[` of an IPv6 host
+        ok = False
+    if args.model.startswith("openai:") and not ok:
+        raise UserError(f"--base-url must be an http(s) URL with a host and a port in 1..65535, got '{args.base_url}'")
+
+
+def regular_file(path: str) -> str:
+    """`path`, read as a file: UserError for a folder, a FIFO (opening it would wait forever) or a device."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise UserError(f"'{path}' is not a regular file")
+    return path
 
 
 class StopSignal:
-    """SIGINT (Ctrl-C) and SIGTERM: the first asks the run to stop at the next safe point and keep what was done,
-    a second quits at once. `install` puts the handler in place (the entry point does; importing does not)."""
+    """SIGINT (Ctrl-C) and SIGTERM, once `handle` is their handler (the entry point's doing, not an import's): the first
+    stops the run at the next safe point, keeping what was done; a second quits at once."""
 
     def __init__(self):
         self.signum = 0
         self.last_state = "no training state was saved"  # the run object says where its last state is
-
-    def install(self) -> "StopSignal":
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self.handle)
-        return self
 
     def handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -1596,63 +1568,40 @@ class StopSignal:
 
 
 class CompletionCache:
-    """The completion cache: an SQLite map from (model, request) to a completion at a plain file path, which runs
-    may share. Opening it is guarded (a regular file that holds this table or nothing); each write is a transaction,
-    so a failed one leaves the file as it was."""
+    """The completion cache: an SQLite map from (model, request) to a completion at a plain file path, which runs may
+    share. Each write is a transaction: committed whole, or (a full disk) not at all, the file as it was."""
 
-    TABLE = "completions"
-    COLUMNS = ["key", "completion", "tokens"]
+    TABLE, COLUMNS = "completions", ["key", "completion", "tokens"]
     TIMEOUT = 60.0  # seconds to wait for a lock held by another run
 
     def __init__(self, path: str, model_id: str):
-        self.path = os.path.expanduser(path)
-        self.model_id = model_id
-        self.lock = threading.Lock()
+        self.path, self.model_id, self.lock = os.path.expanduser(path), model_id, threading.Lock()
         self.written: set[str] = set()  # keys this process wrote: a hit on any other is replayed from an earlier run
+        path = os.path.abspath(self.path)  # (SQLite may read a name starting with "file:" as a URI; "": this folder)
+        if os.path.lexists(path):
+            regular_file(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
-            mode = os.stat(self.path).st_mode
-        except (FileNotFoundError, NotADirectoryError):
-            mode = None  # a new cache
-        except OSError as e:
-            raise UserError(f"--cache {self.path} cannot be read ({e.strerror})")
-        if mode is not None and not stat.S_ISREG(mode):  # a folder, a FIFO or a device: SQLite would wait on a FIFO
-            raise UserError(f"--cache {self.path} is not a regular file")
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            # an absolute path: SQLite may read a name starting with "file:" as a URI
-            self.db = sqlite3.connect(os.path.abspath(self.path), check_same_thread=False, timeout=self.TIMEOUT)
+            self.db = sqlite3.connect(path, check_same_thread=False, timeout=self.TIMEOUT)
             if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
-                raise UserError(
-                    f"--cache {self.path} is damaged: it is not a completion cache this script can use; give "
-                    "another --cache path"
-                )
+                raise sqlite3.DatabaseError("damaged")
             tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             columns = [r[1] for r in self.db.execute(f"PRAGMA table_info({self.TABLE})")]
             if tables and (tables != {self.TABLE} or columns != self.COLUMNS):
-                raise UserError(
-                    f"--cache {self.path} is another program's SQLite database, not a completion cache; give "
-                    "another --cache path"
-                )
+                raise UserError(f"--cache {self.path} is another program's SQLite database, not a completion cache")
             self.db.execute(
                 f"CREATE TABLE IF NOT EXISTS {self.TABLE} (key TEXT PRIMARY KEY, completion TEXT, tokens INT)"
             )
         except sqlite3.DatabaseError as e:
             raise self.failure(e)
-        except OSError as e:
-            raise UserError(f"--cache {self.path} cannot be created ({e.strerror})")
 
     def failure(self, e: sqlite3.DatabaseError) -> UserError:
-        """The one sentence for an SQLite error: locked, full, or not a completion cache at all."""
+        """The one sentence for an SQLite error: locked, not written (the file as it was), or not a cache at all."""
         if "locked" in str(e) or "busy" in str(e):
-            return UserError(
-                f"--cache {self.path} is locked by another process (waited {self.TIMEOUT:g} s); run again when it is "
-                "free"
-            )
-        if isinstance(e, sqlite3.OperationalError):  # full, read-only, an I/O error: the file is as it was
+            return UserError(f"--cache {self.path} is locked by another process (waited {self.TIMEOUT:g} s)")
+        if isinstance(e, sqlite3.OperationalError):  # full, read-only, an I/O error
             return UserError(f"--cache {self.path} cannot be written ({e}); the answers cached so far are kept")
-        return UserError(
-            f"--cache {self.path} is not a completion cache (corrupt, or not an SQLite file); give another --cache path"
-        )
+        return UserError(f"--cache {self.path} is not a completion cache (corrupt, or not an SQLite file)")
 
     def key(self, prompt, stop, temperature, max_tokens, seed, candidates=None) -> str:
         blob = json.dumps([self.model_id, prompt, stop, temperature, max_tokens, seed, candidates])
@@ -1673,13 +1622,6 @@ class CompletionCache:
         self.written.add(key)
 
 
-def returns_text(returns) -> str:
-    """The mean return of the episodes given (the last few), for the progress and final lines."""
-    if not len(returns):
-        return "no episode has finished yet"
-    return f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}"
-
-
 def close_run(writer, wandb) -> None:
     writer.close()
     if wandb is not None:
@@ -1688,50 +1630,47 @@ def close_run(writer, wandb) -> None:
 
 
 class Run:
-    """What a run needs around the algorithm: the completion cache (its only state: a run started again with the same
-    flags replays it), the run folder, the TensorBoard writer (and W&B with --track), the stop signal, the model's
-    running counts, the progress line and the final line. `main` meets it three times: `start` before the loop,
-    `end_step` after every real step, `finish` after the loop."""
+    """A run around the loop of `main`, which meets it three times: `start` before the loop (the completion cache, its
+    only state: a run started again with the same flags replays it; the run folder, its log and W&B), `end_step` after
+    every real step (the model's counts, the progress line), `finish` after the loop (the final line)."""
 
     LAST = 8  # the progress and final lines report the last LAST episodes
 
     def __init__(self, args: Args, stop: StopSignal):
-        self.args, self.stop = args, stop  # nothing is written before `start`
-        self.totals = StepStats()  # the model's counts over the run
-        self.returns: list = []
-        self.regrets: list = []
+        self.args, self.stop, self.run_name = args, stop, ""  # nothing is written before `start`
+        self.totals, self.returns, self.regrets = StepStats(), [], []  # the model's counts over the run
 
     def start(self, agent: Agent) -> None:
-        """Open the completion cache (given to the agent), make the run folder, open the writer, log the flags."""
+        """The run folder; the completion cache (given to the agent) and W&B, either of which may refuse the run (then
+        no folder is left); the writer, the flags logged."""
         from torch.utils.tensorboard import SummaryWriter
 
-        args, model = self.args, agent.model
-        self.agent = agent
-        self.language_model = model is not None and not agent.structured  # oracle and matching ask no model
-        if self.language_model and not args.no_cache:
-            agent.cache = CompletionCache(args.cache, model.name)
-            self.stop.last_state = f"the completion cache {agent.cache.path} holds every completion so far"
-        else:
-            self.stop.last_state = "this run keeps no completion cache"
-        self.run_name = make_run_dir(f"{args.env}__{args.exp_name}__{args.seed}")
-        device = f" on {model.device} ({model.dtype})" if isinstance(model, HFBackend) else ""
-        name = "none" if model is None else model.name
-        print(f"model: {name}{device}, logging to runs/{self.run_name}", flush=True)
-        wandb = None
-        if args.track:  # before the writer: W&B mirrors its scalars; its files go into the run folder
-            import wandb
+        args, model, made, wandb = self.args, agent.model, not os.path.exists("runs"), None
+        self.agent, self.language_model = agent, model is not None and not agent.structured  # (oracle, matching)
+        try:  # a refused run folder, cache or W&B leaves no folder behind
+            self.run_name = make_run_dir(f"{args.env}__{args.exp_name}__{args.seed}")
+            run_dir = os.path.join("runs", self.run_name)
+            if self.language_model and not args.no_cache:
+                agent.cache = CompletionCache(args.cache, model.name)
+            try:  # W&B's own checks (the package, its mode, the credentials, the project) may refuse the run
+                if args.track:
+                    import wandb  # (its files in the run folder: a run started again is a new W&B run)
 
-            # the writer's scalars mirrored, its event files not copied: W&B's folder is inside the one they are in
-            wandb.tensorboard.patch(save=False)
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                config=vars(args),
-                name=self.run_name,
-                save_code=True,
-                dir=f"runs/{self.run_name}",  # a run started again is a new W&B run, as it is a new run folder
-            )
-        self.writer = SummaryWriter(f"runs/{self.run_name}")
+                    where = dict(project=args.wandb_project_name, entity=args.wandb_entity, name=self.run_name)
+                    wandb.init(**where, dir=run_dir, config=vars(args), save_code=True)
+            except Exception as e:
+                raise UserError(f"--track: W&B refused to start the run ({brief(e)})")
+        except BaseException:  # (runs/ too when this run made it and it is empty: another run may have begun there)
+            shutil.rmtree(os.path.join("runs", self.run_name)) if self.run_name else None
+            with contextlib.suppress(OSError):
+                os.rmdir("runs") if made else None
+            raise
+        wandb.tensorboard.patch(save=False) if args.track else None  # the scalars mirrored, not the event files
+        kept = f"the completion cache {agent.cache.path} holds every completion so far" if agent.cache else ""
+        self.stop.last_state = kept or "this run keeps no completion cache"
+        device = f" on {model.device} ({model.dtype})" if isinstance(model, HFBackend) else ""
+        print(f"model: {'none' if model is None else model.name}{device}, logging to {run_dir}", flush=True)
+        self.writer = SummaryWriter(run_dir)
         # the writer closed (and W&B finished) at `finish`, and also when the run ends in an error: nothing lost
         self.close = weakref.finalize(self, close_run, self.writer, wandb)
         budget = {"prompt_budget": agent.budget} if model is not None else {}  # tabular-q builds no prompt
@@ -1768,17 +1707,20 @@ class Run:
 
     def episodes_text(self) -> str:
         """The mean return and regret of the last LAST episodes."""
-        last = self.regrets[-self.LAST :]
-        regret = f", mean regret of the last {len(last)} episodes {np.mean(last):.3f}" if last else ""
-        return returns_text(self.returns[-self.LAST :]) + regret
+        returns, regrets = self.returns[-self.LAST :], self.regrets[-self.LAST :]
+        return (
+            f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}, mean regret of the last "
+            f"{len(regrets)} episodes {np.mean(regrets):.3f}"
+            if returns
+            else "no episode has finished yet"
+        )
 
     def finish(self, steps_done: int, summary: str, notes: list[str]) -> int:
         """Close the writer; print the final line (with the algorithm's `summary`), the cache's and the algorithm's
         notes, and the invalid answers (a UserError when every one was invalid); the exit status."""
         self.close()
         args, t, stopped = self.args, self.totals, self.stop.requested
-        seconds = time.time() - self.start_time
-        cache = self.agent.cache
+        seconds, cache = time.time() - self.start_time, self.agent.cache
         again = f" (run again with the same flags to replay its completions from {cache.path})" if cache else ""
         print(
             f"{self.run_name}: {steps_done} of {args.total_steps} steps, {len(self.regrets)} episodes, "
@@ -1796,8 +1738,7 @@ class Run:
         for note in notes:
             print(note)
         if self.language_model and t.invalid:
-            model = self.agent.model
-            malformed = getattr(model, "malformed", 0)
+            model, malformed = self.agent.model, getattr(self.agent.model, "malformed", 0)
             print(
                 f"warning: {t.invalid} of {t.calls + t.cache_hits} answers were invalid ({malformed} malformed "
                 f"replies); {t.fallbacks} predictions stayed invalid after all attempts.",
@@ -1811,8 +1752,7 @@ class Run:
 def check_invalid(totals: "StepStats", model, args: Args, final: bool = False) -> None:
     """UserError when too many answers were invalid (after 20); at the end, when every answer was invalid (allowed
     by --max-invalid 1) or every reply of the server was malformed (never allowed)."""
-    answers = totals.calls + totals.cache_hits
-    malformed = getattr(model, "malformed", 0)
+    answers, malformed = totals.calls + totals.cache_hits, getattr(model, "malformed", 0)
     too_many = answers >= 20 and totals.invalid > args.max_invalid * answers
     every_one = 0 < answers <= totals.invalid and args.max_invalid < 1 or 0 < totals.calls <= malformed
     if too_many or (final and every_one):
@@ -1857,22 +1797,19 @@ def resolve_hf_spec(spec: str) -> tuple[str, Optional[str]]:
     """(folder or hub id, gguf file name or None) of `smollm2` or `hf:<folder | file.gguf | hub id>`."""
     target = smollm2_gguf() if spec == "smollm2" else os.path.expanduser(spec[len("hf:") :])
     if target.endswith(".gguf"):
-        return os.path.dirname(os.path.abspath(target)), os.path.basename(target)
-    if not os.path.isdir(target) and (target.startswith(("/", ".")) or target.count("/") > 1):
-        raise UserError(f"model folder '{target}' does not exist")
+        return os.path.dirname(os.path.abspath(regular_file(target))), os.path.basename(target)
     return target, None
 
 
 def hf_load_error(spec: str, folder: str, gguf: Optional[str], e: Exception) -> UserError:
     """The one sentence for a model that does not load, worded by what `spec` names: a GGUF file, a folder, a hub id."""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
     if gguf:
         what = f"the GGUF file {os.path.join(folder, gguf)} cannot be read or converted"
     elif os.path.isdir(folder):
         what = f"the folder {folder} does not hold a model that transformers can load"
     else:
         what = "not a local folder, and not on the hub or in its local cache"
-    return UserError(f"cannot load model '{spec}' ({what}): {first}")
+    return UserError(f"cannot load model '{spec}' ({what}): {brief(e)}")
 
 
 def convert_gguf_once(folder: str, gguf: str) -> str:
@@ -1895,37 +1832,36 @@ def convert_gguf_once(folder: str, gguf: str) -> str:
             model.save_pretrained(tmp)
             AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(tmp)
             os.replace(tmp, cached)
-        except (OSError, RuntimeError) as e:  # a full disk: OSError, or RuntimeError from the tensors' writer
-            if not os.path.isfile(os.path.join(cached, "config.json")):  # else another run converted it first
-                why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
-                raise UserError(f"could not write the converted model to {cached} ({why})")
+        except OSError:  # a full disk (the loader names it), or another run converted it first
+            if not os.path.isfile(os.path.join(cached, "config.json")):
+                raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return cached
 
 
-def make_run_dir(base: str, root: str = "runs") -> str:
-    """Create root/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
-    stamp, k = int(time.time()), 1
-    while True:
-        name = f"{base}__{stamp}" + (f"-{k}" if k > 1 else "")
-        try:
-            os.makedirs(os.path.join(root, name))
+def make_run_dir(base: str) -> str:
+    """Create runs/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
+    for name in (f"{base}__{int(time.time())}" + (f"-{k}" if k > 1 else "") for k in itertools.count(1)):
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(os.path.join("runs", name))
             return name
-        except FileExistsError:
-            k += 1
-        except OSError as e:
-            raise UserError(f"cannot create the run folder {os.path.join(root, name)} ({e.strerror or e})")
 
 
 def cli(argv: Optional[list[str]] = None) -> int:
-    """The entry point: parse the flags, install the signal handler, run; a user's mistake is one sentence, exit 2."""
-    args = tyro.cli(Args, args=argv)
+    """The entry point: a user's mistake, a file the system refuses (a full disk), too little memory: one sentence."""
+    args, stop = tyro.cli(Args, args=argv), StopSignal()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop.handle)
     try:
-        return main(args, StopSignal().install())
+        return main(args, stop)
     except UserError as e:
         print(f"error: {e}.", file=sys.stderr, flush=True)
-        return 2
+    except OSError as e:
+        print(f"error: {e.filename or 'a file'}: {e.strerror or brief(e)}.", file=sys.stderr, flush=True)
+    except MemoryError:
+        print("error: this machine does not have the memory these flags need.", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":

