@@ -1853,12 +1853,15 @@ def cli(argv: Optional[list[str]] = None) -> int:
     args, stop = tyro.cli(Args, args=argv), StopSignal()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop.handle)
+    # a thread's OSError (the log's writer on a full disk) reaches the run through the object it serves: said once
+    threading.excepthook = lambda a: None if issubclass(a.exc_type, OSError) else threading.__excepthook__(a)
     try:
         return main(args, stop)
     except UserError as e:
         print(f"error: {e}.", file=sys.stderr, flush=True)
-    except OSError as e:
-        print(f"error: {e.filename or 'a file'}: {e.strerror or brief(e)}.", file=sys.stderr, flush=True)
+    except OSError as e:  # a file's, named; a thread's write names none: where the last training state is, then
+        where = f"{e.filename}: {e.strerror}" if e.filename else f"{e.strerror or brief(e)}; {stop.last_state}"
+        print(f"error: {where}.", file=sys.stderr, flush=True)
     except MemoryError:
         print("error: this machine does not have the memory these flags need.", file=sys.stderr, flush=True)
     return 2

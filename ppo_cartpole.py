@@ -31,6 +31,7 @@ import random
 import re
 import shutil
 import stat
+import threading
 import time
 import types
 import uuid
@@ -654,17 +655,18 @@ class Run:
         """Given the objects a training state holds (models, optimizers, generators, envs, the loop's arrays, queues):
         a resumed run's state checked and put back into them; the folder, its lock and log. Where the loop goes on."""
         self.objects, self.update, args, made = objects, 0, self.args, not os.path.exists("runs")
-        if self.state is None:
-            self.run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}")
-            self.run_dir = os.path.join("runs", self.run_name)
-        else:
+        if self.state is not None:
             self.restore()
         try:
+            if self.state is None:
+                self.run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}")
+                self.run_dir = os.path.join("runs", self.run_name)
             self.lock = lock_run_dir(self.run_dir)
             self.open_log()
-        except BaseException:  # a refused start (another process, W&B) leaves nothing behind
+        except BaseException:  # a refused start (a name too long, another process, W&B) leaves nothing behind
             os.close(self.lock) if self.lock is not None else None
-            shutil.rmtree("runs" if made else self.run_dir) if self.state is None else None
+            shutil.rmtree(self.run_dir) if self.state is None and self.run_dir else None
+            os.rmdir("runs") if made and os.path.isdir("runs") and not os.listdir("runs") else None
             raise
         self.global_step = self.first_step = self.update * self.steps_per_update
         self.start_time = self.last_line = time.time()
@@ -706,6 +708,7 @@ class Run:
                 wandb.tensorboard.patch(save=False) if not wandb.patched["tensorboard"] else None
                 wandb.init(**where, name=self.run_name, config=vars(args), sync_tensorboard=True, resume="allow")
         except Exception as e:
+            sys.modules["wandb"].tensorboard.unpatch() if sys.modules.get("wandb") else None
             raise UserError(f"--track: W&B refused to start the run ({brief(e)})")
         purge = self.update * self.steps_per_update + 1 if self.state is not None else None
         self.writer = SummaryWriter(self.run_dir, purge_step=purge)
@@ -816,13 +819,16 @@ def cli(argv: Optional[list[str]] = None) -> int:
     args, stop = tyro.cli(Args, args=argv), StopSignal()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop.handle)
+    # a thread's OSError (the log's writer on a full disk) reaches the run through the object it serves: said once
+    threading.excepthook = lambda a: None if issubclass(a.exc_type, OSError) else threading.__excepthook__(a)
     try:
         return main(args, stop)
     except UserError as e:
         print(f"error: {e}.", file=sys.stderr, flush=True)
-    except OSError as e:
-        print(f"error: {e.filename or 'a file'}: {e.strerror or brief(e)}.", file=sys.stderr, flush=True)
-    except MemoryError:  # (the buffers are made before anything is written)
+    except OSError as e:  # a file's, named; a thread's write names none: where the last training state is, then
+        where = f"{e.filename}: {e.strerror}" if e.filename else f"{e.strerror or brief(e)}; {stop.last_state}"
+        print(f"error: {where}.", file=sys.stderr, flush=True)
+    except MemoryError:
         print("error: this machine does not have the memory these flags need.", file=sys.stderr, flush=True)
     return 2
 
