@@ -13,9 +13,9 @@ approximation).
     python gpt2ppo_lunar.py --eval-checkpoint runs/<run>/gpt2ppo_lunar.pt
     python gpt2ppo_lunar.py --resume runs/<run>
 
-The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it is the `Run` that `main` meets
-before, in and after its loop (run folder, TensorBoard, signals, progress, the training state of `--resume`), the
-checks, checkpoints and the evaluation-only mode.
+The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it are the checks, signals,
+checkpoints, the run object that owns the run folder, its log and the training state that `--resume` continues
+from, and the evaluation-only mode.
 """
 
 import os
@@ -25,14 +25,21 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, not a traceback
     signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
 
+import contextlib
+import copy
 import fcntl
+import io
+import itertools
+import math
 import random
 import re
+import shutil
 import stat
 import time
 import types
-import warnings
+import uuid
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional, Union, get_args, get_origin
 
@@ -46,7 +53,7 @@ import tyro
 @dataclass
 class Args:
     exp_name: str = "gpt2ppo_lunar"
-    """the name of this experiment (up to 200 letters, digits, `.`, `_`, `-`; part of the run folder's name)"""
+    """the name of this experiment (letters, digits, `.`, `_`, `-`; part of the run folder's name)"""
     seed: int = 1
     """seed of the experiment; with --eval-checkpoint, a value other than 1 replaces the checkpoint's seed"""
     cuda: bool = True
@@ -356,6 +363,17 @@ class History:
         for a in (self.obs, self.act, self.ts, self.reach):
             a[:, : self.K] = a[:, self.T : self.T + self.K].copy()
 
+    def state_dict(self) -> dict:
+        return {name: torch.from_numpy(getattr(self, name).copy()) for name in ("obs", "act", "ts", "reach")}
+
+    def load_state_dict(self, state: dict) -> None:
+        """In place (the torch views share this memory), once every window stays inside its episode."""
+        ts, reach = state["ts"].numpy(), state["reach"].numpy()
+        if not ((ts >= 0) & (reach >= 0) & (reach <= np.minimum(ts, self.K - 1))).all():
+            raise ValueError("its history holds windows that reach outside their episodes")
+        for name in ("obs", "act", "ts", "reach"):
+            getattr(self, name)[...] = state[name].numpy()
+
 
 @torch.no_grad()
 def state_values(critic: nn.Module, history: History, flat_rows: np.ndarray, chunk: int = 256, device="cpu"):
@@ -414,17 +432,47 @@ def value_loss(new_values, targets):
     return 0.5 * ((new_values - targets) ** 2).mean()
 
 
+def budget(args: Args) -> tuple[int, int]:
+    """(updates, steps per update) of a run: its --total-timesteps in whole rollouts of --steps-per-epoch steps."""
+    return -(-args.total_timesteps // args.steps_per_epoch), args.steps_per_epoch
+
+
+def evaluate(objects: dict, env_id: str, args: Args, seed: int, writer, stop, videos: Optional[str] = None) -> list:
+    """--eval-episodes greedy episodes of the actor on the CPU, episode i reset with seed + i, logged as
+    eval/episodic_return; with `videos` (a folder), each recorded into it as an MP4 file. A stop request ends the
+    evaluation after the current episode."""
+    actor, returns = objects["actor"].cpu().eval(), []
+    env = gym.make(env_id, render_mode=None if videos is None else "rgb_array")
+    if videos is not None:
+        env = gym.wrappers.RecordVideo(env, video_folder=videos, episode_trigger=lambda e: True, name_prefix="eval")
+    with torch.inference_mode():
+        for ep in range(args.eval_episodes):
+            if stop.requested:
+                break
+            obs, done = env.reset(seed=seed + ep)[0], False
+            returns.append(0.0)
+            while not done:
+                action = actor.act(torch.as_tensor(obs, dtype=torch.float32)[None], greedy=True)[0].numpy()
+                obs, reward, terminated, truncated, _ = env.step(to_env_action(action, env.action_space))
+                returns[-1], done = returns[-1] + float(reward), terminated or truncated
+            writer.add_scalar("eval/episodic_return", returns[-1], ep)
+    env.close()  # the last video is written here
+    mean, std = np.mean(returns or [np.nan]), np.std(returns or [np.nan])
+    where = f"env {env_id}, seeds from {seed}" + ("" if videos is None else f"; videos in {videos}")
+    print(f"eval: {mean:.2f} +- {std:.2f} over {len(returns)} of {args.eval_episodes} episodes ({where})", flush=True)
+    return returns
+
+
 def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     """Train (or, with --eval-checkpoint, evaluate); returns the exit status: 0, or 128 + the signal that stopped it."""
     stop = StopSignal() if stop is None else stop
-    check_args(args)
-    torch.set_num_threads(args.torch_threads)
     if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, stop)
-    run = Run(args, stop)  # nothing written yet; with --resume, the run's own flags
+    run = Run(args, stop)  # the flags checked; with --resume, the run's own, read from its training state
     args = run.args
+    torch.set_num_threads(args.torch_threads)
     T, N = args.steps_per_epoch // args.num_envs, args.num_envs  # steps per env per rollout, envs
-    num_updates = -(-args.total_timesteps // args.steps_per_epoch)  # whole rollouts, rounded up
+    num_updates, _ = budget(args)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
 
     random.seed(args.seed)
@@ -458,7 +506,8 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     rows_train = (np.arange(N)[None] * history.L + K - 1 + np.arange(T)[:, None]).reshape(-1)
 
     next_obs = envs.reset(seed=args.seed)[0].astype(np.float32)
-    start = run.start(  # a resumed run: these objects as they were at its last training state
+    # the run folder and its log; a resumed run puts these objects back as they were at its last training state
+    start = run.start(
         actor=actor,
         critic=critic,
         actor_optimizer=actor_opt,
@@ -471,7 +520,9 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         envs=envs,
         next_obs=next_obs,
     )
-    global_step, next_obs, start_time = start.global_step, start.next_obs, time.time()
+    global_step, start_time = start.global_step, time.time()
+    if device.type == "cpu" and args.critic == "gpt2" and args.value_stride == 1:
+        print("exact windows: minutes per update on a CPU (--value-stride 64: ~64x fewer passes)", flush=True)
     for update in range(start.update + 1, num_updates + 1):
         rollout_start = time.time()
         actor.eval()
@@ -575,391 +626,75 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     return run.finish()  # the --save-model checkpoint and its evaluation, the final line; the exit status
 
 
-# ---- Run machinery: what a run needs around the algorithm (the run object that main meets before, in and after its
-# loop, checks, signals, checkpoints, the training state that --resume continues from, the evaluation-only mode, the
-# command line). The algorithm is complete above this line.
+# ---- Run machinery: what a run needs around the algorithm (checks of flags and files, signals, atomic saves, the run
+# folder with its lock, log and W&B, the training state that --resume continues from, the evaluation-only mode, the
+# command line). The algorithm is complete above this line. The text down to `# ---- This script's machinery` is the
+# same in the three torch scripts.
+
+SCRIPT = os.path.basename(__file__)
+PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a file or folder name: no separators, not . or ..
+CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
 
 
 class UserError(Exception):
-    """A mistake the user can fix (a flag, a file, an env, the disk): one sentence, exit 2 at the entry point."""
-
-
-class Run:
-    """The run around the training loop: its folder, the TensorBoard writer (`run.writer`), the signals, the progress
-    line, the training state saved every --checkpoint-every updates and at a stop, and --resume. `main` meets it
-    before the loop (`start`), at the end of each update (`end_update`) and after the loop (`finish`)."""
-
-    def __init__(self, args: Args, stop: "StopSignal"):
-        """Nothing is written here; with --resume, `args` becomes the run's own flags, read from its training state."""
-        self.stop, self.state, self.writer, self.wandb, self.wandb_id = stop, None, None, None, None
-        if args.resume is not None:
-            args, self.state = load_training_state(args)
-        self.args, self.run_dir = args, args.resume
-        self.num_updates = -(-args.total_timesteps // args.steps_per_epoch)
-
-    def start(self, next_obs: np.ndarray, **objects) -> types.SimpleNamespace:
-        """Before the loop: a new run makes its folder and writer and logs its flags; a resumed one puts its training
-        state back into `objects` (those a training state holds) and continues its folder and log. The counters the
-        loop starts from: update (done so far), global_step, next_obs."""
-        args, state, self.objects = self.args, self.state, objects
-        update, global_step = 0, 0
-        if state is None:
-            suffix = "" if args.update_schedule == "shuffled" else f"-{args.update_schedule}-schedule"
-            base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__critic-{args.critic}{suffix}__{args.seed}"
-            self.run_dir = os.path.join("runs", make_run_dir(base))
-            self.take_lock()
-        else:  # nothing is written into the folder before the state is known to fit and the folder to be writable
-            validate_training_state(self.state_path, state, args, objects)
-            self.take_lock()
-            for name in os.listdir(self.run_dir):  # a save killed mid-write leaves its temporary file
-                if re.fullmatch(r".+\.pt\.tmp\d+", name):
-                    os.remove(os.path.join(self.run_dir, name))
-            update, global_step, next_obs = restore_training_state(state, objects)
-            self.stop.last_state = f"the last training state is {self.state_path} (update {update})"
-            # TensorBoard reads event files in name order, which starts with the second of their making
-            wait_for_a_new_second(self.run_dir)
-        self.run_name = os.path.basename(os.path.abspath(self.run_dir))
-        device = next(objects["actor"].parameters()).device
-        slow = device.type == "cpu" and args.critic == "gpt2" and args.value_stride == 1
-        print(
-            f"{self.run_name}: device {device}, {self.num_updates} rollouts of {args.steps_per_epoch} steps"
-            + ("" if state is None else f", continued after update {update}")
-            + ("; exact windows: minutes per update on a CPU (--value-stride 64: ~64x fewer passes)" if slow else ""),
-            flush=True,
-        )
-        if args.track:  # before the writer: W&B mirrors what it logs; the same W&B run when resumed
-            import wandb
-            from wandb.sdk.lib.runid import generate_id
-
-            self.wandb = wandb
-            self.wandb_id = state["wandb_id"] if state is not None and state["wandb_id"] else generate_id()
-            if not wandb.patched["tensorboard"]:  # the scalars only: a copy of the event files would land in W&B's
-                wandb.tensorboard.patch(save=False)  # folder inside the run folder, where W&B would read it again
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=vars(args),
-                name=self.run_name,
-                save_code=True,
-                dir=self.run_dir,
-                id=self.wandb_id,
-                resume="allow",
-            )
-        from torch.utils.tensorboard import SummaryWriter
-
-        # a resumed run hides what was logged after its last training state, so no step appears twice
-        self.writer = SummaryWriter(self.run_dir, purge_step=None if state is None else global_step + 1)
-        if state is None:
-            table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-        self.update, self.global_step, self.first_step = update, global_step, global_step
-        self.start_time = self.last_line = time.time()
-        return types.SimpleNamespace(update=update, global_step=global_step, next_obs=next_obs)
-
-    @property
-    def state_path(self) -> str:
-        return os.path.join(self.run_dir, "training_state.pt")
-
-    def take_lock(self) -> None:
-        """One process per run folder: an advisory lock on <run folder>/.lock, held until the run ends, with the
-        holder's pid in it; the folder is checked to be writable (a small file written, synced, removed) before the
-        pid is written."""
-        try:
-            self.lock = open(os.path.join(self.run_dir, ".lock"), "a+")
-        except OSError as e:
-            raise UserError(f"cannot write into the run folder {self.run_dir} ({e.strerror})")
-        try:
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.lock.seek(0)
-            holder = self.lock.read().strip() or "unknown"
-            self.lock.close()
-            raise UserError(f"another process (pid {holder}) is running {self.run_dir}")
-        try:
-            check_writable(self.run_dir, "the run folder")
-            if self.args.capture_video and self.args.save_model:
-                check_writable(os.path.join(self.run_dir, "videos"), "the videos folder")
-            self.lock.seek(0)
-            self.lock.truncate()
-            self.lock.write(f"{os.getpid()}\n")
-            self.lock.flush()
-        except UserError:
-            self.lock.close()
-            raise
-        except OSError as e:  # the pid could not be written (a full disk)
-            self.lock.close()
-            raise UserError(f"cannot write into the run folder {self.run_dir} ({e.strerror or e})")
-
-    def steps_per_second(self) -> int:
-        return int((self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9))
-
-    def end_update(self, update: int, global_step: int, **loop_state) -> bool:
-        """After each update: save the training state when due (every --checkpoint-every updates, the last one, and
-        at a stop), print the progress line (every 10% of the updates or 60 s); True when a stop was asked."""
-        self.update, self.global_step = update, global_step
-        stopping = self.stop.requested  # read once: a signal after this line stops the run at the next update
-        if stopping or update % self.args.checkpoint_every == 0 or update == self.num_updates:
-            self.writer.flush()  # what the updates in this state logged is on disk before the state is
-            save_checkpoint(
-                self.state_path,
-                training_state(self.args, update, global_step, self.objects, wandb_id=self.wandb_id, **loop_state),
-            )
-            self.stop.last_state = f"the last training state is {self.state_path} (update {update})"
-        tenth = update * 10 // self.num_updates > (update - 1) * 10 // self.num_updates
-        if not stopping and update < self.num_updates and (tenth or time.time() - self.last_line >= 60):
-            self.last_line = time.time()
-            print(
-                f"{self.run_name}: update {update}/{self.num_updates}, {global_step} steps, "
-                f"{self.steps_per_second()} steps/s, {returns_text(self.objects['recent_returns'])}",
-                flush=True,
-            )
-        return stopping
-
-    def finish(self) -> int:
-        """After the loop: the --save-model checkpoint, the final line, the evaluation of a run that ended (not a
-        stopped one); closes the envs and the writer. The exit status."""
-        args, objects = self.args, self.objects
-        objects["envs"].close()
-        self.writer.flush()
-        model_path = os.path.join(self.run_dir, f"{args.exp_name}.pt")
-        if args.save_model:
-            max_timestep, obs_dim, act_dim, discrete = env_dims(objects["envs"])
-            checkpoint = {
-                "actor": objects["actor"].state_dict(),
-                "critic": objects["critic"].state_dict(),
-                "args": {**vars(args), "max_timestep": max_timestep},
-                "run_name": self.run_name,
-                "obs_dim": obs_dim,
-                "act_dim": act_dim,
-                "discrete": discrete,
-            }
-            save_checkpoint(model_path, checkpoint)
-        saved = f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"
-        interrupted = self.stop.requested and self.update < self.num_updates  # a stop in the last update: complete
-        stopped = f"stopped by {signal.Signals(self.stop.signum).name} after " if interrupted else ""
-        print(
-            f"{self.run_name}: {stopped}{self.global_step} of {self.num_updates * args.steps_per_epoch} steps, "
-            f"{returns_text(objects['recent_returns'])}, {self.steps_per_second()} steps/s; {saved}"
-            + (f"; interrupted (continue it: --resume {self.run_dir})" if interrupted else ""),
-            flush=True,
-        )
-        if args.save_model and not self.stop.requested:
-            actor, videos = objects["actor"].cpu().eval(), os.path.join(self.run_dir, "videos")
-            seed, folder = 10_000 + args.seed, videos if args.capture_video else None
-            returns = evaluate(
-                actor, args.env_id, args.eval_episodes, seed, self.writer, self.stop, video_folder=folder
-            )
-            if self.wandb is not None and args.capture_video:  # this evaluation's videos, to W&B too
-                for episode in range(len(returns)):
-                    path = os.path.join(videos, f"eval-episode-{episode}.mp4")
-                    self.wandb.log({"videos/eval": self.wandb.Video(path, format="mp4")})
-        self.writer.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-            self.wandb.tensorboard.unpatch()
-        self.lock.close()
-        return self.stop.exit_status
-
-
-def check_writable(folder: str, what: str) -> None:
-    """Make `folder` if needed and write, sync and remove a small file in it; UserError naming `what` otherwise."""
-    probe = os.path.join(folder, f".probe{os.getpid()}")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        try:
-            with open(probe, "wb") as f:
-                f.write(b"\0" * 4096)
-                f.flush()
-                os.fsync(f.fileno())
-        finally:
-            if os.path.lexists(probe):
-                os.remove(probe)
-    except OSError as e:
-        raise UserError(f"cannot write into {what} {folder} ({e.strerror or e})")
-
-
-RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
-    "seed": (0, 2**32 - 1, False),
-    "torch_threads": (1, 1024, False),
-    "eval_episodes": (1, 10**6, False),
-    "checkpoint_every": (1, 10**9, False),
-    "total_timesteps": (1, 10**12, False),
-    "steps_per_epoch": (1, 2**24, False),
-    "num_envs": (1, 1024, False),
-    "update_epochs": (1, 10**4, False),
-    "minibatch_size": (1, 2**24, False),
-    "actor_lr": (0, 1, True),
-    "critic_lr": (0, 1, True),
-    "gamma": (0, 1, False),
-    "gae_lambda": (0, 1, False),
-    "clip_coef": (0, 10, True),
-    "max_grad_norm": (0, 1e6, False),
-    "hidden_size": (1, 2**16, False),
-    "context_len": (1, 4096, False),
-    "n_layer": (1, 96, False),
-    "n_head": (1, 1024, False),
-    "dropout": (0, 0.99, False),
-    "value_stride": (1, 4096, False),
-}
-CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
-EVAL_FLAGS = {
-    "eval_checkpoint",
-    "eval_episodes",
-    "seed",
-    "cuda",
-    "torch_threads",
-    "capture_video",
-}  # all that --eval-checkpoint takes
-# the single list of flags a resumed run may change: they change only how the run computes, not its training
-RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes", "capture_video"}
-PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")  # a folder name: no separators, not . or ..
+    """A mistake the user can fix (a flag, a file, an env): one sentence, exit 2 at the entry point."""
 
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def in_range(name: str, value) -> bool:
-    low, high, low_excluded = RANGES[name]
-    return low < value <= high if low_excluded else low <= value <= high
+def brief(e: BaseException) -> str:
+    """An exception's message on one line, at most 200 characters."""
+    return (" ".join(str(e).split()) or type(e).__name__)[:200].rstrip(".")
 
 
 def check_args(args: Args) -> None:
-    """The one check before anything is made: UserError for the first bad value (ranges, choices, names, the env's
-    fit, the memory estimate), before any env, model or run folder exists."""
+    """UserError for the first flag out of its range, choices or form, or that this script's env cannot take."""
     for name, (low, high, low_excluded) in RANGES.items():
         value = getattr(args, name)
-        if value is not None and not in_range(name, value):
+        if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
             raise UserError(f"{flag(name)} must be in {'(' if low_excluded else '['}{low}, {high}], got {value}")
     for name, choices in CHOICES.items():
         if getattr(args, name) not in choices:
-            raise UserError(f"{flag(name)} must be one of {', '.join(choices)}, got {getattr(args, name)!r}")
-    if not PLAIN_NAME.fullmatch(args.exp_name):
-        raise UserError(
-            f"--exp-name must be a plain name of up to 200 letters, digits, '.', '_' or '-', got {args.exp_name!r}"
-        )
-    if args.exp_name == "training_state":  # --save-model's file would overwrite the training state
-        raise UserError("--exp-name training_state is the name of the run's training state; choose another")
+            raise UserError(f"{flag(name)} must be one of {', '.join(map(str, choices))}, got {getattr(args, name)!r}")
+    if not PLAIN_NAME.fullmatch(args.exp_name) or args.exp_name == "training_state":  # (its --save-model file's name)
+        raise UserError(f"--exp-name must be a plain name other than training_state, got {args.exp_name!r}")
     given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
     if args.eval_checkpoint is not None and given:
         raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
-    if args.track:
-        check_wandb()
-    if args.capture_video and args.eval_checkpoint is None:
-        check_renderer(args.env_id)
-    if args.eval_checkpoint is not None:
-        return  # the rest is the training's; the checkpoint's own flags are checked when it is read
-    if args.steps_per_epoch % args.num_envs:
-        raise UserError(f"--steps-per-epoch must be a multiple of --num-envs {args.num_envs}")
-    if args.steps_per_epoch % args.minibatch_size:
-        raise UserError(f"--minibatch-size must divide --steps-per-epoch {args.steps_per_epoch}")
-    if args.critic == "gpt2" and args.value_stride > args.context_len:
-        raise UserError(
-            f"--value-stride must be between 1 and --context-len {args.context_len}, got {args.value_stride}"
-        )
-    if args.critic == "gpt2" and args.hidden_size % args.n_head:
-        raise UserError(f"--n-head {args.n_head} must divide --hidden-size {args.hidden_size}")
-    check_memory(args)
-    env_spaces(args.env_id)
-
-
-def check_memory(args: Args) -> None:
-    """UserError when the critic and the rollout would need more than this machine's memory (a rough estimate); the
-    GPT-2 sizes count only for `--critic gpt2`."""
-    H, memory = args.hidden_size, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    gpt2 = args.critic == "gpt2"
-    K = args.context_len if gpt2 else 1  # the MLP's window: one step
-    square = 12 * args.n_layer if gpt2 else 2  # H x H weights: GPT-2's blocks, or the MLP's and the actor's layer
-    weights = 16 * (square * H * H + 4096 * H)  # weights, gradients and Adam's moments
-    rollout = 32 * args.steps_per_epoch * (K + args.num_envs)
-    batch = 4 * max(256, args.minibatch_size) * 2 * K * args.n_layer * (16 * H + 6 * args.n_head * K) if gpt2 else 0
-    need = weights + rollout + batch
-    if need >= memory:
-        raise UserError(f"these sizes need ~{need / 2**30:.0f} GiB, more than this machine's {memory / 2**30:.0f} GiB")
-
-
-def check_wandb() -> None:
-    """UserError unless the wandb package is there and W&B can be reached without a prompt: an API key, a login
-    (api.wandb.ai in ~/.netrc) or WANDB_MODE offline (or disabled)."""
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise UserError("--track needs the wandb package (pip install wandb)")
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+    if args.eval_checkpoint is not None:  # (the env and the model are the checkpoint's)
         return
-    import netrc
-
-    try:
-        login = netrc.netrc(os.environ.get("NETRC") or os.path.expanduser("~/.netrc")).authenticators("api.wandb.ai")
-    except (OSError, netrc.NetrcParseError):
-        login = None
-    if not login:
-        raise UserError(
-            "--track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login` (an api.wandb.ai "
-            "entry in ~/.netrc), or set WANDB_MODE=offline (then `wandb sync` uploads the run)"
-        )
-
-
-def check_renderer(env_id: str) -> None:
-    """UserError unless `env_id` renders a frame headless (rgb_array), naming what to install; MuJoCo envs render
-    through OSMesa when no display or MUJOCO_GL is set."""
-    mujoco = "mujoco" in str(getattr(gym.spec(env_id), "entry_point", "")) if env_id in gym.registry else False
-    if mujoco and not os.environ.get("DISPLAY") and not os.environ.get("MUJOCO_GL"):
-        os.environ.setdefault("MUJOCO_GL", "osmesa")
-        os.environ.setdefault("PYOPENGL_PLATFORM", "osmesa")
-    if not mujoco and not os.environ.get("DISPLAY"):  # pygame draws off screen: no display, no warning about one
+    check_this_script(args)
+    if args.capture_video and not os.environ.get("DISPLAY"):  # MuJoCo renders through OSMesa, pygame into arrays
+        os.environ.setdefault("MUJOCO_GL", "osmesa")  # (read when MuJoCo is first imported)
+        os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
         os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
-    install = (
-        "set MUJOCO_GL=osmesa and install OSMesa (Debian: apt-get install libosmesa6)"
-        if mujoco
-        else "pip install pygame"
-    )
-    try:
-        env = gym.make(env_id, render_mode="rgb_array")
-        try:
-            env.reset(seed=0)
-            frame = env.render()
-        finally:
-            env.close()
-    except Exception as e:  # a missing renderer shows up as any error of the env's drawing code
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
-        raise UserError(f"--capture-video cannot render {env_id} ({why}); {install}")
-    if not isinstance(frame, np.ndarray) or frame.ndim != 3:
-        raise UserError(f"--capture-video cannot render {env_id} (it draws no rgb_array frames); {install}")
+    try:  # a frame now, not after training
+        with gym.make(args.env_id, render_mode="rgb_array") if args.capture_video else contextlib.nullcontext() as env:
+            assert env is None or env.reset(seed=0) and getattr(env.render(), "ndim", 0) == 3, "it gave no image"
+    except Exception as e:  # renderers raise many kinds (ImportError, RuntimeError, GL errors)
+        fix = "pip install pygame" if "mujoco" not in str(gym.spec(args.env_id).entry_point) else "libosmesa6"
+        raise UserError(f"--capture-video cannot render {args.env_id} ({brief(e)}; {fix})")
 
 
-def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
-    """(observation space, action space) of an env that fits this script (flat Box observations, Discrete or flat Box
-    actions, an episode limit); UserError otherwise."""
-    try:
-        env = gym.make(env_id)
-    except Exception as e:  # an unknown or broken id is the user's input
-        raise UserError(f"cannot make env '{env_id}': {(str(e).splitlines() or [type(e).__name__])[0].rstrip('.')}")
-    obs, act, spec = env.observation_space, env.action_space, env.spec
-    env.close()
-    if not isinstance(obs, gym.spaces.Box) or len(obs.shape) != 1:
-        raise UserError(f"gpt2ppo_lunar.py needs a flat Box observation, but '{env_id}' has {obs}")
-    discrete = isinstance(act, gym.spaces.Discrete)
-    if not discrete and not (isinstance(act, gym.spaces.Box) and len(act.shape) == 1):
-        raise UserError(f"gpt2ppo_lunar.py needs a Discrete or flat Box action space, but '{env_id}' has {act}")
-    if spec is None or spec.max_episode_steps is None:
-        raise UserError(f"'{env_id}' has no episode limit, which the timestep embedding needs")
-    return obs, act
+def fits(value, hint) -> bool:
+    """Whether `value` is of a flag's type `hint`: int not bool, float or int, by member (Optional, Literal, tuple)."""
+    origin, parts = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType, Literal):
+        return any(fits(value, p) if origin is not Literal else type(value) is type(p) and value == p for p in parts)
+    if origin is tuple:
+        return type(value) is tuple and all(fits(v, parts[0]) for v in value)
+    return type(value) is hint or hint is float and type(value) is int
 
 
 class StopSignal:
-    """SIGINT (Ctrl-C) and SIGTERM: the first asks the run to stop at the next safe point and keep what was done,
-    a second quits at once. `install` puts the handler in place (the entry point does; importing does not)."""
+    """SIGINT (Ctrl-C) and SIGTERM, once `handle` is their handler (the entry point's doing, not an import's): the first
+    stops the run at the next safe point, keeping what was done; a second quits at once."""
 
     def __init__(self):
         self.signum = 0
         self.last_state = "no training state was saved"  # the run object says where its last state is
-
-    def install(self) -> "StopSignal":
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self.handle)
-        return self
 
     def handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -978,580 +713,426 @@ class StopSignal:
         return 128 + self.signum if self.signum else 0
 
 
-def save_checkpoint(path: str, checkpoint: dict) -> None:
-    """Write to a temporary file in the same folder, then rename: a failed save leaves the previous file or none."""
-    tmp = f"{path}.tmp{os.getpid()}"
+def save_checkpoint(path: str, obj: dict) -> None:
+    """Write `obj` to a temporary file, synced, then rename it: a failed save leaves the previous file (or none)."""
+    buffer, tmp = io.BytesIO(), f"{path}.tmp{os.getpid()}"
+    torch.save(obj, buffer)
     try:
-        torch.save(checkpoint, tmp)
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # a full disk: OSError from open, RuntimeError from torch's writer
-        why = e.strerror if isinstance(e, OSError) and e.strerror else "the write failed: is the disk full?"
-        raise UserError(f"could not save the checkpoint {path} ({why}); the file there, if any, is unchanged")
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, path) from None  # (a failed write names no file)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
 
 
 def load_checkpoint(path: str) -> dict:
-    """The dict in a checkpoint file, read without running code (weights_only); UserError for anything else."""
+    """A checkpoint or training state of this script, read without running code (weights_only), its flags typed."""
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a folder, a FIFO (opening it would wait forever), a device
+        raise UserError(f"'{path}' is not a regular file")
+    with open(path, "rb") as f:
+        data = io.BytesIO(f.read())
     try:
-        os.lstat(path)
-    except FileNotFoundError:
-        raise UserError(f"cannot read the checkpoint '{path}' (it does not exist)")
-    except OSError as e:
-        raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
-    try:
-        mode = os.stat(path).st_mode  # a symbolic link followed: a loop or a dangling link says so
-    except OSError as e:
-        raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
-    if not stat.S_ISREG(mode):  # a folder, a FIFO or a device: opening a FIFO would wait forever
-        raise UserError(f"cannot read the checkpoint '{path}' (not a regular file)")
-    try:
-        with open(path, "rb") as f:  # unreadable (permissions, an I/O error): say why
-            f.read(1)
-    except OSError as e:
-        raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        saved = torch.load(data, map_location="cpu", weights_only=True)
     except Exception:
-        raise UserError(f"cannot read the checkpoint '{path}' (not a torch file)")
-    if not isinstance(checkpoint, dict):
-        raise UserError(f"'{path}' is not a gpt2ppo_lunar.py checkpoint")
-    return checkpoint
-
-
-def fits(value, hint) -> bool:
-    """Whether `value` is of the type hint `hint`: int excludes bool, float accepts an int, Optional and Literal as
-    written, tuples, lists and dicts element by element."""
-    origin, params = get_origin(hint), get_args(hint)
-    if hint is None or hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is Literal:
-        return any(type(value) is type(p) and value == p for p in params)
-    if origin in (Union, types.UnionType):
-        return any(fits(value, p) for p in params)
-    if origin is tuple:
-        if len(params) == 2 and params[1] is Ellipsis:
-            return isinstance(value, tuple) and all(fits(v, params[0]) for v in value)
-        return isinstance(value, tuple) and len(value) == len(params) and all(map(fits, value, params))
-    if origin is list:
-        return isinstance(value, list) and all(fits(v, params[0]) for v in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(fits(k, params[0]) and fits(v, params[1]) for k, v in value.items())
-    return isinstance(value, hint)
-
-
-CHECKPOINT_TYPES = {
-    "actor": dict[str, torch.Tensor],
-    "critic": dict[str, torch.Tensor],
-    "args": dict,
-    "obs_dim": int,
-    "act_dim": int,
-    "discrete": bool,
-}
-CHECKPOINT_ARGS = {
-    "env_id": str,
-    "critic": Literal["gpt2", "mlp"],
-    "seed": int,
-    "hidden_size": int,
-    "context_len": int,
-    "n_layer": int,
-    "n_head": int,
-    "dropout": float,
-    "max_timestep": int,
-}
-
-
-def spaces_dims(obs: gym.Space, act: gym.Space) -> tuple[int, int, bool]:
-    """(obs_dim, act_dim, discrete) of spaces that passed env_spaces."""
-    discrete = isinstance(act, gym.spaces.Discrete)
-    return int(obs.shape[0]), int(act.n if discrete else act.shape[0]), discrete
-
-
-def actor_from_checkpoint(path: str) -> tuple[Actor, dict]:
-    """(actor, training args with run_name) of a --save-model checkpoint, checked key by key, against its env, and
-    weight by weight (names, shapes, dtypes, finite values) before the actor is built; the critic, which an
-    evaluation does not use, is only checked (on the meta device: its shapes, nothing allocated)."""
-    ckpt = load_checkpoint(path)
-    train = ckpt.get("args")
-    if not (
-        all(fits(ckpt.get(k), t) for k, t in CHECKPOINT_TYPES.items())
-        and all(fits(train.get(k), t) for k, t in CHECKPOINT_ARGS.items())
-    ):
-        raise UserError(f"'{path}' is not a gpt2ppo_lunar.py checkpoint (a key is missing or of the wrong type)")
-    config = {**train, "run_name": ckpt.get("run_name") or os.path.basename(os.path.dirname(os.path.abspath(path)))}
-    sizes = ("seed", "hidden_size", "context_len", "n_layer", "n_head", "dropout")
-    if not (
-        all(in_range(k, config[k]) for k in sizes)
-        and 1 <= config["max_timestep"] <= 10**7
-        and fits(config["run_name"], str)
-        and PLAIN_NAME.fullmatch(config["run_name"])
-        and (config["critic"] == "mlp" or config["hidden_size"] % config["n_head"] == 0)
-    ):
-        raise UserError(f"'{path}' is not a gpt2ppo_lunar.py checkpoint (sizes, critic or run name out of range)")
-    spaces = (ckpt["obs_dim"], ckpt["act_dim"], ckpt["discrete"])
-    if spaces != spaces_dims(*env_spaces(config["env_id"])):
-        raise UserError(f"'{path}' was trained on other spaces than those of {config['env_id']} ({spaces})")
-    with torch.device("meta"):  # the shapes the args imply, without allocating them
-        shapes = Actor(*spaces, config["hidden_size"]), make_critic(config["critic"], *spaces[:2], config)
-    for module, state in zip(shapes, (ckpt["actor"], ckpt["critic"])):
-        want = {k: (v.shape, v.dtype) for k, v in module.state_dict().items()}
-        got = {k: (v.shape, v.dtype) for k, v in state.items() if bool(v.isfinite().all())}
-        if got != want or len(state) != len(want):
-            raise UserError(f"'{path}' holds no network of the shapes its args give (finite float32 weights)")
-    actor = Actor(*spaces, config["hidden_size"])
-    actor.load_state_dict(ckpt["actor"])
-    return actor, config
-
-
-def evaluate(actor: Actor, env_id: str, episodes: int, seed: int, writer, stop: StopSignal, video_folder=None):
-    """Greedy episodes on the CPU, episode i reset with seed + i, logged as eval/episodic_return; with `video_folder`
-    each episode is recorded there as eval-episode-{i}.mp4. The returns.
-
-    A stop request ends the evaluation after the current episode.
-    """
-    env, returns = gym.make(env_id, render_mode="rgb_array" if video_folder else None), []
-    if video_folder is not None:
-        with warnings.catch_warnings():  # a folder made beforehand (checked to be writable) is not an overwrite
-            warnings.filterwarnings("ignore", message=".*Overwriting existing videos")
-            env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda e: True, name_prefix="eval")
-    with torch.inference_mode():
-        for ep in range(episodes):
-            if stop.requested:
-                break
-            (obs, _), done, total = env.reset(seed=seed + ep), False, 0.0
-            while not done:
-                action = actor.act(torch.as_tensor(obs, dtype=torch.float32)[None], greedy=True)[0].numpy()
-                obs, reward, terminated, truncated, _ = env.step(to_env_action(action, env.action_space))
-                total, done = total + float(reward), terminated or truncated
-            returns.append(total)
-            writer.add_scalar("eval/episodic_return", total, ep)
-    env.close()
-    stopped = f"; stopped after {len(returns)} of {episodes} episodes" if len(returns) < episodes else ""
-    print(
-        f"eval: {returns_text(returns, 'over ')} (env {env_id}, seeds {seed}..{seed + len(returns) - 1}){stopped}",
-        flush=True,
-    )
-    return returns
-
-
-def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
-    """The evaluation-only mode: greedy episodes of a saved actor, seeded as the evaluation after its training (a
-    --seed other than 1 replaces the checkpoint's)."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    actor, train = actor_from_checkpoint(args.eval_checkpoint)
-    if args.capture_video:
-        check_renderer(train["env_id"])
-    seed = 10_000 + (train["seed"] if args.seed == 1 else args.seed)
-    run_name = make_run_dir(f"{train['run_name']}-eval__{seed}")
-    videos = os.path.join("runs", run_name, "videos") if args.capture_video else None
-    print(f"{args.eval_checkpoint}: critic {train['critic']}, device cpu (evaluation), logging to runs/{run_name}")
-    with SummaryWriter(f"runs/{run_name}") as writer:
-        evaluate(actor.eval(), train["env_id"], args.eval_episodes, seed, writer, stop, video_folder=videos)
-    return stop.exit_status
-
-
-def returns_text(returns, last: str = "of the last ") -> str:
-    """The mean return of the last episodes, as the progress and final lines say it."""
-    if not len(returns):
-        return "no episode has finished yet"
-    return f"mean return {last}{len(returns)} episodes {np.mean(returns):.2f} +- {np.std(returns):.2f}"
-
-
-MODELS = ("actor", "critic", "actor_optimizer", "critic_optimizer")
-
-
-def training_state(args: Args, iteration: int, global_step: int, objects: dict, next_obs: np.ndarray, wandb_id=None):
-    """Everything a run needs to continue: flags, counters, the weights and optimizers, random streams (torch's, CUDA's
-    on a GPU, the minibatch shuffler; numpy's and Python's global ones are seeded but never drawn from), the critic's
-    history, the episodes in progress and the last 100 returns, the envs. `objects`: those Run.start was given."""
-    cuda = next(objects["actor"].parameters()).is_cuda
-    return {
-        "script": "gpt2ppo_lunar.py",
-        "args": asdict(args),
-        "iteration": iteration,
-        "global_step": global_step,
-        "next_obs": torch.from_numpy(next_obs.copy()),
-        **{name: objects[name].state_dict() for name in MODELS},
-        "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state() if cuda else None,
-        "shuffle_rng": objects["shuffle_rng"].bit_generator.state,
-        "history": {name: torch.from_numpy(getattr(objects["history"], name).copy()) for name in HISTORY},
-        "episode_return": torch.from_numpy(objects["episode_return"].copy()),
-        "episode_length": torch.from_numpy(objects["episode_length"].copy()),
-        "recent_returns": torch.from_numpy(np.array(objects["recent_returns"], dtype=np.float64)),
-        "envs": env_state(objects["envs"]),
-        "wandb_id": wandb_id,  # --track: the W&B run that a resume continues
-    }
-
-
-HISTORY = ("obs", "act", "ts", "reach")
-
-
-TRAINING_STATE_TYPES = {
-    "script": str,
-    "args": dict,
-    "iteration": int,
-    "global_step": int,
-    "next_obs": torch.Tensor,
-    "actor": dict[str, torch.Tensor],
-    "critic": dict[str, torch.Tensor],
-    "actor_optimizer": dict,
-    "critic_optimizer": dict,
-    "torch_rng": torch.Tensor,
-    "cuda_rng": Optional[torch.Tensor],
-    "shuffle_rng": dict,
-    "history": dict[str, torch.Tensor],
-    "episode_return": torch.Tensor,
-    "episode_length": torch.Tensor,
-    "recent_returns": torch.Tensor,
-    "envs": Optional[list[dict]],
-    "wandb_id": Optional[str],
-}
-ADAM_STATE = {"step": torch.Tensor, "exp_avg": torch.Tensor, "exp_avg_sq": torch.Tensor}
-
-
-def validate_training_state(path: str, state: dict, args: Args, objects: dict) -> None:
-    """UserError "'{path}' is a damaged training state ({why})" unless every key, type, shape and range of `state`
-    fits the run's own flags `args` and the freshly built `objects` (those Run.start was given). Reads only."""
-    why = training_state_damage(state, args, objects)
-    if why is not None:
-        raise UserError(f"'{path}' is a damaged training state ({why})")
-
-
-def training_state_damage(state: dict, args: Args, objects: dict) -> Optional[str]:
-    """What is wrong with `state` (see validate_training_state), or None."""
-    for key, hint in TRAINING_STATE_TYPES.items():
-        if key not in state:
-            return f"no {key!r}"
-        if not fits(state[key], hint):
-            return f"{key} is not of the type {getattr(hint, '__name__', hint)}"
-    if set(state) != set(TRAINING_STATE_TYPES):
-        return f"unknown keys {sorted(set(state) - set(TRAINING_STATE_TYPES))}"
-    updates, per_update = -(-args.total_timesteps // args.steps_per_epoch), args.steps_per_epoch
-    update, steps = state["iteration"], state["global_step"]
-    if not (1 <= update <= updates and steps == update * per_update):
-        return f"update {update} at step {steps}: not one of this run's {updates} updates of {per_update} steps"
-    for name in ("actor", "critic"):
-        why = tensors_damage(name, state[name], objects[name].state_dict())
-        if why is not None:
-            return why
-    for name in ("actor_optimizer", "critic_optimizer"):
-        why = adam_damage(name, state[name], objects[name])
-        if why is not None:
-            return why
-    if not like(state["torch_rng"], torch.get_rng_state()):
-        return "torch_rng is not a random state of torch"
-    if state["cuda_rng"] is not None and (state["cuda_rng"].dtype != torch.uint8 or state["cuda_rng"].dim() != 1):
-        return "cuda_rng is not a random state of CUDA"
-    why = structure_damage("shuffle_rng", state["shuffle_rng"], objects["shuffle_rng"].bit_generator.state)
-    if why is not None:
-        return why
-    history, envs = objects["history"], objects["envs"]
-    max_timestep = env_dims(envs)[0]
-    expected = {f"history.{name}": torch.from_numpy(getattr(history, name)) for name in HISTORY}
-    expected["next_obs"] = torch.zeros(envs.num_envs, *envs.single_observation_space.shape)
-    expected["episode_return"] = torch.from_numpy(objects["episode_return"])
-    expected["episode_length"] = torch.from_numpy(objects["episode_length"])
-    if set(state["history"]) != set(HISTORY):
-        return f"history holds {sorted(state['history'])}, not {list(HISTORY)}"
-    saved = {f"history.{name}": state["history"][name] for name in HISTORY}
-    saved.update({k: state[k] for k in ("next_obs", "episode_return", "episode_length")})
-    for name, want in expected.items():
-        if not like(saved[name], want) or not bool(saved[name].isfinite().all()):
-            return f"{name} is not a finite {want.dtype} tensor of shape {tuple(want.shape)}"
-    ts, reach, length = saved["history.ts"], saved["history.reach"], saved["episode_length"]
-    if not (bool((ts >= 0).all()) and bool((ts <= max_timestep).all()) and bool((length <= max_timestep).all())):
-        return f"timesteps outside 0..{max_timestep}, the episode limit"
-    if not (
-        bool((length >= 0).all()) and bool((reach >= 0).all()) and bool((reach <= ts.clamp(max=history.K - 1)).all())
-    ):
-        return "windows that reach outside their episodes"
-    if state["wandb_id"] is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", state["wandb_id"]):
-        return "wandb_id is not a W&B run id"
-    recent = state["recent_returns"]
-    if recent.dtype != torch.float64 or recent.dim() != 1 or len(recent) > 100 or not bool(recent.isfinite().all()):
-        return "recent_returns is not up to 100 finite float64 returns"
-    fresh = env_state(envs)
-    if (state["envs"] is None) != (fresh is None):
-        return "envs are not those of this run"
-    if fresh is not None:
-        return envs_damage(state["envs"], fresh, env_layers(envs))
-    return None
-
-
-def envs_damage(saved: list, fresh: list, layers: list) -> Optional[str]:
-    """The saved envs (env_state) against the fresh envs': the same layers; each env's own attributes exactly the fresh
-    env's keys, of the same structure; a wrapper's shared keys of the same structure (wrappers cache some attributes
-    on first use, so their key sets vary) and its others plain values or saved arrays."""
-    if len(saved) != len(fresh):
-        return "envs has other layers than this run's"
-    for i, (layer, ours, theirs) in enumerate(zip(layers, saved, fresh)):
-        if not isinstance(ours, dict):
-            return f"envs[{i}] is not a dict"
-        own = isinstance(layer, gym.Env) and not isinstance(layer, gym.Wrapper)
-        if own and set(ours) != set(theirs):
-            return f"envs[{i}] has other keys than this run's"
-        for key in set(ours) & set(theirs):
-            why = structure_damage(f"envs[{i}].{key}", ours[key], theirs[key])
-            if why is not None:
-                return why
-        for key in set(ours) - set(theirs):
-            if not fits(ours[key], Union[None, bool, int, float, str, torch.Tensor]):
-                return f"envs[{i}].{key} is not a plain value"
-    return None
-
-
-def like(saved: torch.Tensor, fresh: torch.Tensor) -> bool:
-    """A tensor of the dtype and shape of `fresh`."""
-    return torch.is_tensor(saved) and saved.dtype == fresh.dtype and saved.shape == fresh.shape
-
-
-def tensors_damage(name: str, saved: dict, fresh: dict) -> Optional[str]:
-    """The weights `saved` against a fresh model's state_dict: the same names, dtypes and shapes, finite values."""
-    if set(saved) != set(fresh):
-        return f"{name} has other weights than this run's model"
-    for key, want in fresh.items():
-        if not like(saved[key], want) or (want.is_floating_point() and not bool(saved[key].isfinite().all())):
-            return f"{name}.{key} is not a finite {want.dtype} tensor of shape {tuple(want.shape)}"
-    return None
-
-
-def adam_damage(name: str, saved: dict, optimizer: torch.optim.Optimizer) -> Optional[str]:
-    """An Adam state_dict against a fresh optimizer of the run's flags: its hyperparameters and parameter groups, and
-    for each parameter a finite step count and finite moments of the parameter's shape (the second non-negative)."""
-    fresh = optimizer.state_dict()
-    if set(saved) != {"state", "param_groups"} or not fits(saved["param_groups"], list[dict]):
-        return f"{name} is not an Adam state"
-    if not _same(saved["param_groups"], fresh["param_groups"]):
-        return f"{name} has other hyperparameters or parameter groups than this run's"
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not fits(saved["state"], dict[int, dict]) or not set(saved["state"]) <= set(range(len(params))):
-        return f"{name} holds the state of other parameters"
-    for i, moments in saved["state"].items():
-        zero = torch.zeros_like(params[i], device="cpu")
-        if not (
-            set(moments) == set(ADAM_STATE)
-            and all(fits(moments[k], t) for k, t in ADAM_STATE.items())
-            and moments["step"].numel() == 1
-            and bool(moments["step"].isfinite().all())
-            and float(moments["step"]) >= 0
-            and like(moments["exp_avg"], zero)
-            and like(moments["exp_avg_sq"], zero)
-            and bool(moments["exp_avg"].isfinite().all())
-            and bool(moments["exp_avg_sq"].isfinite().all())
-            and bool((moments["exp_avg_sq"] >= 0).all())
-        ):
-            return f"{name}'s moments of parameter {i} are not finite, of its shape {tuple(zero.shape)}"
-    return None
-
-
-def _same(a, b) -> bool:
-    """Equal through dicts, lists and tuples, types included (True is not 1)."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
-    return type(a) is type(b) and a == b
-
-
-def structure_damage(name: str, saved, fresh) -> Optional[str]:
-    """`saved` against what the fresh objects give (`env_state`, a generator's state): the same dicts (keys), lists
-    (lengths) and generator kinds, tensors of the same dtype and shape (a deque's of any length) with finite values,
-    and plain values of the same type (None allowed for either)."""
-    if isinstance(fresh, dict):
-        if not isinstance(saved, dict) or set(saved) != set(fresh):
-            return f"{name} has other keys than this run's"
-        if "bit_generator" in fresh and saved["bit_generator"] != fresh["bit_generator"]:
-            return f"{name} is not a {fresh['bit_generator']} random state"
-        for key in fresh:
-            why = structure_damage(f"{name}.{key}", saved[key], fresh[key])
-            if why is not None:
-                return why
-        return None
-    if isinstance(fresh, list):
-        if not isinstance(saved, list) or len(saved) != len(fresh):
-            return f"{name} has other layers than this run's"
-        for i, (s_, f_) in enumerate(zip(saved, fresh)):
-            why = structure_damage(f"{name}[{i}]", s_, f_)
-            if why is not None:
-                return why
-        return None
-    if torch.is_tensor(fresh):
-        # an env's arrays keep their shape but not always their precision (a state reset as float32 is stepped in
-        # float64); a queue's length and, when empty, its dtype vary
-        kind = "float" if fresh.is_floating_point() else "bool" if fresh.dtype == torch.bool else "integer"
-        fits_it = torch.is_tensor(saved) and (
-            saved.shape[1:] == fresh.shape[1:] if name.endswith(".deque") else saved.shape == fresh.shape
-        )
-        if not name.endswith(".deque") and fits_it:
-            fits_it = kind == (
-                "float" if saved.is_floating_point() else "bool" if saved.dtype == torch.bool else "integer"
-            )
-        if not fits_it:
-            return f"{name} is not a {kind} tensor of shape {tuple(fresh.shape)}"
-        if saved.is_floating_point() and not bool(saved.isfinite().all()):
-            return f"{name} is not finite"
-        return None
-    if saved is None or fresh is None:
-        return None if saved is None or isinstance(saved, (bool, int, float, str)) else f"{name} is not a plain value"
-    return None if type(saved) is type(fresh) else f"{name} is not a {type(fresh).__name__}"
-
-
-def restore_training_state(state: dict, objects: dict) -> tuple[int, int, np.ndarray]:
-    """Put a training state that validate_training_state passed back into the freshly made `objects`, in place;
-    (updates done, steps done, the current observation).
-
-    Envs whose state was not saved (Box2D, MuJoCo) start new episodes, seeded by the run's seed and the update."""
-    envs, episode_return, episode_length = objects["envs"], objects["episode_return"], objects["episode_length"]
-    for name in MODELS:
-        objects[name].load_state_dict(state[name])
-    torch.set_rng_state(state["torch_rng"])
-    if state["cuda_rng"] is not None and next(objects["actor"].parameters()).is_cuda:
-        torch.cuda.set_rng_state(state["cuda_rng"])
-    objects["shuffle_rng"].bit_generator.state = state["shuffle_rng"]
-    for name in HISTORY:  # in place: History's torch views share this memory
-        getattr(objects["history"], name)[...] = state["history"][name].numpy()
-    episode_return[...], episode_length[...] = state["episode_return"].numpy(), state["episode_length"].numpy()
-    objects["recent_returns"].clear()
-    objects["recent_returns"].extend(state["recent_returns"].numpy())
-    if state["envs"] is None:  # the episodes in progress are cut off, unlogged; the windows start afresh
-        episode_return[:], episode_length[:] = 0.0, 0
-        next_obs = envs.reset(seed=state["args"]["seed"] + envs.num_envs * state["iteration"])[0]
-    else:
-        restore_env_state(envs, state["envs"])
-        next_obs = state["next_obs"].numpy()
-    return state["iteration"], state["global_step"], next_obs.astype(np.float32)
-
-
-def env_layers(envs) -> list:
-    """The vector env's wrappers, the vector env, and each copy's wrappers down to the env itself."""
-    layers = [envs]
-    while hasattr(layers[-1], "env"):
-        layers.append(layers[-1].env)
-    for env in layers[-1].envs:
-        layers.append(env)
-        while hasattr(layers[-1], "env"):
-            layers.append(layers[-1].env)
-    return layers
-
-
-def env_state(envs) -> Optional[list[dict]]:
-    """The plain attributes (numbers, arrays, random generators, queues) of every layer of the envs, or None when an
-    env keeps its state in other objects (Box2D's world: LunarLander, BipedalWalker; MuJoCo's data).
-
-    For classic-control envs (Acrobot, CartPole, Pendulum) this is their whole state: an episode in progress
-    continues where it stopped.
-    """
-    saved = []
-    for layer in env_layers(envs):
-        plain = {}
-        for key, value in vars(layer).items():
-            if isinstance(value, np.random.Generator):
-                plain[key] = {"generator": value.bit_generator.state}
-            elif isinstance(value, np.ndarray) and value.dtype != object:
-                plain[key] = torch.from_numpy(value.copy())
-            elif isinstance(value, np.generic):  # a numpy number, such as a counter summed with np.sum
-                plain[key] = {"scalar": torch.from_numpy(np.array(value))}
-            elif isinstance(value, deque):
-                plain[key] = {"deque": torch.from_numpy(np.array(value))}
-            elif value is None or isinstance(value, (bool, int, float, str)):
-                plain[key] = value
-            elif isinstance(layer, gym.Env) and not isinstance(layer, gym.Wrapper):  # the env itself
-                if not isinstance(value, (gym.Space, gym.envs.registration.EnvSpec)):
-                    return None  # a simulator's object: the plain attributes are not the whole state
-        saved.append(plain)
+        saved = None
+    if not isinstance(saved, dict) or saved.get("script") != SCRIPT or not isinstance(saved.get("args"), dict):
+        raise UserError(f"'{path}' is not a checkpoint or training state of {SCRIPT}")
+    flags, name = saved["args"], saved.get("run_name")
+    typed = flags.keys() == {f.name for f in fields(Args)} and all(fits(flags[f.name], f.type) for f in fields(Args))
+    if not typed or not (isinstance(name, str) and PLAIN_NAME.fullmatch(name)):
+        raise UserError(f"'{path}' was made by another version of {SCRIPT} (its flags or run name differ)")
     return saved
 
 
-def restore_env_state(envs, saved: list[dict]) -> None:
-    layers = env_layers(envs)
-    if len(layers) != len(saved):
-        raise ValueError("the saved environments do not match this script's")
-    for layer, plain in zip(layers, saved):
-        for key, value in plain.items():
-            if isinstance(value, dict) and "generator" in value:
-                generator = np.random.default_rng()
-                generator.bit_generator.state = value["generator"]
-                setattr(layer, key, generator)
-            elif isinstance(value, dict) and "scalar" in value:
-                setattr(layer, key, value["scalar"].numpy()[()])
-            elif isinstance(value, dict) and "deque" in value:
-                queue = getattr(layer, key)
-                queue.clear()
-                queue.extend(list(value["deque"].numpy()))
-            elif torch.is_tensor(value):
-                setattr(layer, key, value.numpy())
-            else:
-                setattr(layer, key, value)
-
-
-def load_training_state(args: Args) -> tuple[Args, dict]:
-    """The flags and training state of the run folder `args.resume`; UserError when it cannot be continued."""
-    path = os.path.join(args.resume, "training_state.pt")
-    if not os.path.isdir(args.resume):
-        raise UserError(f"--resume {args.resume} is not a run folder")
-    if not os.path.lexists(path):
-        raise UserError(f"--resume {args.resume} holds no training_state.pt (it stopped before its first checkpoint)")
-    state = load_checkpoint(path)
-    saved = state.get("args")
-    if (
-        state.get("script") != "gpt2ppo_lunar.py"
-        or not isinstance(saved, dict)
-        or set(saved) != {f.name for f in fields(Args)}
-        or not all(fits(saved[f.name], f.type) for f in fields(Args))
-    ):
-        raise UserError(f"'{path}' is not a training state of this version of gpt2ppo_lunar.py")
-    for f in fields(Args):
-        value = getattr(args, f.name)
-        if f.name not in RESUME_FLAGS and value != f.default and value != saved[f.name]:
-            raise UserError(
-                f"--resume continues a run with its own flags, but {flag(f.name)} {value} differs from its "
-                f"{saved[f.name]}"
-            )
-    given = {f.name: getattr(args, f.name) for f in fields(Args) if getattr(args, f.name) != f.default}
-    run_args = Args(**{**saved, **{name: value for name, value in given.items() if name in RESUME_FLAGS}})
+def load_into(path: str, saved: dict, fresh: dict, objects: dict, names) -> None:
+    """Put the objects `names` of `saved` back into `objects` once `saved` matches `fresh`, what they would save."""
+    why = mismatch({key: saved.get(key) for key in fresh}, fresh, "it")
     try:
-        check_args(run_args)
-    except UserError as e:
-        raise UserError(f"the flags saved in '{path}' cannot run: {e}")
-    return run_args, state
+        for name in names if why is None else ():
+            restore(objects[name], saved["objects"][name])
+    except (ValueError, RuntimeError, TypeError, KeyError, IndexError) as e:  # the libraries' own checks
+        why = brief(e)
+    if why is not None:
+        raise UserError(f"'{path}' does not fit this run of {SCRIPT}: {why}")
 
 
-def wait_for_a_new_second(run_dir: str) -> None:
-    """Sleep until the second after that of the newest event file in `run_dir`, at most 2 s (a file stamped in the
-    future, from clock skew, must not stall the run)."""
-    made = [int(f.split(".")[3]) for f in os.listdir(run_dir) if re.fullmatch(r"events\.out\.tfevents\.\d+\..*", f)]
-    time.sleep(min(2.0, max(0.0, max(made, default=0) + 1 - time.time())))
+def mismatch(saved, fresh, where: str) -> Optional[str]:
+    """Where `saved` differs from `fresh` in structure or kind (keys, lengths, exact types, tensor dtypes and shapes,
+    floats of any precision; strings, the names of things, by value) or holds a number that is not finite. None in
+    `fresh` (an env's counter not set yet, a device this machine lacks) takes None, a number or a tensor."""
+    if fresh is None:
+        return None if saved is None or type(saved) in (int, float) or torch.is_tensor(saved) else f"{where} is set"
+    if isinstance(fresh, (dict, list, tuple)):
+        keys = fresh.keys() if isinstance(fresh, dict) else range(len(fresh))
+        same = type(saved) is type(fresh) and len(saved) == len(fresh)
+        if not same or isinstance(fresh, dict) and saved.keys() != keys:
+            return f"{where} is not a {type(fresh).__name__} of {len(fresh)} ({', '.join(map(str, keys))[:50]})"
+        return next((why for k in keys if (why := mismatch(saved[k], fresh[k], f"{where}.{k}")) is not None), None)
+    if torch.is_tensor(fresh):  # (an env may step in float64 a state it was reset to in float32)
+        floats = torch.is_tensor(saved) and saved.is_floating_point() and fresh.is_floating_point()
+        if not (torch.is_tensor(saved) and (saved.dtype == fresh.dtype or floats) and saved.shape == fresh.shape):
+            return f"{where} is not a {fresh.dtype} tensor of shape {tuple(fresh.shape)}"
+        return None if not saved.is_floating_point() or bool(saved.isfinite().all()) else f"{where} is not finite"
+    if type(saved) is not type(fresh) or isinstance(fresh, str) and saved != fresh:
+        return f"{where} is {saved!r:.30}, not {fresh!r:.30}"
+    return None if not isinstance(saved, float) or math.isfinite(saved) else f"{where} is {saved}"
 
 
-def make_run_dir(base: str, root: str = "runs") -> str:
-    """Create root/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
-    stamp, k = int(time.time()), 1
-    while True:
-        name = f"{base}__{stamp}" + (f"-{k}" if k > 1 else "")
+def saved_form(obj, fresh: bool = False):
+    """What a checkpoint keeps of an object; `fresh`: an optimizer's as its first step makes it (with its moments)."""
+    if isinstance(obj, torch.optim.Optimizer) and fresh:
+        obj = copy.deepcopy(obj)
+        for p in (p for group in obj.param_groups for p in group["params"]):
+            p.grad = torch.zeros_like(p)
+        obj.step()
+    if hasattr(obj, "state_dict"):  # a model, an optimizer, an object of the script's own
+        return obj.state_dict()
+    if isinstance(obj, np.random.Generator):
+        return obj.bit_generator.state
+    if isinstance(obj, gym.vector.VectorEnv):
+        return env_state(obj)
+    if isinstance(obj, deque):  # padded to its length, as a fresh one is
+        padded = [*obj, *[0.0] * (obj.maxlen - len(obj))]
+        return {"values": torch.tensor(padded, dtype=torch.float64), "count": len(obj)}
+    return torch.from_numpy(obj.copy()) if isinstance(obj, np.ndarray) else getattr(obj, "item", lambda: obj)()
+
+
+def restore(obj, saved):
+    """Put a saved form back into `obj`, in place; returns `obj`, or what replaces it (a plain value)."""
+    if isinstance(obj, torch.optim.Optimizer):  # its settings stay those the run's flags made: its state returns
+        saved = {**saved, "param_groups": obj.state_dict()["param_groups"]}
+    if hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(saved)  # (the library's own strict loading)
+    elif isinstance(obj, np.random.Generator):
+        obj.bit_generator.state = saved  # (numpy's own check)
+    elif isinstance(obj, gym.vector.VectorEnv):
+        for layer, state in zip(env_layers(obj), saved or ()):  # (None: envs whose state is not saved)
+            for key, value in ((k, v) for k, v in state.items() if v is not None):  # (None: not saved, or None)
+                old = getattr(layer, key)  # (an env's arrays are replaced: they keep the saved precision)
+                setattr(layer, key, restore(None if isinstance(old, np.ndarray) else old, value))
+    elif type(obj).__name__ == "MjData":  # its integration state, and what MuJoCo derives from it
+        import mujoco
+
+        mujoco.mj_setState(obj.model, obj, saved.numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+        mujoco.mj_forward(obj.model, obj)
+    elif isinstance(obj, deque):
+        obj.clear()
+        obj.extend(saved["values"][: saved["count"]].tolist())
+    elif isinstance(obj, np.ndarray):
+        obj[...] = saved.numpy()
+    else:  # a plain value, or an array where the fresh object has none yet
+        return saved.numpy() if torch.is_tensor(saved) else saved
+    return obj
+
+
+def env_layers(env) -> list:
+    """An env and every env inside it, its wrapped env or a vector env's copies, down to the envs themselves."""
+    inner = [env.env] if hasattr(env, "env") else getattr(env, "envs", [])
+    return [env, *(layer for e in inner for layer in env_layers(e))]
+
+
+def env_state(envs) -> Optional[list[dict]]:
+    """The state of classic-control and MuJoCo envs (not Box2D's): every layer's attributes, those that are not plain
+    values (numbers, strings, arrays, random generators, queues) as None, and MuJoCo's integration state. (Ant and
+    Humanoid read, before a step, positions MuJoCo derived during the last one: their first reward after a resume reads
+    them derived anew.)"""
+    env = env_layers(envs)[-1].unwrapped
+    mujoco = type(getattr(env, "data", None)).__name__ == "MjData"
+    if not mujoco and not type(env).__module__.startswith("gymnasium.envs.classic_control"):
+        return None
+    kinds = (np.random.Generator, deque, np.ndarray, np.generic, bool, int, float, str)
+    plain = lambda v: isinstance(v, kinds) and getattr(v, "dtype", "") != "O"  # noqa: E731
+    saved = [{k: saved_form(v) if plain(v) else None for k, v in vars(x).items()} for x in env_layers(envs)]
+    if mujoco:
+        import mujoco
+
+        saved[-1]["data"] = torch.zeros(mujoco.mj_stateSize(env.model, mujoco.mjtState.mjSTATE_INTEGRATION)).double()
+        mujoco.mj_getState(env.model, env.data, saved[-1]["data"].numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+    return saved
+
+
+class Run:
+    """A training run around the loop of `main`, which meets it three times: `start` before the loop (the folder, its
+    lock and log; a resumed run's state put back), `end_update` after each update, `finish` after the loop."""
+
+    def __init__(self, args: Args, stop: StopSignal):
+        """The run's flags, checked: those given, or its own with --resume (RESUME_FLAGS given replace them)."""
+        self.stop, self.state, self.lock, self.wandb_id, self.run_dir = stop, None, None, None, args.resume
+        if args.resume is not None:
+            self.state = load_checkpoint(os.path.join(args.resume, "training_state.pt"))
+            saved, given = self.state["args"], [f.name for f in fields(Args) if getattr(args, f.name) != f.default]
+            for name in (n for n in given if n not in RESUME_FLAGS and getattr(args, n) != saved[n]):
+                raise UserError(
+                    f"--resume continues a run: {flag(name)} {getattr(args, name)} is not its {saved[name]}"
+                )
+            args = Args(**{**saved, **{n: getattr(args, n) for n in given}})
+        check_args(args)
+        self.args, (self.num_updates, self.steps_per_update) = args, budget(args)
+
+    def training_state(self, update: int, fresh: bool = False) -> dict:
+        """All a run needs to continue exactly, once the work in flight (a value fit in a thread) is done."""
+        for pending in (x for x in self.objects.values() if isinstance(x, Future)):
+            pending.result()
+        objects = {k: saved_form(v, fresh) for k, v in self.objects.items() if not isinstance(v, Future)}
+        keys, *numpy = np.random.get_state()[1:]
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        random_streams = {"numpy": [torch.from_numpy(keys), *numpy], "torch": torch.get_rng_state(), "cuda": cuda}
+        run = {"script": SCRIPT, "args": asdict(self.args), "run_name": self.run_name, "wandb_id": self.wandb_id}
+        return {**run, "update": update, "random": random_streams, "objects": objects}
+
+    def start(self, **objects) -> types.SimpleNamespace:
+        """Given the objects a training state holds (models, optimizers, generators, envs, the loop's arrays, queues):
+        a resumed run's state checked and put back into them; the folder, its lock and log. Where the loop goes on."""
+        self.objects, self.update, args, made = objects, 0, self.args, not os.path.exists("runs")
+        if self.state is None:
+            self.run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}")
+            self.run_dir = os.path.join("runs", self.run_name)
+        else:
+            self.restore()
         try:
-            os.makedirs(os.path.join(root, name))
+            self.lock = lock_run_dir(self.run_dir)
+            self.open_log()
+        except BaseException:  # a refused start (another process, W&B) leaves nothing behind
+            os.close(self.lock) if self.lock is not None else None
+            shutil.rmtree("runs" if made else self.run_dir) if self.state is None else None
+            raise
+        self.global_step = self.first_step = self.update * self.steps_per_update
+        self.start_time = self.last_line = time.time()
+        return types.SimpleNamespace(update=self.update, global_step=self.global_step)
+
+    def restore(self) -> None:
+        """The training state put back into the run's objects once it matches what they would save. The loop's
+        arrays and queues (the episodes in progress) return with the envs, or stay as made."""
+        state, path = self.state, os.path.join(self.run_dir, "training_state.pt")
+        self.run_name, self.wandb_id, self.update = state["run_name"], state.get("wandb_id"), state.get("update")
+        if type(self.update) is not int or not 0 <= self.update <= self.num_updates:
+            raise UserError(f"'{path}' does not fit this run of {SCRIPT}: its update is not within its budget")
+        fresh, envs = self.training_state(0, fresh=True), (state.get("objects") or {}).get("envs")
+        names = [k for k, v in self.objects.items() if envs is not None or not isinstance(v, (np.ndarray, deque))]
+        load_into(path, state, {k: fresh[k] for k in ("random", "objects")}, self.objects, names)
+        np.random.set_state(("MT19937", state["random"]["numpy"][0].numpy(), *state["random"]["numpy"][1:]))
+        torch.set_rng_state(state["random"]["torch"])
+        if state["random"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["random"]["cuda"])
+        self.stop.last_state = f"the last training state is {path} (update {self.update})"
+
+    def open_log(self) -> None:
+        """The log (and W&B); a resumed one hides what came after its state, from an event file of a new second."""
+        from torch.utils.tensorboard import SummaryWriter  # (slow to import: not before a run starts)
+
+        args, names = self.args, os.listdir(self.run_dir)
+        for name in (n for n in names if re.fullmatch(r".+\.tmp\d+", n)):  # what a killed save left
+            os.remove(os.path.join(self.run_dir, name))
+        events = [int(n.split(".")[3]) for n in names if re.fullmatch(r"events\.out\.tfevents\.\d+\..+", n)]
+        time.sleep(min(2.0, max(0.0, max(events, default=0) + 1 - time.time())))  # (2 s at most: a clock set back)
+        self.wandb_id = self.wandb_id or uuid.uuid4().hex[:12]
+        where = dict(project=args.wandb_project_name, entity=args.wandb_entity, dir=self.run_dir, id=self.wandb_id)
+        try:  # W&B's own checks (the package, its mode, the project, the credentials) may refuse the run
+            if args.track:
+                import wandb  # (it mirrors the scalars; a copy of the event files in its folder would be read again)
+
+                wandb.tensorboard.patch(save=False) if not wandb.patched["tensorboard"] else None
+                wandb.init(**where, name=self.run_name, config=vars(args), sync_tensorboard=True, resume="allow")
+        except Exception as e:
+            raise UserError(f"--track: W&B refused to start the run ({brief(e)})")
+        purge = self.update * self.steps_per_update + 1 if self.state is not None else None
+        self.writer = SummaryWriter(self.run_dir, purge_step=purge)
+        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}") if self.state is None else None
+        devices = {str(p.device) for x in self.objects.values() if isinstance(x, nn.Module) for p in x.parameters()}
+        print(f"device: {', '.join(sorted(devices))}, logging to {self.run_dir}", flush=True)
+
+    def end_update(self, update: int, global_step: int, **loop_state) -> bool:
+        """The training state saved when due, the progress line; True when the run should stop."""
+        stopping = self.stop.requested  # read once: a signal after this line stops the run at the next update
+        self.update, self.global_step = update, global_step
+        self.objects.update(loop_state)
+        if stopping or update % self.args.checkpoint_every == 0 or update == self.num_updates:
+            state, path = self.training_state(update), os.path.join(self.run_dir, "training_state.pt")
+            self.writer.flush()  # the events of the updates the state holds are on disk before it
+            save_checkpoint(path, state)
+            self.stop.last_state = f"the last training state is {path} (update {update})"
+        due = update % max(1, self.num_updates // 10) == 0 or time.time() - self.last_line > 60
+        if due and not stopping and update < self.num_updates:
+            self.last_line = time.time()
+            print(f"{self.run_name}: update {update}/{self.num_updates}, {self.progress()}", flush=True)
+        return stopping
+
+    def progress(self, of: str = "") -> str:
+        speed = (self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9)
+        returns = recent_returns(self.objects)
+        mean = (
+            f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}" if returns else "no episode yet"
+        )
+        return f"{self.global_step}{of} steps, {int(speed)} steps/s, {mean}"
+
+    def finish(self) -> int:
+        """The --save-model checkpoint, the final line, the evaluation (unless stopped); the exit status."""
+        args, path, videos = self.args, os.path.join(self.run_dir, f"{self.args.exp_name}.pt"), None
+        self.training_state(self.update)  # (waits for the work in flight)
+        self.objects["envs"].close()
+        if args.save_model:  # the flags, the run's name and the model
+            model = {k: saved_form(self.objects[k]) for k in MODEL}
+            save_checkpoint(path, {"script": SCRIPT, "args": asdict(args), "run_name": self.run_name, "objects": model})
+        saved = f"checkpoint saved to {path}" if args.save_model else "no checkpoint (no --save-model)"
+        stopped = f"; interrupted (continue it: --resume {self.run_dir})" if self.update < self.num_updates else ""
+        print(f"{self.run_name}: {self.progress(f' of {self.num_updates * self.steps_per_update}')}; {saved}{stopped}")
+        if args.save_model and not self.stop.requested:
+            videos = os.path.join(self.run_dir, "videos") if args.capture_video else None
+            evaluate(self.objects, args.env_id, args, 10_000 + args.seed, self.writer, self.stop, videos)
+        self.writer.close()
+        if args.track:
+            import wandb
+
+            for name in sorted(os.listdir(videos)) if videos else []:
+                wandb.log({"videos/eval": wandb.Video(os.path.join(videos, name), format="mp4")})
+            wandb.finish()
+            wandb.tensorboard.unpatch()
+        os.close(self.lock)  # the folder is free for another process
+        return self.stop.exit_status
+
+
+def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
+    """The evaluation-only mode: a --save-model checkpoint's model built from its flags, seeded as its run's."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    check_args(args)
+    torch.set_num_threads(args.torch_threads)
+    path, saved = args.eval_checkpoint, load_checkpoint(args.eval_checkpoint)
+    if "update" in saved:
+        raise UserError(f"'{path}' is a training state: continue its run with --resume {os.path.dirname(path) or '.'}")
+    train = Args(**{**saved["args"], "capture_video": args.capture_video})
+    check_args(train)  # (its renderer too, with --capture-video)
+    objects = model_objects(train)
+    load_into(path, saved, {"objects": {k: saved_form(objects[k]) for k in MODEL}}, objects, MODEL)
+    seed = 10_000 + (args.seed if args.seed != 1 else train.seed)
+    run_dir = os.path.join("runs", make_run_dir(f"{saved['run_name']}-eval__{seed}"))
+    print(f"device: cpu (evaluation), logging to {run_dir}", flush=True)
+    with SummaryWriter(run_dir) as writer:
+        videos = os.path.join(run_dir, "videos") if args.capture_video else None
+        evaluate(objects, train.env_id, args, seed, writer, stop, videos)
+    return stop.exit_status
+
+
+def make_run_dir(base: str) -> str:
+    """Create runs/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
+    for name in (f"{base}__{int(time.time())}" + (f"-{k}" if k > 1 else "") for k in itertools.count(1)):
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(os.path.join("runs", name))
             return name
-        except FileExistsError:
-            k += 1
-        except OSError as e:
-            raise UserError(f"cannot create the run folder {os.path.join(root, name)} ({e.strerror or e})")
+
+
+def lock_run_dir(run_dir: str) -> int:
+    """Hold `run_dir`/.lock (its holder's pid in it) while this process runs it; UserError when another one does."""
+    fd = os.open(os.path.join(run_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise UserError(f"another process (pid {holder}) is running {run_dir}")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def cli(argv: Optional[list[str]] = None) -> int:
-    """The entry point: parse the flags, install the signal handler, run; a user's mistake is one sentence, exit 2."""
-    args = tyro.cli(Args, args=argv)
+    """The entry point: a user's mistake, a file the system refuses (a full disk), too little memory: one sentence."""
+    args, stop = tyro.cli(Args, args=argv), StopSignal()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop.handle)
     try:
-        return main(args, StopSignal().install())
+        return main(args, stop)
     except UserError as e:
         print(f"error: {e}.", file=sys.stderr, flush=True)
-        return 2
+    except OSError as e:
+        print(f"error: {e.filename or 'a file'}: {e.strerror or brief(e)}.", file=sys.stderr, flush=True)
+    except MemoryError:  # (the buffers are made before anything is written)
+        print("error: this machine does not have the memory these flags need.", file=sys.stderr, flush=True)
+    return 2
+
+
+# ---- This script's machinery: the ranges of its flags, what it checks, its model's checkpoint.
+
+RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
+    "seed": (0, 2**32 - 1, False),
+    **dict.fromkeys(["torch_threads", "num_envs"], (1, 1024, False)),
+    "eval_episodes": (1, 10**6, False),
+    "checkpoint_every": (1, 10**9, False),
+    "total_timesteps": (1, 10**12, False),
+    **dict.fromkeys(["steps_per_epoch", "minibatch_size"], (1, 2**24, False)),
+    "update_epochs": (1, 10**4, False),
+    **dict.fromkeys(["actor_lr", "critic_lr"], (0, 1, True)),
+    **dict.fromkeys(["gamma", "gae_lambda"], (0, 1, False)),
+    "clip_coef": (0, 10, True),
+    "max_grad_norm": (0, 1e6, False),
+    "hidden_size": (1, 2**16, False),
+    **dict.fromkeys(["context_len", "value_stride"], (1, 4096, False)),
+    "n_layer": (1, 96, False),
+    "n_head": (1, 1024, False),
+    "dropout": (0, 0.99, False),
+}
+EVAL_FLAGS = {"eval_checkpoint", "eval_episodes", "seed", "cuda", "torch_threads", "capture_video"}
+# the flags a resumed run may change: how it computes (threads, device, checkpointing, saving, evaluation), not what
+RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes", "capture_video"}
+MODEL = ("actor", "critic")  # what a --save-model checkpoint holds
+
+
+def check_this_script(args: Args) -> None:
+    """UserError for sizes that do not fit together or into this machine's memory (a rough estimate, GPT-2's sizes only
+    with --critic gpt2), or an env this script cannot take."""
+    if args.steps_per_epoch % args.num_envs:
+        raise UserError(f"--steps-per-epoch must be a multiple of --num-envs {args.num_envs}")
+    if args.steps_per_epoch % args.minibatch_size:
+        raise UserError(f"--minibatch-size must divide --steps-per-epoch {args.steps_per_epoch}")
+    gpt2, H, L = args.critic == "gpt2", args.hidden_size, args.n_layer
+    if gpt2 and args.value_stride > args.context_len:
+        raise UserError(
+            f"--value-stride must be between 1 and --context-len {args.context_len}, got {args.value_stride}"
+        )
+    if gpt2 and H % args.n_head:
+        raise UserError(f"--n-head {args.n_head} must divide --hidden-size {H}")
+    K, memory = args.context_len if gpt2 else 1, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    weights = 16 * ((12 * L if gpt2 else 2) * H * H + 4096 * H)  # weights, gradients and Adam's moments
+    batch = 4 * max(256, args.minibatch_size) * 2 * K * L * (16 * H + 6 * args.n_head * K) if gpt2 else 0
+    need = weights + 32 * args.steps_per_epoch * (K + args.num_envs) + batch  # and the rollout's history
+    if need >= memory:
+        raise UserError(f"these sizes need ~{need / 2**30:.0f} GiB, more than this machine's {memory / 2**30:.0f} GiB")
+    env_fit(args.env_id)
+
+
+def env_fit(env_id: str) -> tuple[int, int, int, bool]:
+    """(episode limit, obs_dim, act_dim, discrete) of an env with a flat Box observation, Discrete or flat Box actions
+    and an episode limit (the timestep embedding's range); UserError for any other."""
+    try:
+        env = gym.make(env_id)
+    except Exception as e:  # gymnasium raises several kinds (an unknown id, a missing package)
+        raise UserError(f"cannot make env '{env_id}': {brief(e)}")
+    obs, act, limit = env.observation_space, env.action_space, getattr(env.spec, "max_episode_steps", None)
+    env.close()
+    discrete = isinstance(act, gym.spaces.Discrete)
+    if not isinstance(obs, gym.spaces.Box) or len(obs.shape) != 1:
+        raise UserError(f"{SCRIPT} needs a flat Box observation, but '{env_id}' has {obs}")
+    if not discrete and not (isinstance(act, gym.spaces.Box) and len(act.shape) == 1):
+        raise UserError(f"{SCRIPT} needs a Discrete or flat Box action space, but '{env_id}' has {act}")
+    if limit is None:
+        raise UserError(f"'{env_id}' has no episode limit, which the timestep embedding needs")
+    return limit, int(obs.shape[0]), int(act.n if discrete else act.shape[0]), discrete
+
+
+def model_objects(args: Args) -> dict:
+    """The actor and the critic that main builds for the flags `args` (on the CPU)."""
+    limit, obs_dim, act_dim, discrete = env_fit(args.env_id)
+    critic = make_critic(args.critic, obs_dim, act_dim, {**vars(args), "max_timestep": limit})
+    return {"actor": Actor(obs_dim, act_dim, discrete, args.hidden_size), "critic": critic}
+
+
+def recent_returns(objects: dict):
+    return objects["recent_returns"]
 
 
 if __name__ == "__main__":

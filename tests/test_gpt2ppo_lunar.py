@@ -1,7 +1,6 @@
 import glob
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -9,7 +8,6 @@ import sys
 import time
 from collections import deque
 from dataclasses import asdict, fields
-from types import SimpleNamespace
 from typing import Optional
 
 import gymnasium as gym
@@ -24,7 +22,6 @@ from conftest import (
     all_scalars,
     assert_same_scalars,
     baseline_script,
-    checkpoint_file,
     only_run_dir,
     read_scalars,
     stop_when_printed,
@@ -554,15 +551,15 @@ def test_same_numbers_as_before_the_redesign(tmp_path, baseline_module, flags):
         ckpt = g2.load_checkpoint(os.path.join(new, "gpt2ppo_lunar.pt"))
         torch.manual_seed(3)
         g2.Actor(24, 4, False, ckpt["args"]["hidden_size"])
-        init = g2.make_critic("gpt2", 24, 4, ckpt["args"])
+        init = g2.make_critic("gpt2", 24, 4, {**ckpt["args"], "max_timestep": 1600})  # BipedalWalker's limit
         for name, p0 in init.named_parameters():
-            assert torch.equal(ckpt["critic"][name], p0) == name.startswith(("gpt2.wpe", "gpt2.wte")), name
-        # the checkpoint the earlier script wrote evaluates here to the numbers it evaluated to there
-        code, out, _ = cli_in_process(
-            ("--eval-checkpoint", os.path.join(old, "gpt2ppo_lunar.pt"), "--eval-episodes", "1"), tmp_path
+            assert torch.equal(ckpt["objects"]["critic"][name], p0) == name.startswith(("gpt2.wpe", "gpt2.wte")), name
+        # the checkpoint evaluates again to the numbers the earlier script's evaluation after training gave
+        code, _, _ = cli_in_process(
+            ("--eval-checkpoint", os.path.join(new, "gpt2ppo_lunar.pt"), "--eval-episodes", "1"), tmp_path
         )
         (eval_run,) = glob.glob(str(tmp_path / "runs" / "*-eval__10003__*"))
-        assert code == 0 and "critic gpt2" in out
+        assert code == 0 and len(read_scalars(old, "eval/episodic_return")) == 1
         assert read_scalars(eval_run, "eval/episodic_return") == read_scalars(old, "eval/episodic_return")
 
 
@@ -582,31 +579,32 @@ def test_save_model_eval_equals_eval_checkpoint_names_and_seeds(tmp_path):
     flags = ("--critic", "mlp", "--total-timesteps", "300", "--steps-per-epoch", "256", "--seed", "4", "--cuda")
     code, out, _ = cli_in_process((*flags, "--save-model", "--eval-episodes", "2", *TINY), tmp_path)
     run = only_run_dir(str(tmp_path))
-    assert code == 0 and os.path.basename(run).startswith("LunarLander-v3__gpt2ppo_lunar__critic-mlp__4__")
+    assert code == 0 and os.path.basename(run).startswith("LunarLander-v3__gpt2ppo_lunar__4__")
     # --cuda (the default) is CUDA where torch sees it and the CPU elsewhere
-    assert f"device {'cuda' if torch.cuda.is_available() else 'cpu'}" in out
+    assert f"device: {'cuda' if torch.cuda.is_available() else 'cpu'}" in out
     assert "update 1/2, 256 steps" in out and "512 of 512 steps" in out  # 300 steps: rounded up to 2 rollouts
     in_run = out.split("eval: ")[1].splitlines()[0]
-    assert "over 2 episodes" in in_run and "seeds 10004..10005" in in_run  # 10000 + seed + i
+    assert "over 2 of 2 episodes" in in_run and "seeds from 10004)" in in_run  # 10000 + seed + i
     ckpt = os.path.join(run, "gpt2ppo_lunar.pt")
-    torch.load(ckpt, weights_only=True)  # plain tensors and Python values only
+    assert set(torch.load(ckpt, weights_only=True)["objects"]) == {"actor", "critic"}  # plain tensors and values only
     assert not glob.glob(ckpt + ".tmp*")
     code, out, _ = cli_in_process(("--eval-checkpoint", ckpt, "--eval-episodes", "2"), tmp_path)
-    assert code == 0 and f"eval: {in_run}" in out and "critic mlp" in out  # the same rule, the same numbers
+    assert code == 0 and f"eval: {in_run}" in out  # the same rule, the same numbers
     (eval_run,) = glob.glob(os.path.join(tmp_path, "runs", os.path.basename(run) + "-eval__10004__*"))
     assert read_scalars(eval_run, "eval/episodic_return") == read_scalars(run, "eval/episodic_return")
     # --seed given with --eval-checkpoint replaces the training seed of the evaluation's seeds; --capture-video
     # records the episode into the evaluation's own run folder
     flags = ("--eval-checkpoint", ckpt, "--eval-episodes", "1", "--seed", "9", "--capture-video")
     code, out, _ = cli_in_process(flags, tmp_path)
-    assert code == 0 and "seeds 10009..10009" in out
+    assert code == 0 and "seeds from 10009" in out
     (videos,) = glob.glob(os.path.join(tmp_path, "runs", os.path.basename(run) + "-eval__10009__*", "videos"))
     assert os.listdir(videos) == ["eval-episode-0.mp4"] and _video_frames(os.path.join(videos, "eval-episode-0.mp4"))[0]
 
 
-def test_run_folders_made_in_the_same_second_get_their_own_names(tmp_path):
-    names = {g2.make_run_dir("x", root=str(tmp_path / "r")) for _ in range(3)}
-    assert len(names) == 3 and sorted(os.listdir(tmp_path / "r")) == sorted(names)
+def test_run_folders_made_in_the_same_second_get_their_own_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    names = {g2.make_run_dir("x") for _ in range(3)}
+    assert len(names) == 3 and sorted(os.listdir(tmp_path / "runs")) == sorted(names)
 
 
 def test_ctrl_c_stops_after_the_update_keeps_the_checkpoint_and_exits_with_one_line(tmp_path):
@@ -621,9 +619,10 @@ def test_ctrl_c_stops_after_the_update_keeps_the_checkpoint_and_exits_with_one_l
     assert err.strip() == f"{sig.name}: stopping at the next safe point (again: quit at once)"
     run = only_run_dir(str(tmp_path))
     assert not glob.glob(os.path.join(run, "*.tmp*")) and len(read_scalars(run, "losses/policy_loss")) == 1
-    assert g2.load_checkpoint(os.path.join(run, "training_state.pt"))["iteration"] == 1
-    actor, config = g2.actor_from_checkpoint(os.path.join(run, "gpt2ppo_lunar.pt"))
-    assert config["critic"] == "mlp" and config["total_timesteps"] == 10000000
+    assert g2.load_checkpoint(os.path.join(run, "training_state.pt"))["update"] == 1
+    model = g2.load_checkpoint(os.path.join(run, "gpt2ppo_lunar.pt"))
+    assert model["args"]["critic"] == "mlp" and model["args"]["total_timesteps"] == 10000000
+    assert set(model["objects"]) == {"actor", "critic"}
 
 
 def _signal_in_update(monkeypatch, update: int) -> None:
@@ -642,8 +641,8 @@ def _signal_in_update(monkeypatch, update: int) -> None:
 @pytest.mark.parametrize("update", [1, 2], ids=["first-update", "last-update"])
 def test_a_signal_in_the_last_update_ends_a_complete_run_not_a_stopped_one(tmp_path, monkeypatch, update):
     """A signal stops the run after the update it arrives in, with status 128 + signal and no evaluation: in the first
-    of two updates the run is stopped (the last line says so, and how to continue it); in the last one the run is
-    complete, and resuming it only evaluates the checkpoint its flags ask for."""
+    of two updates the run is stopped (the last line says how to continue it); in the last one the run is complete,
+    and resuming it only evaluates the checkpoint its flags ask for."""
     _signal_in_update(monkeypatch, update)
     flags = ("--critic", "mlp", *BUDGET, "--save-model", "--eval-episodes", "2", *TINY)
     code, out, err = cli_in_process(flags, tmp_path)
@@ -653,28 +652,18 @@ def test_a_signal_in_the_last_update_ends_a_complete_run_not_a_stopped_one(tmp_p
     assert f"{256 * update} of 512 steps" in last and f"checkpoint saved to {rel}" in last
     assert err.strip() == "SIGTERM: stopping at the next safe point (again: quit at once)"  # one line
     assert not glob.glob(os.path.join(run, "*.tmp*"))
-    actor, config = g2.actor_from_checkpoint(os.path.join(run, "gpt2ppo_lunar.pt"))
-    assert config["critic"] == "mlp" and config["total_timesteps"] == 512
+    model = g2.load_checkpoint(os.path.join(run, "gpt2ppo_lunar.pt"))
+    assert model["args"]["critic"] == "mlp" and model["args"]["total_timesteps"] == 512
     if update == 1:
-        assert "stopped by SIGTERM after" in last and last.endswith(f"; interrupted (continue it: --resume {rel})")
+        assert last.endswith(f"; interrupted (continue it: --resume {rel})")
     else:
-        assert "stopped" not in last and "--resume" not in last
-    assert g2.load_checkpoint(os.path.join(run, "training_state.pt"))["iteration"] == update
+        assert "interrupted" not in last and "--resume" not in last
+    assert g2.load_checkpoint(os.path.join(run, "training_state.pt"))["update"] == update
     monkeypatch.undo()
     code, out, _ = cli_in_process(("--resume", run), tmp_path)  # --save-model and --eval-episodes: the run's
-    assert code == 0 and f"continued after update {update}" in out and "512 of 512 steps" in out
-    assert "eval: mean return over 2 episodes" in out and len(read_scalars(run, "eval/episodic_return")) == 2
+    assert code == 0 and "512 of 512 steps" in out
+    assert "over 2 of 2 episodes" in out and len(read_scalars(run, "eval/episodic_return")) == 2
     assert [s for s, _ in read_scalars(run, "losses/policy_loss")] == [256, 512]
-
-
-def test_evaluating_a_checkpoint_checks_the_critic_without_building_it(tmp_path, monkeypatch):
-    """--eval-checkpoint uses the actor alone: the GPT-2 critic is checked on the meta device (shapes, nothing
-    allocated) and never built for real."""
-    path, built, real = _checkpoint(str(tmp_path), "gpt2"), [], g2.make_critic
-    monkeypatch.setattr(g2, "make_critic", lambda *a: built.append(real(*a)) or built[-1])
-    actor, config = g2.actor_from_checkpoint(path)
-    assert config["critic"] == "gpt2" and isinstance(actor, g2.Actor) and not any(p.is_meta for p in actor.parameters())
-    assert len(built) == 1 and isinstance(built[0], g2.GPT2Critic) and all(p.is_meta for p in built[0].parameters())
 
 
 def test_a_signal_during_evaluation_stops_after_the_episode_and_a_second_quits(capsys):
@@ -690,8 +679,8 @@ def test_a_signal_during_evaluation_stops_after_the_episode_and_a_second_quits(c
             self.closed = True
 
     writer = Writer()
-    returns = g2.evaluate(g2.Actor(4, 2, True, 8), "CartPole-v1", 3, 0, writer, stop)
-    assert len(returns) == 1 and "stopped after 1 of 3 episodes" in capsys.readouterr().out
+    returns = g2.evaluate({"actor": g2.Actor(4, 2, True, 8)}, "CartPole-v1", g2.Args(eval_episodes=3), 0, writer, stop)
+    assert len(returns) == 1 and "over 1 of 3 episodes" in capsys.readouterr().out
     assert not writer.closed and stop.exit_status == 130  # the caller's writer stays the caller's
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
@@ -701,7 +690,8 @@ def test_a_signal_during_evaluation_stops_after_the_episode_and_a_second_quits(c
 
 
 # ---------------------------------------------------------------------------------------------
-# Safeguards: hostile inputs end in one sentence, before anything is written
+# Safeguards: hostile inputs end in one sentence, before anything is written (the rows every torch script shares
+# are in test_machinery.py)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -731,45 +721,23 @@ gym.register("NoLimit-v0", entry_point=TinyBox)
 
 
 def _checkpoint(folder, kind):
-    """A checkpoint file in `folder`, good or spoiled as `kind` says."""
+    """A --save-model checkpoint in `folder` (LunarLander's actor and MLP critic) whose flags `kind` changes."""
+    args = g2.Args(critic="mlp")
+    changed = {
+        "other_env": dict(env_id="CartPole-v1"),
+        "out_of_range": dict(hidden_size=10**9),
+        "huge_in_range": dict(critic="gpt2", hidden_size=2**16, n_layer=96, n_head=1024, context_len=4096),
+    }[kind]
+    model = {k: v.state_dict() for k, v in g2.model_objects(args).items()}
+    run = {"script": "gpt2ppo_lunar.py", "run_name": "LunarLander-v3__gpt2ppo_lunar__1__1"}
     path = os.path.join(folder, f"{kind}.pt")
-    args = {**asdict(g2.Args(seed=1, critic="mlp")), "max_timestep": 1000}
-    ckpt = {
-        "actor": g2.Actor(8, 4, True, 64).state_dict(),
-        "critic": g2.MLPCritic(8, 64).state_dict(),
-        "args": args,
-        "run_name": "LunarLander-v3__gpt2ppo_lunar__critic-mlp__1__1",
-        "obs_dim": 8,
-        "act_dim": 4,
-        "discrete": True,
-    }
-    if kind == "foreign":
-        ckpt = {"model": {}, "step": 3}
-    elif kind == "pickle":
-        ckpt = {"actor": g2.Args()}  # arbitrary objects: refused by weights_only loading
-    elif kind == "mistyped_seed":
-        args["seed"] = "1"
-    elif kind == "other_env":
-        args["env_id"] = "CartPole-v1"
-    elif kind == "out_of_range":
-        args["hidden_size"] = 10**9
-    elif kind == "huge_in_range":  # sizes of ~20 TB that the file does not hold: refused before anything is built
-        args.update(critic="gpt2", hidden_size=2**16, n_layer=96, n_head=1024, context_len=4096)
-    elif kind == "unsafe_run_name":
-        ckpt["run_name"] = "../../outside"
-    elif kind == "misshapen":
-        args["hidden_size"] = 32
-    elif kind == "nan_weights":
-        ckpt["actor"]["body.0.bias"][0] = float("nan")
-    elif kind == "gpt2":  # a GPT-2 critic of the default sizes
-        args["critic"] = "gpt2"
-        ckpt["critic"] = g2.make_critic("gpt2", 8, 4, args).state_dict()
-    return checkpoint_file(path, kind, lambda p: g2.save_checkpoint(p, ckpt))
+    g2.save_checkpoint(path, {**run, "args": {**asdict(args), **changed}, "objects": model})
+    return path
 
 
 def _loop_objects(args: g2.Args) -> dict:
-    """What main builds and carries from one update into the next, for `args`, as Run.start takes them (the objects a
-    training state holds)."""
+    """What main builds and carries from one update into the next, for `args`, as Run.start takes them (all but
+    next_obs)."""
     N, mode = args.num_envs, gym.vector.AutoresetMode.SAME_STEP
     envs = gym.vector.SyncVectorEnv([g2.make_env(args.env_id)] * N, autoreset_mode=mode)
     max_t, obs_dim, act_dim, discrete = g2.env_dims(envs)
@@ -794,77 +762,31 @@ def _loop_objects(args: g2.Args) -> dict:
 
 
 def _training_state(folder, kind):
-    """A run folder holding a training state (update 1 of 10, with Adam's moments; Acrobot's kinds with the envs'
-    own state), good or spoiled as `kind` says."""
+    """A run folder holding a training state (update 1 of 10 of LunarLander, with Adam's moments) whose flags or
+    history `kind` changes."""
     folder.mkdir()
-    env_id = "Acrobot-v1" if kind.startswith("acrobot") else "LunarLander-v3"
-    args = g2.Args(seed=1, critic="mlp", total_timesteps=20480, env_id=env_id)
+    args = g2.Args(seed=1, critic="mlp", total_timesteps=20480)
     objects = _loop_objects(args)
     for name in ("actor_optimizer", "critic_optimizer"):  # one step with zero gradients: moments, weights unchanged
         for group in objects[name].param_groups:
             for p in group["params"]:
                 p.grad = torch.zeros_like(p)
         objects[name].step()
-    obs = objects["envs"].reset(seed=1)[0]
-    state = g2.training_state(args, 1, 2048, objects, obs)
-    saved, first = state["args"], state["critic_optimizer"]["state"][0]
-    env_layer = next((e for e in state["envs"] or [] if torch.is_tensor(e.get("state"))), {})  # Acrobot's own
-    damage = {  # kind: what is changed in the state
-        "str_update": lambda: state.update(iteration="1"),
-        "bool_update": lambda: state.update(iteration=True),
-        "float_steps": lambda: state.update(global_step=2048.0),
-        "negative": lambda: state.update(iteration=-1, global_step=-2048),
-        "unknown_key": lambda: state.update(extra=1),
-        "nan_weight": lambda: state["critic"]["net.0.bias"].fill_(float("nan")),
-        "adam_shape": lambda: first.update(exp_avg=torch.zeros(3)),
-        "adam_nan": lambda: first["exp_avg_sq"].fill_(float("nan")),
-        "adam_lr": lambda: state["actor_optimizer"]["param_groups"][0].update(lr=0.5),
-        "torch_rng": lambda: state.update(torch_rng=torch.zeros(8, dtype=torch.uint8)),
-        "shuffle_rng": lambda: state["shuffle_rng"].update(bit_generator="MT19937"),
-        "history_nan": lambda: state["history"]["obs"].fill_(float("nan")),
-        "timesteps": lambda: state["history"]["ts"].fill_(-1),
-        "episode_length": lambda: state["episode_length"].fill_(10**6),
-        "recent_returns": lambda: state.update(recent_returns=torch.zeros(3, dtype=torch.float32)),
-        "bad_choice": lambda: saved.update(critic="lstm"),
-        "acrobot_env_shape": lambda: env_layer.update(state=torch.zeros(3)),
-        "acrobot_env_key": lambda: env_layer.pop("state"),
-        "acrobot_no_envs": lambda: state.update(envs=None),
-    }
-    if kind in damage:
-        assert kind.startswith("acrobot_") == bool(env_layer)
-        damage[kind]()
-    if kind == "foreign":
-        state["script"] = "another.py"
-    elif kind == "mistyped":
-        saved["num_envs"] = "4"
-    elif kind == "three_envs":
-        saved["num_envs"] = 3
-    elif kind == "huge":  # sizes a larger machine may have run
-        saved.update(critic="gpt2", hidden_size=2**16, n_layer=96, n_head=1024)
-    elif kind == "past_the_end":
-        state["iteration"], state["global_step"] = 11, 11 * 2048
-    elif kind == "steps":
-        state["global_step"] = 2000
-    elif kind == "no_optimizer":
-        del state["critic_optimizer"]
-    elif kind == "misshapen":
-        state["actor"]["body.0.weight"] = torch.zeros(3, 3)
-    elif kind == "eight_envs":  # flags that run, but not with this state's history
-        saved["num_envs"] = 8
-    if kind == "loop":  # a symbolic link to itself
-        os.symlink("training_state.pt", folder / "training_state.pt")
-    else:
-        g2.save_checkpoint(str(folder / "training_state.pt"), state)
+    run = g2.Run(args, g2.StopSignal())
+    run.objects, run.run_name = {**objects, "next_obs": objects["envs"].reset(seed=1)[0]}, folder.name
+    state = run.training_state(1)
+    {
+        "three_envs": lambda: state["args"].update(num_envs=3),  # flags that cannot run
+        "huge": lambda: state["args"].update(critic="gpt2", hidden_size=2**16, n_layer=96, n_head=1024),
+        "eight_envs": lambda: state["args"].update(num_envs=8),  # flags that run, but not with this state's history
+        "timesteps": lambda: state["objects"]["history"]["ts"].fill_(-1),  # windows that reach before their episodes
+    }[kind]()
+    g2.save_checkpoint(str(folder / "training_state.pt"), state)
 
 
-def _tree(folder, folder_times: bool = True) -> list[tuple]:
-    """Every path under `folder` with its size and modification time (of files only when not `folder_times`)."""
-    return sorted(
-        (str(p.relative_to(folder)), p.lstat().st_size, p.lstat().st_mtime_ns)
-        if folder_times or not p.is_dir()
-        else (str(p.relative_to(folder)),)
-        for p in folder.rglob("*")
-    )
+def _tree(folder) -> list[tuple]:
+    """Every path under `folder` with its size and modification time."""
+    return sorted((str(p.relative_to(folder)), p.lstat().st_size, p.lstat().st_mtime_ns) for p in folder.rglob("*"))
 
 
 @pytest.mark.parametrize(
@@ -896,13 +818,6 @@ def _tree(folder, folder_times: bool = True) -> list[tuple]:
         # choices: Literal flags, listed and enforced by tyro (its own message, exit 2)
         _bad(("--critic", "lstm"), None),
         _bad(("--update-schedule", "random"), None),
-        # run names are plain names
-        _bad(("--exp-name", "../up"), "--exp-name must be a plain name"),
-        _bad(("--exp-name", "a/b"), "--exp-name must be a plain name"),
-        _bad(("--exp-name", ".."), "--exp-name must be a plain name"),
-        _bad(("--exp-name", ""), "--exp-name must be a plain name"),
-        _bad(("--exp-name", "x" * 201), "--exp-name must be a plain name"),
-        _bad(("--exp-name", "training_state"), "--exp-name training_state is the name of the run's training state"),
         # envs that do not exist or do not fit
         _bad(("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
         _bad(("--env-id", "Blackjack-v1"), "needs a flat Box observation"),
@@ -914,81 +829,31 @@ def _tree(folder, folder_times: bool = True) -> list[tuple]:
         _bad(("--target-kl", "0.1"), None),
         _bad(("--progress-every", "1"), None),
         _bad(("--seed", "1.5"), None),
-        # checkpoints: missing, not a file, foreign, spoiled; --eval-checkpoint takes no training flags
-        _bad(("--eval-checkpoint", "ckpt:missing_file"), "missing_file.pt' (it does not exist)"),
-        _bad(("--eval-checkpoint", "ckpt:loop"), "loop.pt' (Too many levels of symbolic links)"),
-        _bad(("--eval-checkpoint", "given"), "not a regular file"),
-        _bad(("--eval-checkpoint", "ckpt:fifo"), "not a regular file"),
-        _bad(("--eval-checkpoint", "ckpt:text"), "not a torch file"),
-        _bad(("--eval-checkpoint", "ckpt:truncated"), "not a torch file"),
-        _bad(("--eval-checkpoint", "ckpt:pickle"), "not a torch file"),
-        _bad(("--eval-checkpoint", "ckpt:foreign"), "a key is missing or of the wrong type"),
-        _bad(("--eval-checkpoint", "ckpt:mistyped_seed"), "a key is missing or of the wrong type"),
-        _bad(("--eval-checkpoint", "ckpt:out_of_range"), "sizes, critic or run name out of range"),
-        _bad(("--eval-checkpoint", "ckpt:unsafe_run_name"), "sizes, critic or run name out of range"),
-        _bad(("--eval-checkpoint", "ckpt:other_env"), "was trained on other spaces than those of CartPole-v1"),
-        _bad(("--eval-checkpoint", "ckpt:misshapen"), "holds no network of the shapes its args give"),
-        _bad(("--eval-checkpoint", "ckpt:nan_weights"), "holds no network of the shapes its args give"),
-        _bad(("--eval-checkpoint", "ckpt:huge_in_range"), "holds no network of the shapes its args give"),
+        # a checkpoint whose flags this script cannot run, or whose env's spaces are not those of its weights
+        _bad(("--eval-checkpoint", "ckpt:out_of_range"), "--hidden-size must be in [1, 65536], got 1000000000"),
+        _bad(("--eval-checkpoint", "ckpt:huge_in_range"), "GiB, more than this machine's"),
         _bad(
-            ("--eval-checkpoint", "ckpt:good", "--critic", "mlp", "--total-timesteps", "5"),
-            "takes no training flags, got --critic --total-timesteps",
+            ("--eval-checkpoint", "ckpt:other_env"),
+            "other_env.pt' does not fit this run of gpt2ppo_lunar.py: it.objects.actor.body.0.weight is not a "
+            "torch.float32 tensor of shape (64, 4)",
         ),
-        # --resume: a folder that is not a run of this script with these flags
-        _bad(("--resume", "given"), "holds no training_state.pt"),
-        _bad(("--resume", "nowhere"), "--resume nowhere is not a run folder"),
-        _bad(("--resume", "resume:foreign"), "is not a training state of this version of gpt2ppo_lunar.py"),
-        _bad(("--resume", "resume:good", "--num-envs", "8"), "but --num-envs 8 differs from its 4"),
-        _bad(("--resume", "resume:mistyped"), "is not a training state of this version of gpt2ppo_lunar.py"),
-        # a damaged training state: flags that cannot run (the machine's memory too), counters, keys and shapes
-        _bad(("--resume", "resume:three_envs"), "cannot run: --steps-per-epoch must be a multiple of --num-envs 3"),
-        _bad(("--resume", "resume:huge"), "cannot run: these sizes need ~"),
-        _bad(
-            ("--resume", "resume:past_the_end"),
-            "is a damaged training state (update 11 at step 22528: not one of this run's 10",
-        ),
-        _bad(("--resume", "resume:steps"), "is a damaged training state (update 1 at step 2000: not one"),
-        _bad(("--resume", "resume:no_optimizer"), "is a damaged training state (no 'critic_optimizer')"),
-        _bad(
-            ("--resume", "resume:misshapen"),
-            "damaged training state (actor.body.0.weight is not a finite torch.float32 tensor of shape (64, 8))",
-        ),
+        # a training state whose flags cannot run (here), or that does not fit the objects they make
+        _bad(("--resume", "resume:three_envs"), "--steps-per-epoch must be a multiple of --num-envs 3"),
+        _bad(("--resume", "resume:huge"), "GiB, more than this machine's"),
         _bad(
             ("--resume", "resume:eight_envs"),
-            "is a damaged training state (history.obs is not a finite torch.float32 tensor of shape (8, 257, 8))",
+            "does not fit this run of gpt2ppo_lunar.py: it.objects.history.obs is not a torch.float32 tensor of shape "
+            "(8, 257, 8)",
         ),
-        _bad(("--resume", "resume:loop"), "training_state.pt' (Too many levels of symbolic links)"),
-        _bad(("--resume", "resume:bad_choice"), "is not a training state of this version of gpt2ppo_lunar.py"),
-        # every key, type, shape and range of a training state, against the run's flags and fresh objects
-        _bad(("--resume", "resume:str_update"), "damaged training state (iteration is not of the type int)"),
-        _bad(("--resume", "resume:bool_update"), "damaged training state (iteration is not of the type int)"),
-        _bad(("--resume", "resume:float_steps"), "damaged training state (global_step is not of the type int)"),
-        _bad(("--resume", "resume:negative"), "damaged training state (update -1 at step -2048: not one of this"),
-        _bad(("--resume", "resume:unknown_key"), "damaged training state (unknown keys ['extra'])"),
-        _bad(("--resume", "resume:nan_weight"), "(critic.net.0.bias is not a finite torch.float32 tensor of shape"),
-        _bad(("--resume", "resume:adam_shape"), "(critic_optimizer's moments of parameter 0 are not finite, of its"),
-        _bad(("--resume", "resume:adam_nan"), "(critic_optimizer's moments of parameter 0 are not finite, of its"),
-        _bad(("--resume", "resume:adam_lr"), "(actor_optimizer has other hyperparameters or parameter groups"),
-        _bad(("--resume", "resume:torch_rng"), "damaged training state (torch_rng is not a random state of torch)"),
-        _bad(("--resume", "resume:shuffle_rng"), "damaged training state (shuffle_rng is not a PCG64 random state)"),
-        _bad(("--resume", "resume:history_nan"), "(history.obs is not a finite torch.float32 tensor of shape"),
-        _bad(("--resume", "resume:timesteps"), "damaged training state (timesteps outside 0..1000"),
-        _bad(("--resume", "resume:episode_length"), "damaged training state (timesteps outside 0..1000"),
-        _bad(("--resume", "resume:recent_returns"), "(recent_returns is not up to 100 finite float64 returns)"),
-        _bad(("--resume", "resume:acrobot_env_shape"), "(envs[4].state is not a float tensor of shape (4,))"),
-        _bad(("--resume", "resume:acrobot_env_key"), "damaged training state (envs[4] has other keys than this"),
-        _bad(("--resume", "resume:acrobot_no_envs"), "damaged training state (envs are not those of this run)"),
-        _bad(("--resume", "resume:good", "--eval-checkpoint", "x"), "takes no training flags, got --resume"),
-        # a run folder that cannot be made (a file named runs stands where the folder would go)
-        _bad(("--critic", "mlp", "runs-is-a-file"), "cannot create the run folder runs/"),
+        _bad(
+            ("--resume", "resume:timesteps"),
+            "does not fit this run of gpt2ppo_lunar.py: its history holds windows that reach outside their episodes",
+        ),
     ],
 )
 def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeypatch, flags, message):
     given = tmp_path / "given"
     given.mkdir()
-    if "runs-is-a-file" in flags:
-        flags = tuple(f for f in flags if f != "runs-is-a-file")
-        (tmp_path / "runs").write_text("")
     for f in flags:
         if f.startswith("resume:"):
             _training_state(given / f[7:], f[7:])
@@ -996,9 +861,7 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
     def path_of(f):  # the file or folder a flag value names
         if f.startswith("ckpt:"):
             return _checkpoint(str(given), f[5:])
-        if f.startswith("resume:"):
-            return str(given / f[7:])
-        return str(given) if f == "given" else f
+        return str(given / f[7:]) if f.startswith("resume:") else f
 
     flags = [path_of(f) for f in flags]
     before = _tree(tmp_path)
@@ -1014,36 +877,6 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeyp
         assert err.strip().startswith("error: ") and len(err.strip().splitlines()) == 1, err
         assert message in err and err.strip().endswith("."), err
     assert _tree(tmp_path) == before  # nothing written
-
-
-def _full_disk(error):
-    def broken_save(obj, f):  # writes part of the file, then fails as a full disk does
-        with open(f, "wb") as out:
-            out.write(b"partial")
-        raise error
-
-    return broken_save
-
-
-FULL_DISK = [
-    OSError(28, "No space left on device"),
-    RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0"),
-]
-
-
-def test_a_full_disk_at_the_end_of_a_run_is_one_sentence_and_exit_2(tmp_path, monkeypatch):
-    monkeypatch.setattr(torch, "save", _full_disk(FULL_DISK[1]))
-    flags = ("--critic", "mlp", "--total-timesteps", "256", "--steps-per-epoch", "256", "--save-model", *TINY)
-    code, out, err = cli_in_process(flags, tmp_path)
-    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert (
-        err.startswith("error: could not save the checkpoint runs/")
-        and "is the disk full?" in err
-        and "pos 64" not in err
-    )
-    run = only_run_dir(str(tmp_path))
-    assert os.listdir(run) and not glob.glob(os.path.join(run, "*.pt*"))  # no checkpoint, no temporary file
-    assert len(read_scalars(run, "losses/policy_loss")) == 1  # what was logged is on disk
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1063,16 +896,20 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("env_id", ["Acrobot-v1", "LunarLander-v3"])
-def test_the_training_state_restores_exactly(tmp_path, env_id):
-    """Save a state mid-episode, put it into freshly made objects, and save again: every weight, Adam moment, random
-    stream, history row and episode counter comes back tensor by tensor, and so does every attribute of a
-    classic-control env, whose copies then step the same. Box2D envs restart their episodes, the same way each time."""
+def test_the_training_state_restores_exactly(tmp_path, monkeypatch, env_id):
+    """Save a state mid-episode (through the run object main meets), resume it into freshly made objects, and take
+    the state again: every weight, Adam moment, random stream and history row comes back tensor by tensor, into the
+    objects main keeps using (History's torch views see the restored rows); so do every attribute of a classic-control
+    env, whose copies then step the same, and the episodes in progress. Box2D envs are not saved: the episodes in
+    progress stay as main made them (new ones)."""
+    monkeypatch.chdir(tmp_path)
     args = g2.Args(env_id=env_id, seed=7, num_envs=2, steps_per_epoch=16, value_stride=2, **TINY_ARGS)
-    objects = _loop_objects(args)
+    objects, run = _loop_objects(args), g2.Run(args, g2.StopSignal())
     models, shuffle_rng, history, envs = objects, objects["shuffle_rng"], objects["history"], objects["envs"]
     returns, lengths, recent = objects["episode_return"], objects["episode_length"], objects["recent_returns"]
-    n, rng = envs.single_action_space.n, np.random.default_rng(0)
     obs = envs.reset(seed=7)[0].astype(np.float32)
+    run.start(**objects, next_obs=obs)
+    n, rng = envs.single_action_space.n, np.random.default_rng(0)
     for step in range(8):  # a rollout: the windows' rows, episodes in progress
         action = rng.integers(0, n, 2)
         history.put_state(step, obs, lengths)
@@ -1088,33 +925,41 @@ def test_the_training_state_restores_exactly(tmp_path, env_id):
     models["critic_optimizer"].step()
     list(g2.minibatch_plan("shuffled", 16, 4, 8, 2, shuffle_rng))
     history.carry_over()
-    path = str(tmp_path / "training_state.pt")
-    g2.save_checkpoint(path, g2.training_state(args, 3, 48, objects, obs))
-    saved = g2.training_state(args, 3, 48, objects, obs)
+    run.end_update(10, 160, next_obs=obs)  # (the state is saved every 10 updates)
+    saved = run.training_state(10)
+    run.writer.close()
+    os.close(run.lock)
     twins = []
     for k in range(2):
         twin = _loop_objects(args)  # fresh weights, drawn from torch's stream
-        twin["envs"].reset(seed=123 + k)  # and envs in other states
-        iteration, step, twin_obs = g2.restore_training_state(g2.load_checkpoint(path), twin)
-        assert (iteration, step) == (3, 48)
-        twins.append((twin, g2.training_state(args, iteration, step, twin, twin_obs)))
-    (one, one_state), (two, two_state) = twins
-    assert _same(one_state, two_state)
+        twin_obs = twin["envs"].reset(seed=123)[0].astype(np.float32)  # and envs in another state
+        made, resumed = twin_obs.copy(), g2.Run(g2.Args(resume=run.run_dir), g2.StopSignal())
+        begin = resumed.start(**twin, next_obs=twin_obs)
+        assert (begin.update, begin.global_step) == (10, 160)
+        twins.append((twin, twin_obs, made, resumed.training_state(10)))
+        resumed.writer.close()
+        os.close(resumed.lock)
+    (one, one_obs, one_made, one_state), (two, _, _, two_state) = twins
+    assert _same(one_state, two_state) and one_state["args"] == {**saved["args"], "resume": run.run_dir}
+    saved["args"] = one_state["args"]  # (the flags a resume was given)
+    assert np.array_equal(one["history"].views[0].numpy(), history.obs.reshape(-1, history.obs.shape[-1]))
     if env_id == "Acrobot-v1":  # classic control: the episodes go on
-        assert saved["envs"] is not None and _same(saved, one_state)
+        assert saved["objects"]["envs"] is not None and _same(saved, one_state)
+        assert np.array_equal(one_obs, obs) and np.array_equal(one["episode_length"], lengths)
         stepped, others = envs, [one["envs"], two["envs"]]
-    else:  # Box2D: all else the same, but new episodes, from a reset seeded by the seed and the update
-        restarted = ("next_obs", "episode_return", "episode_length")
-        kept = [{k: v for k, v in state.items() if k not in restarted} for state in (saved, one_state)]
-        assert saved["envs"] is None and _same(*kept)
-        assert not torch.equal(one_state["next_obs"], saved["next_obs"])
-        assert not one_state["episode_return"].any() and not one_state["episode_length"].any()
-        stepped, others = one["envs"], [two["envs"]]
-    for _ in range(30):
-        action = rng.integers(0, n, 2)
-        expected = stepped.step(action)
-        for other in others:
-            assert all(np.array_equal(x, y) for x, y in zip(expected[:4], other.step(action)[:4]))
+        for _ in range(30):
+            action = rng.integers(0, n, 2)
+            expected = stepped.step(action)
+            for other in others:
+                assert all(np.array_equal(x, y) for x, y in zip(expected[:4], other.step(action)[:4]))
+    else:  # Box2D: all else the same, but the episodes in progress as main made them
+        restarted = ("next_obs", "episode_return", "episode_length", "recent_returns")
+        kept = [
+            {**s, "objects": {k: v for k, v in s["objects"].items() if k not in restarted}} for s in (saved, one_state)
+        ]
+        assert saved["objects"]["envs"] is None and _same(*kept)
+        assert np.array_equal(one_obs, one_made) and not one["episode_return"].any() and not one["episode_length"].any()
+        assert lengths.any() and not one["recent_returns"]
 
 
 ACROBOT = (
@@ -1151,8 +996,10 @@ def test_a_stopped_acrobot_run_resumes_to_the_numbers_of_an_uninterrupted_one(tm
         run = only_run_dir(str(tmp_path))
     else:
         run = _stopped_run(tmp_path, ACROBOT, sig, after=4)
+    state = g2.load_checkpoint(os.path.join(run, "training_state.pt"))
+    assert state["update"] == (5 if sig == signal.SIGTERM else 3)
     code, out, _ = cli_in_process(("--resume", run, "--checkpoint-every", "4"), tmp_path)
-    assert code == 0 and "continued after update" in out and "1280 of 1280 steps" in out
+    assert code == 0 and "1280 of 1280 steps" in out
     resumed = all_scalars(run)
     assert only_run_dir(str(tmp_path)) == run and len(resumed["losses/policy_loss"]) == 20
     assert 500.0 in [v for _, v in resumed["charts/episodic_length"]]  # a truncation, after the resume
@@ -1169,9 +1016,9 @@ def test_a_killed_lunarlander_run_resumes_with_new_episodes_and_logs_no_step_twi
     to SIGKILL are done again and logged once."""
     flags = ("--total-timesteps", "768", "--steps-per-epoch", "128", "--seed", "4", "--checkpoint-every", "2", *TINY)
     run = _stopped_run(tmp_path, flags, signal.SIGKILL, after=3)
+    resumed_at = 128 * g2.load_checkpoint(os.path.join(run, "training_state.pt"))["update"]
     code, out, _ = cli_in_process(("--resume", run), tmp_path)
     assert code == 0 and "768 of 768 steps" in out
-    resumed_at = 128 * int(re.search(r"continued after update (\d+)", out).group(1))
     assert resumed_at < 3 * 128  # the update after the last checkpoint is done again
     assert [s for s, _ in read_scalars(run, "losses/policy_loss")] == list(range(128, 769, 128))
     lengths = read_scalars(run, "charts/episodic_length")
@@ -1199,76 +1046,10 @@ def test_resuming_a_complete_run_updates_nothing_and_does_what_its_end_does(tmp_
     """A run stopped after its last update (its training state holds it) but before its end is resumed, not refused:
     no update runs again; --save-model, given now (it does not change the training), saves and evaluates the model."""
     run = _copy_of(complete_mlp_run, tmp_path)
-    stale = os.path.join(run, "training_state.pt.tmp99999")  # left by a save that was killed mid-write
-    with open(stale, "wb") as f:
-        f.write(b"part of a training state")
     code, out, err = cli_in_process(("--resume", run, "--save-model", "--eval-episodes", "2"), tmp_path)
-    assert code == 0 and "continued after update 2" in out and "512 of 512 steps" in out, err
-    assert not os.path.exists(stale)  # removed on the next start of the folder
-    assert ": update" not in out and "stopped" not in out
+    assert code == 0 and "512 of 512 steps" in out and ": update" not in out and "interrupted" not in out, err
     assert [s for s, _ in read_scalars(run, "losses/policy_loss")] == [256, 512]  # none logged twice
     assert os.path.isfile(os.path.join(run, "gpt2ppo_lunar.pt")) and len(read_scalars(run, "eval/episodic_return")) == 2
-
-
-def test_one_process_per_run_folder(tmp_path, complete_mlp_run):
-    """While a process holds the run folder's lock (flock on <run>/.lock, its pid inside), a --resume of that folder is
-    refused in one sentence naming the holder, and nothing in the folder changes."""
-    import fcntl
-
-    run = _copy_of(complete_mlp_run, tmp_path)
-    with open(os.path.join(run, ".lock"), "a+") as holder:
-        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        holder.truncate(0)
-        holder.write("4242\n")
-        holder.flush()
-        before = _tree(tmp_path)
-        code, _, err = cli_in_process(("--resume", run), tmp_path)
-        assert code == 2 and err == f"error: another process (pid 4242) is running {run}.\n"
-        assert _tree(tmp_path) == before
-    code, out, err = cli_in_process(("--resume", run), tmp_path)  # the lock released: the run continues
-    assert code == 0 and "continued after update 2" in out, err
-    with open(os.path.join(run, ".lock")) as f:
-        assert f.read().strip().isdigit()
-
-
-@pytest.mark.parametrize("kind", ["read-only", "full"])
-def test_a_resume_into_a_folder_that_cannot_be_written_is_one_sentence(tmp_path, complete_mlp_run, kind):
-    """A run folder on a read-only mount, or on a full disk: the resume stops in one sentence before anything is written
-    (a real bind mount remounted read-only, a real tmpfs filled up)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if kind == "read-only":
-        source = tmp_path / "source"
-        source.mkdir()
-        run = _copy_of(complete_mlp_run, source)
-        commands = [["mount", "--bind", str(source), str(mnt)], ["mount", "-o", "remount,ro,bind", str(mnt)]]
-    else:
-        commands = [["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]]
-    mounted = False
-    try:
-        for command in commands:
-            proc = subprocess.run(command, capture_output=True, text=True)
-            if proc.returncode != 0:
-                pytest.skip(f"mount is not permitted here: {proc.stderr.strip()}")
-            mounted = True
-        if kind == "full":
-            run = _copy_of(complete_mlp_run, mnt)
-            with open(mnt / "filler", "wb", buffering=0) as f:  # fill the disk up to its last byte
-                for size in (65536, 4096, 512, 1):
-                    try:
-                        while True:
-                            f.write(b"\0" * size)
-                    except OSError:
-                        pass
-        run = os.path.join(mnt, "runs", os.path.basename(complete_mlp_run))
-        before = _tree(mnt, folder_times=False)  # the writability probe is a file made and removed: no file changes
-        code, _, err = cli_in_process(("--resume", run), tmp_path)
-        why = "Read-only file system" if kind == "read-only" else "No space left on device"
-        assert code == 2 and err == f"error: cannot write into the run folder {run} ({why}).\n", err
-        assert _tree(mnt, folder_times=False) == before
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def test_a_second_signal_quits_at_once_and_says_where_the_last_training_state_is(tmp_path, monkeypatch):
@@ -1291,15 +1072,15 @@ def test_a_second_signal_quits_at_once_and_says_where_the_last_training_state_is
         f"SIGTERM again: quitting at once without saving; the last training state is {run}/training_state.pt "
         "(update 1)",
     ]
-    assert g2.load_checkpoint(os.path.join(tmp_path, run, "training_state.pt"))["iteration"] == 1
+    assert g2.load_checkpoint(os.path.join(tmp_path, run, "training_state.pt"))["update"] == 1
 
 
 def test_resume_dot_from_inside_the_run_folder_names_the_run_after_its_folder(tmp_path, complete_mlp_run):
-    """--resume . names the run after its folder, so the saved model carries that name and --eval-checkpoint of it
-    works and names its evaluation after the run."""
+    """--resume . continues the run under its own name, so the saved model carries that name and --eval-checkpoint of
+    it names its evaluation after the run."""
     run, name = _copy_of(complete_mlp_run, tmp_path), os.path.basename(complete_mlp_run)
     code, out, _ = cli_in_process(("--resume", ".", "--save-model", "--eval-episodes", "1"), run)
-    assert code == 0 and out.startswith(f"{name}: device")
+    assert code == 0 and f"\n{name}: 512 of 512 steps" in out
     code, _, err = cli_in_process(("--eval-checkpoint", os.path.join(run, "gpt2ppo_lunar.pt")), tmp_path)
     assert code == 0 and glob.glob(str(tmp_path / "runs" / f"{name}-eval__10003__*")), err
 
@@ -1318,25 +1099,13 @@ def test_what_the_updates_of_a_training_state_logged_is_on_disk_when_it_is_saved
     def save_checkpoint(path, checkpoint):
         if os.path.basename(path) == "training_state.pt":
             on_disk = [s for s, _ in read_scalars(os.path.dirname(path), "losses/policy_loss")]
-            seen.append((checkpoint["global_step"], on_disk))
+            seen.append((256 * checkpoint["update"], on_disk))
         real(path, checkpoint)
 
     monkeypatch.setattr(RecordWriter, "write", slow_write)
     monkeypatch.setattr(g2, "save_checkpoint", save_checkpoint)
     assert cli_in_process((*MLP_RUN, "--checkpoint-every", "1"), tmp_path)[0] == 0
     assert seen == [(256, [256]), (512, [256, 512])]
-
-
-def test_the_wait_for_a_new_second_of_a_resumed_run_is_at_most_2_s(tmp_path, monkeypatch):
-    """The resumed run's event file starts in a later second than the run's others; a file stamped in the future
-    (clock skew) does not stall the run."""
-    slept = []
-    monkeypatch.setattr(g2, "time", SimpleNamespace(time=lambda: 1000.25, sleep=slept.append))
-    (tmp_path / "events.out.tfevents.1000.host.1.0").write_text("")
-    g2.wait_for_a_new_second(str(tmp_path))
-    (tmp_path / "events.out.tfevents.4600.host.1.0").write_text("")  # an hour ahead
-    g2.wait_for_a_new_second(str(tmp_path))
-    assert slept == [0.75, 2.0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1413,57 +1182,13 @@ def test_track_offline_and_capture_video_record_the_run_and_its_evaluation(tmp_p
         text=True,
         timeout=600,
     )
-    assert second.returncode == 0 and "continued after update 1" in second.stdout, second.stderr[-3000:]
+    assert second.returncode == 0 and "256 of 256 steps" in second.stdout, second.stderr[-3000:]
     (trained, resumed) = _wandb_records(run)
     state = g2.load_checkpoint(os.path.join(run, "training_state.pt"))
     assert trained["id"] == resumed["id"] == state["wandb_id"]  # the resume continues the same W&B run
     assert {"env_id", "critic", "actor_lr", "seed", "track", "capture_video"} <= trained["config"]
     for tag in ("charts/episodic_return", "losses/policy_loss", "losses/value_loss", "eval/episodic_return"):
         assert tag in trained["history"], (tag, sorted(trained["history"]))
-    assert trained["history"]["videos/eval/path"] == 2 and resumed["history"]["videos/eval/path"] == 1  # the MP4s
+    assert trained["history"]["videos/eval/path"] == 2 and resumed["history"].get("videos/eval/path", 0) >= 1  # MP4s
     assert "losses/policy_loss" not in resumed["history"]  # a complete run: no update again
     assert sorted(os.listdir(os.path.join(run, "videos"))) == ["eval-episode-0.mp4", "eval-episode-1.mp4"]
-
-
-@pytest.mark.parametrize("kind", ["no-wandb", "no-login", "no-pygame", "read-only-videos"])
-def test_track_and_video_refusals_are_one_sentence(tmp_path, monkeypatch, complete_mlp_run, kind):
-    """--track without the wandb package, or without a way to log in (no key, no netrc entry, not offline);
-    --capture-video without the renderer (pygame blocked); a videos folder that cannot be written: one sentence,
-    exit 2, nothing written."""
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc
-    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
-        monkeypatch.delenv(name, raising=False)
-    flags, mounted = ["--critic", "mlp", "--total-timesteps", "256", "--steps-per-epoch", "256", *TINY], None
-    if kind == "no-wandb":
-        monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
-        monkeypatch.setenv("WANDB_MODE", "offline")
-        flags.append("--track")
-        message = "error: --track needs the wandb package (pip install wandb).\n"
-    elif kind == "no-login":
-        flags.append("--track")
-        message = "error: --track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login`"
-    elif kind == "no-pygame":
-        monkeypatch.setitem(sys.modules, "pygame", None)
-        flags += ["--capture-video", "--save-model"]
-        message = "error: --capture-video cannot render LunarLander-v3 (pygame is not installed"
-    else:
-        run = _copy_of(complete_mlp_run, tmp_path)
-        videos = os.path.join(run, "videos")
-        os.makedirs(videos)
-        for command in (["mount", "--bind", videos, videos], ["mount", "-o", "remount,ro,bind", videos]):
-            proc = subprocess.run(command, capture_output=True, text=True)
-            if proc.returncode != 0:
-                pytest.skip(f"mount is not permitted here: {proc.stderr.strip()}")
-            mounted = videos
-        flags = ["--resume", run, "--save-model", "--capture-video"]
-        message = f"error: cannot write into the videos folder {videos} (Read-only file system).\n"
-    try:
-        before = _tree(tmp_path, folder_times=False)  # the writability probes: files made and removed
-        code, out, err = cli_in_process(flags, tmp_path)
-        assert code == 2 and err.startswith(message) and len(err.splitlines()) == 1, err
-        if kind == "no-pygame":
-            assert err.strip().endswith("; pip install pygame.")
-        assert _tree(tmp_path, folder_times=False) == before
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", mounted], check=True)
