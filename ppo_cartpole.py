@@ -530,9 +530,9 @@ def load_into(path: str, saved: dict, fresh: dict, objects: dict, names) -> None
 
 
 def mismatch(saved, fresh, where: str) -> Optional[str]:
-    """Where `saved` differs from `fresh` in structure or kind (keys, lengths, exact types, tensor dtypes and shapes;
-    strings, the names of things, by value) or holds a number that is not finite. None in `fresh` (an env's counter not
-    set yet, a device this machine lacks) takes None, a number or a tensor."""
+    """Where `saved` differs from `fresh` in structure or kind (keys, lengths, exact types, tensor dtypes and shapes,
+    floats of any precision; strings, the names of things, by value) or holds a number that is not finite. None in
+    `fresh` (an env's counter not set yet, a device this machine lacks) takes None, a number or a tensor."""
     if fresh is None:
         return None if saved is None or type(saved) in (int, float) or torch.is_tensor(saved) else f"{where} is set"
     if isinstance(fresh, (dict, list, tuple)):
@@ -541,8 +541,9 @@ def mismatch(saved, fresh, where: str) -> Optional[str]:
         if not same or isinstance(fresh, dict) and saved.keys() != keys:
             return f"{where} is not a {type(fresh).__name__} of {len(fresh)} ({', '.join(map(str, keys))[:50]})"
         return next((why for k in keys if (why := mismatch(saved[k], fresh[k], f"{where}.{k}")) is not None), None)
-    if torch.is_tensor(fresh):
-        if not (torch.is_tensor(saved) and saved.dtype == fresh.dtype and saved.shape == fresh.shape):
+    if torch.is_tensor(fresh):  # (an env may step in float64 a state it was reset to in float32)
+        floats = torch.is_tensor(saved) and saved.is_floating_point() and fresh.is_floating_point()
+        if not (torch.is_tensor(saved) and (saved.dtype == fresh.dtype or floats) and saved.shape == fresh.shape):
             return f"{where} is not a {fresh.dtype} tensor of shape {tuple(fresh.shape)}"
         return None if not saved.is_floating_point() or bool(saved.isfinite().all()) else f"{where} is not finite"
     if type(saved) is not type(fresh) or isinstance(fresh, str) and saved != fresh:
@@ -580,7 +581,8 @@ def restore(obj, saved):
     elif isinstance(obj, gym.vector.VectorEnv):
         for layer, state in zip(env_layers(obj), saved):
             for key, value in ((k, v) for k, v in state.items() if v is not None):  # (None: not saved, or None)
-                setattr(layer, key, restore(getattr(layer, key), value))
+                old = getattr(layer, key)  # (an env's arrays are replaced: they keep the saved precision)
+                setattr(layer, key, restore(None if isinstance(old, np.ndarray) else old, value))
     elif type(obj).__name__ == "MjData":  # its integration state, and what MuJoCo derives from it
         import mujoco
 
@@ -735,7 +737,7 @@ class Run:
 
     def progress(self, of: str = "") -> str:
         speed = (self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9)
-        returns = recent_returns(self.objects)
+        returns = last_returns(self.objects)
         mean = (
             f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}" if returns else "no episode yet"
         )
@@ -874,7 +876,7 @@ def model_objects(args: Args) -> dict:
     return {"agent": Agent(obs.shape[0], int(act.n))}
 
 
-def recent_returns(objects: dict):
+def last_returns(objects: dict):
     return objects["envs"].return_queue
 
 
