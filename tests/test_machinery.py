@@ -87,7 +87,7 @@ def env_layer(saved: dict) -> dict:
 DAMAGE = {  # a file spoiled in one way: what the script must refuse before it writes anything
     "nan": lambda s: first_tensor(s)[0][first_tensor(s)[1]].view(-1).__setitem__(0, float("nan")),
     "shape": lambda s: first_tensor(s)[0].update({first_tensor(s)[1]: torch.zeros(3, 3)}),
-    "dtype": lambda s: first_tensor(s)[0].update({first_tensor(s)[1]: first_tensor(s)[0][first_tensor(s)[1]].double()}),
+    "dtype": lambda s: first_tensor(s)[0].update({first_tensor(s)[1]: first_tensor(s)[0][first_tensor(s)[1]].long()}),
     "missing_object": lambda s: s["objects"].pop(next(iter(s["objects"]))),
     "extra_key": lambda s: s.update(extra=1),
     "other_version": lambda s: s["args"].update(no_such_flag=1),
