@@ -1239,7 +1239,7 @@ def restore(obj, saved):
     elif isinstance(obj, np.random.Generator):
         obj.bit_generator.state = saved  # (numpy's own check)
     elif isinstance(obj, gym.vector.VectorEnv):
-        for layer, state in zip(env_layers(obj), saved):
+        for layer, state in zip(env_layers(obj), saved or ()):  # (None: envs whose state is not saved)
             for key, value in ((k, v) for k, v in state.items() if v is not None):  # (None: not saved, or None)
                 setattr(layer, key, restore(getattr(layer, key), value))
     elif type(obj).__name__ == "MjData":  # its integration state, and what MuJoCo derives from it
@@ -1275,11 +1275,12 @@ def env_state(envs) -> Optional[list[dict]]:
     kinds = (np.random.Generator, deque, np.ndarray, np.generic, bool, int, float, str)
     plain = lambda v: isinstance(v, kinds) and getattr(v, "dtype", "") != "O"  # noqa: E731
     saved = [{k: saved_form(v) if plain(v) else None for k, v in vars(x).items()} for x in env_layers(envs)]
-    if mujoco:
-        import mujoco
+    for x, state in zip(env_layers(envs), saved):
+        if type(vars(x).get("data")).__name__ == "MjData":  # (in each copy of a vector env)
+            import mujoco
 
-        saved[-1]["data"] = torch.zeros(mujoco.mj_stateSize(env.model, mujoco.mjtState.mjSTATE_INTEGRATION)).double()
-        mujoco.mj_getState(env.model, env.data, saved[-1]["data"].numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+            state["data"] = torch.zeros(mujoco.mj_stateSize(x.model, mujoco.mjtState.mjSTATE_INTEGRATION)).double()
+            mujoco.mj_getState(x.model, x.data, state["data"].numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
     return saved
 
 
@@ -1433,8 +1434,8 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
     path, saved = args.eval_checkpoint, load_checkpoint(args.eval_checkpoint)
     if "update" in saved:
         raise UserError(f"'{path}' is a training state: continue its run with --resume {os.path.dirname(path) or '.'}")
-    train = Args(**{**saved["args"], "capture_video": args.capture_video})
-    check_args(train)  # (its renderer too, with --capture-video)
+    train = Args(**{**saved["args"], **{k: getattr(args, k) for k in EVAL_FLAGS - {"eval_checkpoint", "seed"}}})
+    check_args(train)  # (with the evaluation's flags: its renderer with --capture-video, what the script checks)
     objects = model_objects(train)
     load_into(path, saved, {"objects": {k: saved_form(objects[k]) for k in MODEL}}, objects, MODEL)
     seed = 10_000 + (args.seed if args.seed != 1 else train.seed)
