@@ -1088,8 +1088,12 @@ def check_args(args: Args) -> None:
     for name, choices in CHOICES.items():
         if getattr(args, name) not in choices:
             raise UserError(f"{flag(name)} must be one of {', '.join(map(str, choices))}, got {getattr(args, name)!r}")
-    if not PLAIN_NAME.fullmatch(args.exp_name) or args.exp_name == "training_state":  # (its --save-model file's name)
-        raise UserError(f"--exp-name must be a plain name other than training_state, got {args.exp_name!r}")
+    widest = f"{args.env_id}__{args.exp_name}__{2**32 - 1}__{10**9}-99-eval__{2**32 - 1}__{10**9}-99"  # (its folders)
+    if not PLAIN_NAME.fullmatch(args.exp_name) or args.exp_name == "training_state" or len(widest) > 255:
+        raise UserError(
+            f"--exp-name must be a plain name other than training_state (its --save-model file's name) that keeps the "
+            f"run's folder names within 255 characters, got {args.exp_name!r}"
+        )
     given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
     if args.eval_checkpoint is not None and given:
         raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
