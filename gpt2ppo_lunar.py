@@ -659,8 +659,12 @@ def check_args(args: Args) -> None:
     for name, choices in CHOICES.items():
         if getattr(args, name) not in choices:
             raise UserError(f"{flag(name)} must be one of {', '.join(map(str, choices))}, got {getattr(args, name)!r}")
-    if not PLAIN_NAME.fullmatch(args.exp_name) or args.exp_name == "training_state":  # (its --save-model file's name)
-        raise UserError(f"--exp-name must be a plain name other than training_state, got {args.exp_name!r}")
+    widest = f"{args.env_id}__{args.exp_name}__{2**32 - 1}__{10**9}-99-eval__{2**32 - 1}__{10**9}-99"  # (its folders)
+    if not PLAIN_NAME.fullmatch(args.exp_name) or args.exp_name == "training_state" or len(widest) > 255:
+        raise UserError(
+            f"--exp-name must be a plain name other than training_state (its --save-model file's name) that keeps the "
+            f"run's folder names within 255 characters, got {args.exp_name!r}"
+        )
     given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
     if args.eval_checkpoint is not None and given:
         raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
@@ -848,11 +852,12 @@ def env_state(envs) -> Optional[list[dict]]:
     kinds = (np.random.Generator, deque, np.ndarray, np.generic, bool, int, float, str)
     plain = lambda v: isinstance(v, kinds) and getattr(v, "dtype", "") != "O"  # noqa: E731
     saved = [{k: saved_form(v) if plain(v) else None for k, v in vars(x).items()} for x in env_layers(envs)]
-    if mujoco:
-        import mujoco
+    for layer, state in zip(env_layers(envs), saved):
+        if type(vars(layer).get("data")).__name__ == "MjData":  # (in each copy of a vector env)
+            import mujoco
 
-        saved[-1]["data"] = torch.zeros(mujoco.mj_stateSize(env.model, mujoco.mjtState.mjSTATE_INTEGRATION)).double()
-        mujoco.mj_getState(env.model, env.data, saved[-1]["data"].numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+            state["data"] = torch.zeros(mujoco.mj_stateSize(layer.model, mujoco.mjtState.mjSTATE_INTEGRATION)).double()
+            mujoco.mj_getState(layer.model, layer.data, state["data"].numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
     return saved
 
 
@@ -969,7 +974,7 @@ class Run:
 
     def progress(self, of: str = "") -> str:
         speed = (self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9)
-        returns = last_returns(self.objects)
+        returns = shown_returns(self.objects)
         mean = (
             f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}" if returns else "no episode yet"
         )
@@ -1010,8 +1015,8 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
     path, saved = args.eval_checkpoint, load_checkpoint(args.eval_checkpoint)
     if "update" in saved:
         raise UserError(f"'{path}' is a training state: continue its run with --resume {os.path.dirname(path) or '.'}")
-    train = Args(**{**saved["args"], "capture_video": args.capture_video})
-    check_args(train)  # (its renderer too, with --capture-video)
+    train = Args(**{**saved["args"], **{k: getattr(args, k) for k in EVAL_FLAGS - {"eval_checkpoint", "seed"}}})
+    check_args(train)  # (with the evaluation's flags: its renderer with --capture-video, what the script checks)
     objects = model_objects(train)
     fresh = {"script": SCRIPT, "args": saved["args"], "run_name": saved["run_name"]}
     load_into(path, saved, {**fresh, "objects": {k: saved_form(objects[k]) for k in MODEL}}, objects, MODEL)
@@ -1142,7 +1147,7 @@ def model_objects(args: Args) -> dict:
     return {"actor": Actor(obs_dim, act_dim, discrete, args.hidden_size), "critic": critic}
 
 
-def last_returns(objects: dict):
+def shown_returns(objects: dict):
     return objects["recent_returns"]
 
 

@@ -1184,7 +1184,7 @@ def load_checkpoint(path: str) -> dict:
 
 def load_into(path: str, saved: dict, fresh: dict, objects: dict, names) -> None:
     """Put the objects `names` of `saved` back into `objects` once `saved` matches `fresh`, what they would save."""
-    why = mismatch({key: saved.get(key) for key in fresh}, fresh, "it")
+    why = mismatch(saved, fresh, "it")
     try:
         for name in names if why is None else ():
             restore(objects[name], saved["objects"][name])
@@ -1195,9 +1195,9 @@ def load_into(path: str, saved: dict, fresh: dict, objects: dict, names) -> None
 
 
 def mismatch(saved, fresh, where: str) -> Optional[str]:
-    """Where `saved` differs from `fresh` in structure or kind (keys, lengths, exact types, tensor dtypes and shapes;
-    strings, the names of things, by value) or holds a number that is not finite. None in `fresh` (an env's counter not
-    set yet, a device this machine lacks) takes None, a number or a tensor."""
+    """Where `saved` differs from `fresh` in structure or kind (keys, lengths, exact types, tensor dtypes and shapes,
+    floats of any precision; strings, the names of things, by value) or holds a number that is not finite. None in
+    `fresh` (an env's counter not set yet, a device this machine lacks) takes None, a number or a tensor."""
     if fresh is None:
         return None if saved is None or type(saved) in (int, float) or torch.is_tensor(saved) else f"{where} is set"
     if isinstance(fresh, (dict, list, tuple)):
@@ -1206,8 +1206,9 @@ def mismatch(saved, fresh, where: str) -> Optional[str]:
         if not same or isinstance(fresh, dict) and saved.keys() != keys:
             return f"{where} is not a {type(fresh).__name__} of {len(fresh)} ({', '.join(map(str, keys))[:50]})"
         return next((why for k in keys if (why := mismatch(saved[k], fresh[k], f"{where}.{k}")) is not None), None)
-    if torch.is_tensor(fresh):
-        if not (torch.is_tensor(saved) and saved.dtype == fresh.dtype and saved.shape == fresh.shape):
+    if torch.is_tensor(fresh):  # (an env may step in float64 a state it was reset to in float32)
+        floats = torch.is_tensor(saved) and saved.is_floating_point() and fresh.is_floating_point()
+        if not (torch.is_tensor(saved) and (saved.dtype == fresh.dtype or floats) and saved.shape == fresh.shape):
             return f"{where} is not a {fresh.dtype} tensor of shape {tuple(fresh.shape)}"
         return None if not saved.is_floating_point() or bool(saved.isfinite().all()) else f"{where} is not finite"
     if type(saved) is not type(fresh) or isinstance(fresh, str) and saved != fresh:
@@ -1243,9 +1244,10 @@ def restore(obj, saved):
     elif isinstance(obj, np.random.Generator):
         obj.bit_generator.state = saved  # (numpy's own check)
     elif isinstance(obj, gym.vector.VectorEnv):
-        for layer, state in zip(env_layers(obj), saved or ()):  # (None: envs whose state is not saved)
+        for layer, state in zip(env_layers(obj), saved):
             for key, value in ((k, v) for k, v in state.items() if v is not None):  # (None: not saved, or None)
-                setattr(layer, key, restore(getattr(layer, key), value))
+                old = getattr(layer, key)  # (an env's arrays are replaced: they keep the saved precision)
+                setattr(layer, key, restore(None if isinstance(old, np.ndarray) else old, value))
     elif type(obj).__name__ == "MjData":  # its integration state, and what MuJoCo derives from it
         import mujoco
 
@@ -1279,12 +1281,12 @@ def env_state(envs) -> Optional[list[dict]]:
     kinds = (np.random.Generator, deque, np.ndarray, np.generic, bool, int, float, str)
     plain = lambda v: isinstance(v, kinds) and getattr(v, "dtype", "") != "O"  # noqa: E731
     saved = [{k: saved_form(v) if plain(v) else None for k, v in vars(x).items()} for x in env_layers(envs)]
-    for x, state in zip(env_layers(envs), saved):
-        if type(vars(x).get("data")).__name__ == "MjData":  # (in each copy of a vector env)
+    for layer, state in zip(env_layers(envs), saved):
+        if type(vars(layer).get("data")).__name__ == "MjData":  # (in each copy of a vector env)
             import mujoco
 
-            state["data"] = torch.zeros(mujoco.mj_stateSize(x.model, mujoco.mjtState.mjSTATE_INTEGRATION)).double()
-            mujoco.mj_getState(x.model, x.data, state["data"].numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+            state["data"] = torch.zeros(mujoco.mj_stateSize(layer.model, mujoco.mjtState.mjSTATE_INTEGRATION)).double()
+            mujoco.mj_getState(layer.model, layer.data, state["data"].numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
     return saved
 
 
@@ -1321,17 +1323,18 @@ class Run:
         """Given the objects a training state holds (models, optimizers, generators, envs, the loop's arrays, queues):
         a resumed run's state checked and put back into them; the folder, its lock and log. Where the loop goes on."""
         self.objects, self.update, args, made = objects, 0, self.args, not os.path.exists("runs")
-        if self.state is None:
-            self.run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}")
-            self.run_dir = os.path.join("runs", self.run_name)
-        else:
+        if self.state is not None:
             self.restore()
         try:
+            if self.state is None:
+                self.run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}")
+                self.run_dir = os.path.join("runs", self.run_name)
             self.lock = lock_run_dir(self.run_dir)
             self.open_log()
-        except BaseException:  # a refused start (another process, W&B) leaves nothing behind
+        except BaseException:  # a refused start (a name too long, another process, W&B) leaves nothing behind
             os.close(self.lock) if self.lock is not None else None
-            shutil.rmtree("runs" if made else self.run_dir) if self.state is None else None
+            shutil.rmtree(self.run_dir) if self.state is None and self.run_dir else None
+            os.rmdir("runs") if made and os.path.isdir("runs") and not os.listdir("runs") else None
             raise
         self.global_step = self.first_step = self.update * self.steps_per_update
         self.start_time = self.last_line = time.time()
@@ -1339,14 +1342,16 @@ class Run:
 
     def restore(self) -> None:
         """The training state put back into the run's objects once it matches what they would save. The loop's
-        arrays and queues (the episodes in progress) return with the envs, or stay as made."""
+        arrays and queues (the episodes in progress) return with the envs' state, or stay as made (new episodes)."""
         state, path = self.state, os.path.join(self.run_dir, "training_state.pt")
         self.run_name, self.wandb_id, self.update = state["run_name"], state.get("wandb_id"), state.get("update")
         if type(self.update) is not int or not 0 <= self.update <= self.num_updates:
             raise UserError(f"'{path}' does not fit this run of {SCRIPT}: its update is not within its budget")
-        fresh, envs = self.training_state(0, fresh=True), (state.get("objects") or {}).get("envs")
-        names = [k for k, v in self.objects.items() if envs is not None or not isinstance(v, (np.ndarray, deque))]
-        load_into(path, state, {k: fresh[k] for k in ("random", "objects")}, self.objects, names)
+        fresh = {**self.training_state(0, fresh=True), **{k: state[k] for k in ("args", "run_name", "update")}}
+        fresh["wandb_id"], envs = state.get("wandb_id"), (state.get("objects") or {}).get("envs")
+        episodes = (np.ndarray, deque, gym.vector.VectorEnv)  # the envs and the episodes in progress
+        names = [k for k, v in self.objects.items() if envs is not None or not isinstance(v, episodes)]
+        load_into(path, state, fresh, self.objects, names)
         np.random.set_state(("MT19937", state["random"]["numpy"][0].numpy(), *state["random"]["numpy"][1:]))
         torch.set_rng_state(state["random"]["torch"])
         if state["random"]["cuda"] is not None and torch.cuda.is_available():
@@ -1371,6 +1376,7 @@ class Run:
                 wandb.tensorboard.patch(save=False) if not wandb.patched["tensorboard"] else None
                 wandb.init(**where, name=self.run_name, config=vars(args), sync_tensorboard=True, resume="allow")
         except Exception as e:
+            sys.modules["wandb"].tensorboard.unpatch() if sys.modules.get("wandb") else None
             raise UserError(f"--track: W&B refused to start the run ({brief(e)})")
         purge = self.update * self.steps_per_update + 1 if self.state is not None else None
         self.writer = SummaryWriter(self.run_dir, purge_step=purge)
@@ -1397,7 +1403,7 @@ class Run:
 
     def progress(self, of: str = "") -> str:
         speed = (self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9)
-        returns = recent_returns(self.objects)
+        returns = shown_returns(self.objects)
         mean = (
             f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}" if returns else "no episode yet"
         )
@@ -1441,7 +1447,8 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
     train = Args(**{**saved["args"], **{k: getattr(args, k) for k in EVAL_FLAGS - {"eval_checkpoint", "seed"}}})
     check_args(train)  # (with the evaluation's flags: its renderer with --capture-video, what the script checks)
     objects = model_objects(train)
-    load_into(path, saved, {"objects": {k: saved_form(objects[k]) for k in MODEL}}, objects, MODEL)
+    fresh = {"script": SCRIPT, "args": saved["args"], "run_name": saved["run_name"]}
+    load_into(path, saved, {**fresh, "objects": {k: saved_form(objects[k]) for k in MODEL}}, objects, MODEL)
     seed = 10_000 + (args.seed if args.seed != 1 else train.seed)
     run_dir = os.path.join("runs", make_run_dir(f"{saved['run_name']}-eval__{seed}"))
     print(f"device: cpu (evaluation), logging to {run_dir}", flush=True)
@@ -1461,15 +1468,17 @@ def make_run_dir(base: str) -> str:
 
 def lock_run_dir(run_dir: str) -> int:
     """Hold `run_dir`/.lock (its holder's pid in it) while this process runs it; UserError when another one does."""
-    fd = os.open(os.path.join(run_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    path = os.path.join(run_dir, ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        os.ftruncate(fd, os.pwrite(fd, f"{os.getpid()}\n".encode(), 0))  # (over the last pid: no new space needed)
+    except OSError as e:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise UserError(f"another process (pid {holder}) is running {run_dir}")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        if isinstance(e, BlockingIOError):
+            raise UserError(f"another process (pid {holder}) is running {run_dir}")
+        raise OSError(e.errno, e.strerror, path) from None
     return fd
 
 
@@ -1478,13 +1487,16 @@ def cli(argv: Optional[list[str]] = None) -> int:
     args, stop = tyro.cli(Args, args=argv), StopSignal()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop.handle)
+    # a thread's OSError (the log's writer on a full disk) reaches the run through the object it serves: said once
+    threading.excepthook = lambda a: None if issubclass(a.exc_type, OSError) else threading.__excepthook__(a)
     try:
         return main(args, stop)
     except UserError as e:
         print(f"error: {e}.", file=sys.stderr, flush=True)
-    except OSError as e:
-        print(f"error: {e.filename or 'a file'}: {e.strerror or brief(e)}.", file=sys.stderr, flush=True)
-    except MemoryError:  # (the buffers are made before anything is written)
+    except OSError as e:  # a file's, named; a thread's write names none: where the last training state is, then
+        where = f"{e.filename}: {e.strerror}" if e.filename else f"{e.strerror or brief(e)}; {stop.last_state}"
+        print(f"error: {where}.", file=sys.stderr, flush=True)
+    except MemoryError:
         print("error: this machine does not have the memory these flags need.", file=sys.stderr, flush=True)
     return 2
 
@@ -1603,7 +1615,7 @@ def model_objects(args: Args) -> dict:
     }
 
 
-def recent_returns(objects: dict):
+def shown_returns(objects: dict):
     return objects["recent_returns"]
 
 

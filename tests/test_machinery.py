@@ -189,7 +189,10 @@ NOT_OURS, NO_FIT = "is not a checkpoint or training state of {script}.py", "does
     "flags, message",
     [
         # flags
-        bad(("--exp-name", "../up"), "--exp-name must be a plain name other than training_state, got '../up'"),
+        bad(
+            ("--exp-name", "../up"), "--exp-name must be a plain name other than training_state (its --save-model file"
+        ),
+        bad(("--exp-name", "x" * 240), "that keeps the run's folder names within 255 characters, got 'xxx"),
         bad(("--exp-name", "training_state"), "--exp-name must be a plain name other than training_state"),
         bad(("--seed", "-1"), "--seed must be in [0, 4294967295], got -1"),
         bad(("--seed", "1.5"), None),  # (tyro's own message)
