@@ -1467,8 +1467,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     return run.finish(steps_done, summary, notes)  # the final line, the notes, the writer closed; the exit status
 
 
-# ---- Run machinery: what a run needs around the algorithm (checks of flags and files, signals, the completion cache,
-# the run folder with its log and W&B, the model files, the command line). The algorithm is complete above this line.
+# ---- Run machinery: checks, signals, the completion cache, the run folder, its log and W&B, the model files.
 
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a file or folder name: no separators, not . or ..
 CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
@@ -1514,13 +1513,10 @@ def check_args(args: Args) -> None:
         raise UserError(f"--exp-name must be a plain name (letters, digits, '.', '_', '-'), got {args.exp_name!r}")
     if not MODELS.fullmatch(args.model):
         raise UserError(
-            f"unknown --model '{args.model}'; use smollm2, hf:<id|folder|file.gguf>, openai:<model>, matching or oracle"
+            f"unknown --model '{args.model}': smollm2, hf:<id|folder|gguf>, openai:<model>, matching or oracle"
         )
     if args.algo in ("llm-advisor", "llm-reward") and args.model == "matching":
-        raise UserError(
-            f"--model matching only replays transitions and cannot judge a state; --algo {args.algo} needs a "
-            "language model (smollm2, hf:..., openai:...) or oracle"
-        )
+        raise UserError(f"--algo {args.algo} needs a model that judges states (not matching: it replays transitions)")
     if args.dtype != "auto" and not (re.match("smollm2$|hf:", args.model) and args.algo != "tabular-q"):
         raise UserError(
             f"--dtype {args.dtype} applies to in-process models (smollm2, hf:...) only; '{args.model}' with "

@@ -1056,10 +1056,8 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     return run.finish()  # the --save-model checkpoint and its evaluation, the final line
 
 
-# ---- Run machinery: what a run needs around the algorithm (checks of flags and files, signals, atomic saves, the run
-# folder with its lock, log and W&B, the training state that --resume continues from, the evaluation-only mode, the
-# command line). The algorithm is complete above this line. The text down to `# ---- This script's machinery` is the
-# same in the three torch scripts.
+# ---- Run machinery: checks, signals, atomic saves, the run folder (its lock, log and W&B), the training state that
+# --resume continues from, the evaluation-only mode; the same text in the three torch scripts down to the next banner.
 
 SCRIPT = os.path.basename(__file__)
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a file or folder name: no separators, not . or ..
@@ -1097,16 +1095,19 @@ def check_args(args: Args) -> None:
     given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
     if args.eval_checkpoint is not None and given:
         raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
-    if args.eval_checkpoint is not None:  # (the env and the model are the checkpoint's)
+    if args.eval_checkpoint is None:  # (with it, the env and the model are the checkpoint's)
+        check_this_script(args)
+    if args.eval_checkpoint is not None or not args.capture_video:
         return
-    check_this_script(args)
-    if args.capture_video and not os.environ.get("DISPLAY"):  # MuJoCo renders through OSMesa, pygame into arrays
+    if not os.environ.get("DISPLAY"):  # MuJoCo renders through OSMesa, pygame into arrays
         os.environ.setdefault("MUJOCO_GL", "osmesa")  # (read when MuJoCo is first imported)
         os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
         os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     try:  # a frame now, not after training
-        with gym.make(args.env_id, render_mode="rgb_array") if args.capture_video else contextlib.nullcontext() as env:
-            assert env is None or env.reset(seed=0) and getattr(env.render(), "ndim", 0) == 3, "it gave no image"
+        with gym.make(args.env_id, render_mode="rgb_array") as env:
+            env.reset(seed=0)
+            if getattr(env.render(), "ndim", 0) != 3:
+                raise RuntimeError("it gave no image")
     except Exception as e:  # renderers raise many kinds (ImportError, RuntimeError, GL errors)
         fix = "pip install pygame" if "mujoco" not in str(gym.spec(args.env_id).entry_point) else "libosmesa6"
         raise UserError(f"--capture-video cannot render {args.env_id} ({brief(e)}; {fix})")

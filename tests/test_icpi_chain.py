@@ -867,7 +867,7 @@ HOSTILE = [
     _bad(("--model", "hf:TINY128", "--max-tokens", "400"), "--max-tokens 400 need 512 positions, more than the 128"),
     _bad(("--model", "hf:TINY128", "--prompt-tokens", "100"), "--prompt-tokens 100, the query (96 at most) and"),
     _bad(("--model", "openai:x", "--dtype", "bfloat16"), "--dtype bfloat16 applies to in-process models"),
-    _bad(("--algo", "llm-reward", "--model", "matching"), "cannot judge a state"),
+    _bad(("--algo", "llm-reward", "--model", "matching"), "needs a model that judges states (not matching"),
     _bad(("--model", "openai:x", "--base-url", "http://localhost:99999/v1"), "--base-url must be an http(s) URL"),
     _bad(("--model", "openai:x", "--base-url", "ftp://localhost/v1"), "--base-url must be an http(s) URL"),
     _bad(("--model", "openai:x", "--base-url", "http://[::1/v1"), "--base-url must be an http(s) URL"),

@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from conftest import bad
+from conftest import ROOT, bad
 
 SCRIPTS = ["ppo_cartpole", "gpt2ppo_lunar", "trpo_gpt2_halfcheetah"]
 TINY = {  # two updates, a training state after each, the model saved: seconds
@@ -253,7 +253,18 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(script, flags, me
         new_run = not any(f in ("--eval-checkpoint", "--resume") for f in real)
         args = [*TINY[script], *real] if new_run else real
         before = tree(tmp_path)
-        code, out, err = cli(script, args, tmp_path)
+        if "--track" in args:  # in a process of its own: W&B keeps its settings in the process that imported it
+            proc = subprocess.run(
+                [sys.executable, os.path.join(ROOT, f"{script}.py"), *args],
+                cwd=tmp_path,
+                text=True,
+                capture_output=True,
+                timeout=300,
+                stdin=subprocess.DEVNULL,
+            )
+            code, out, err = proc.returncode, proc.stdout, proc.stderr
+        else:
+            code, out, err = cli(script, args, tmp_path)
         assert code == 2 and "Traceback" not in err, out + err
         if message is not None:
             assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
