@@ -4,6 +4,7 @@ import glob
 import io
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import fields
@@ -15,6 +16,8 @@ import torch
 
 import ppo_cartpole as ppo
 from conftest import (
+    ROOT,
+    SCRIPT_ENV,
     all_scalars,
     only_run_dir,
     read_scalars,
@@ -241,18 +244,30 @@ def tracked(tmp_path_factory):
     --capture-video; then its resume (complete: no update) and --eval-checkpoint --capture-video of its model.
     (working folder, run folder, the outputs)."""
     cwd = str(tmp_path_factory.mktemp("tracked"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("WANDB_MODE", "offline")
-        mp.setenv("WANDB_SILENT", "true")
-        mp.setenv("HOME", os.path.join(cwd, "home"))
-        mp.delenv("WANDB_API_KEY", raising=False)
-        flags = ("--total-timesteps", "512", "--save-model", "--capture-video", "--eval-episodes", "2", "--seed", "3")
-        outs = [run_here(cwd, *flags, "--track")]
-        run = only_run_dir(cwd)
-        outs.append(run_here(cwd, "--resume", run))
-    ckpt = os.path.join(run, "ppo_cartpole.pt")
-    outs.append(run_here(cwd, "--eval-checkpoint", ckpt, "--capture-video", "--eval-episodes", "1"))
-    return cwd, run, outs
+    env = {k: v for k, v in SCRIPT_ENV.items() if not k.startswith("WANDB_")}  # (its own process: W&B keeps its
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", HOME=os.path.join(cwd, "home"))  # settings in one)
+
+    def run(*flags):
+        proc = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "ppo_cartpole.py"), *flags],
+            cwd=cwd,
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=600,
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    flags = ("--total-timesteps", "512", "--save-model", "--capture-video", "--eval-episodes", "2", "--seed", "3")
+    outs = [run(*flags, "--track")]
+    folder = only_run_dir(cwd)
+    outs.append(run("--resume", folder))
+    outs.append(
+        run("--eval-checkpoint", os.path.join(folder, "ppo_cartpole.pt"), "--capture-video", "--eval-episodes", "1")
+    )
+    return cwd, folder, outs
 
 
 def test_track_mirrors_the_scalars_and_the_flags_into_an_offline_wandb_run_that_a_resume_continues(tracked):
