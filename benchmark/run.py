@@ -808,7 +808,9 @@ def selection_flags(args: Args) -> list[str]:
 def train(args: Args, selected: list[S], harness_command: str) -> list[str]:
     """Run every (setting, seed) that is not complete, `--workers` at a time; returns the failed ones."""
     jobs, done = [], []
-    for s, seed in ((s, seed) for s in selected for seed in s.seeds):
+    # seed by seed across the settings: a sweep stopped part-way leaves its settings with the same seeds
+    seeds = list(dict.fromkeys(seed for s in selected for seed in s.seeds))
+    for s, seed in ((s, seed) for seed in seeds for s in selected if seed in s.seeds):
         complete = is_complete(run_folder(args.runs_dir, s, seed), job_command(s, seed)) and not args.force
         (done if complete else jobs).append((s, seed))
     for s, seed in done:

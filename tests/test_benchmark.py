@@ -356,6 +356,18 @@ def test_an_evaluation_stopped_and_run_again_on_resume_counts_once(tmp_path):
     assert len(df[df.tag == "charts/episodic_return"]) == 6
 
 
+def test_the_runs_go_seed_by_seed_across_the_settings(tmp_path, monkeypatch):
+    """A sweep stopped part-way leaves its settings with the same seeds: seed 1 of each setting, then seed 2..."""
+    a = bench.S("ppo_cartpole", "CartPole-v1", "a", 512, (1, 2, 3))
+    b = bench.S("ppo_cartpole", "CartPole-v1", "b", 512, (2, 1))
+    started = []
+    monkeypatch.setattr(bench, "run_job", lambda s, seed, *rest: started.append((s.name, seed)) or 0)
+    monkeypatch.setattr(bench.signal, "signal", lambda *a: None)  # (the harness's handlers stay out of pytest)
+    args = bench.Args(workers=1, runs_dir=str(tmp_path))
+    assert bench.train(args, [a, b], "h") == []
+    assert started == [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3)]
+
+
 def test_runner_end_to_end_on_ppo_cartpole_clears_a_stale_folder_and_skips_complete_runs(tmp_path):
     runs, out = str(tmp_path / "runs"), _out(tmp_path)
     s = bench.S("ppo_cartpole", "CartPole-v1", "default", 2048, (1,))
