@@ -110,12 +110,12 @@ BASELINE = "17d5a16"
 UNTIMED = ("charts/SPS", "time/")  # wall-clock scalars: never the same twice
 
 
-def baseline_script(script: str, folder: str) -> str:
-    """`script` as committed at BASELINE, written into `folder` under its own name; skips when git or the commit is
+def baseline_script(script: str, folder: str, commit: str = BASELINE) -> str:
+    """`script` as committed at `commit`, written into `folder` under its own name; skips when git or the commit is
     not there."""
-    proc = subprocess.run(["git", "-C", ROOT, "show", f"{BASELINE}:{script}"], capture_output=True, text=True)
+    proc = subprocess.run(["git", "-C", ROOT, "show", f"{commit}:{script}"], capture_output=True, text=True)
     if proc.returncode != 0:
-        pytest.skip(f"baseline {BASELINE} not in this clone: {proc.stderr.strip()[:200]}")
+        pytest.skip(f"baseline {commit} not in this clone: {proc.stderr.strip()[:200]}")
     path = os.path.join(folder, script)
     os.makedirs(folder, exist_ok=True)
     with open(path, "w") as f:
@@ -132,12 +132,12 @@ def all_scalars(run_dir: str, ignore: tuple[str, ...] = UNTIMED) -> dict[str, li
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"] if not t.startswith(ignore)}
 
 
-def same_numbers(script: str, *flags: str, tmp_path, baseline_flags=None) -> tuple[str, str]:
+def same_numbers(script: str, *flags: str, tmp_path, baseline_flags=None, commit: str = BASELINE) -> tuple[str, str]:
     """Run the BASELINE version of `script` and the working tree's with the same flags (`baseline_flags` where the
     old spelling differs) side by side (two processes at once, one a core), each in its own folder, and assert
     that every scalar the baseline logged (tags under `UNTIMED` aside) is logged by the current script with the
     same steps and values, bit for bit. Returns the two run folders (baseline, current) for further checks."""
-    old = baseline_script(script, str(tmp_path / "baseline_code"))
+    old = baseline_script(script, str(tmp_path / "baseline_code"), commit)
     runs = []
     for name, path, fl in (("baseline", old, baseline_flags or flags), ("current", os.path.join(ROOT, script), flags)):
         (tmp_path / name).mkdir()

@@ -396,6 +396,31 @@ def test_same_numbers_smollm2_two_blocks(tmp_path):
     same_numbers(SCRIPT, *flags, tmp_path=tmp_path)
 
 
+# The commit that registered the pretraining test (docs/trpo_gpt2_halfcheetah.md, "Pre-registration") and began its
+# confirmatory runs: a later commit may run its seeds only while its script gives these numbers, bit for bit.
+REGISTERED = "e90d100"
+REGISTERED_TINY = ("--num-envs", "2", "--batch-size", "40", "--total-timesteps", "40", "--cg-iters", "3", "--seed", "7")
+REGISTERED_TINY += ("--save-model", "--eval-episodes", "1", "--eval-perturbations", "action-noise=0.2")
+
+
+@pytest.mark.parametrize(
+    "arm",
+    [
+        pytest.param(
+            ("--llm", "smollm2", "--llm-layers", "2", "--fvp-subsample", "5", "--llm-init", "shuffled"),
+            id="S",
+            marks=needs_smollm2,
+        ),
+        pytest.param(("--policy", "mlp"), id="M"),
+    ],
+)
+def test_the_registered_arms_give_the_numbers_of_the_registration_commit(tmp_path, arm):
+    """The shuffled control (the pretrained files, shuffled) and the MLP, trained, evaluated and evaluated under the
+    registered perturbations on HalfCheetah-v5: every scalar as the registration commit's script logs it."""
+    _, run = same_numbers(SCRIPT, *arm, *REGISTERED_TINY, "--no-cuda", tmp_path=tmp_path, commit=REGISTERED)
+    assert len(read_scalars(run, "eval/action-noise=0.2/episodic_return")) == 1
+
+
 def test_learns_inverted_pendulum(tmp_path):
     cwd = str(tmp_path)
     flags = ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--batch-size", "2000", "--num-envs", "2")
