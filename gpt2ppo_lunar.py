@@ -872,10 +872,8 @@ class Run:
         if args.resume is not None:
             self.state = load_checkpoint(os.path.join(args.resume, "training_state.pt"))
             saved, given = self.state["args"], [f.name for f in fields(Args) if getattr(args, f.name) != f.default]
-            for name in (n for n in given if n not in RESUME_FLAGS and getattr(args, n) != saved[n]):
-                raise UserError(
-                    f"--resume continues a run: {flag(name)} {getattr(args, name)} is not its {saved[name]}"
-                )
+            for n in (n for n in given if n not in RESUME_FLAGS and getattr(args, n) != saved[n]):
+                raise UserError(f"--resume continues a run: {flag(n)} {getattr(args, n)} is not its {saved[n]}")
             args = Args(**{**saved, **{n: getattr(args, n) for n in given}})
         check_args(args)
         self.args, (self.num_updates, self.steps_per_update) = args, budget(args)
@@ -904,9 +902,12 @@ class Run:
             self.lock = lock_run_dir(self.run_dir)
             self.open_log()
         except BaseException:  # a refused start (a name too long, another process, W&B) leaves nothing behind
-            os.close(self.lock) if self.lock is not None else None
-            shutil.rmtree(self.run_dir) if self.state is None and self.run_dir else None
-            os.rmdir("runs") if made and os.path.isdir("runs") and not os.listdir("runs") else None
+            if self.lock is not None:
+                os.close(self.lock)
+            if self.state is None and self.run_dir:
+                shutil.rmtree(self.run_dir)
+            if made and os.path.isdir("runs") and not os.listdir("runs"):
+                os.rmdir("runs")
             raise
         self.global_step = self.first_step = self.update * self.steps_per_update
         self.start_time = self.last_line = time.time()
@@ -945,15 +946,18 @@ class Run:
             if args.track:
                 import wandb  # (it mirrors the scalars; a copy of the event files in its folder would be read again)
 
-                wandb.tensorboard.patch(save=False) if not wandb.patched["tensorboard"] else None
+                if not wandb.patched["tensorboard"]:
+                    wandb.tensorboard.patch(save=False)
                 wandb.init(**where, name=self.run_name, config=vars(args), sync_tensorboard=True, resume="allow")
         except Exception as e:
-            sys.modules["wandb"].tensorboard.unpatch() if sys.modules.get("wandb") else None
+            if sys.modules.get("wandb"):
+                sys.modules["wandb"].tensorboard.unpatch()
             raise UserError(f"--track: W&B refused to start the run ({brief(e)})")
         purge = self.update * self.steps_per_update + 1 if self.state is not None else None
         self.writer = SummaryWriter(self.run_dir, purge_step=purge)
-        table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}") if self.state is None else None
+        if self.state is None:
+            table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
         devices = {str(p.device) for x in self.objects.values() if isinstance(x, nn.Module) for p in x.parameters()}
         print(f"device: {', '.join(sorted(devices))}, logging to {self.run_dir}", flush=True)
 

@@ -1657,11 +1657,13 @@ class Run:
             except Exception as e:
                 raise UserError(f"--track: W&B refused to start the run ({brief(e)})")
         except BaseException:  # (runs/ too when this run made it and it is empty: another run may have begun there)
-            shutil.rmtree(os.path.join("runs", self.run_name)) if self.run_name else None
-            with contextlib.suppress(OSError):
-                os.rmdir("runs") if made else None
+            if self.run_name:
+                shutil.rmtree(os.path.join("runs", self.run_name))
+            if made and os.path.isdir("runs") and not os.listdir("runs"):
+                os.rmdir("runs")
             raise
-        wandb.tensorboard.patch(save=False) if args.track else None  # the scalars mirrored, not the event files
+        if args.track:  # the scalars mirrored, not the event files
+            wandb.tensorboard.patch(save=False)
         kept = f"the completion cache {agent.cache.path} holds every completion so far" if agent.cache else ""
         self.stop.last_state = kept or "this run keeps no completion cache"
         device = f" on {model.device} ({model.dtype})" if isinstance(model, HFBackend) else ""
