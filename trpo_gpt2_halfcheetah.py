@@ -959,7 +959,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     dones_buf = np.zeros((T, N), dtype=np.float64)
     episode_return = np.zeros(N, dtype=np.float64)
     episode_length = np.zeros(N, dtype=np.int64)
-    last_returns = deque(maxlen=20)  # the returns of the last 20 episodes (the progress line's mean)
+    recent_returns = deque(maxlen=20)  # the returns of the last 20 episodes (the progress line's mean)
     raw_obs, _ = envs.reset(seed=args.seed)
     obs_rms.update(raw_obs)
     # the run folder and its log; a resumed run puts its weights, statistics, random streams, envs and episodes back
@@ -970,7 +970,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         envs=envs,
         episode_return=episode_return,
         episode_length=episode_length,
-        recent_returns=last_returns,
+        recent_returns=recent_returns,
         raw_obs=raw_obs,
     )
     global_step, writer = begin.global_step, run.writer
@@ -1009,7 +1009,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
                     next_obs_buf[step, i] = obs_rms.normalize(infos["final_obs"][i])  # for the bootstrap
                     writer.add_scalar("charts/episodic_return", episode_return[i], global_step)
                     writer.add_scalar("charts/episodic_length", episode_length[i], global_step)
-                    last_returns.append(episode_return[i])
+                    recent_returns.append(episode_return[i])
                     episode_return[i], episode_length[i] = 0.0, 0
         rollout_time = time.time() - rollout_start
 
