@@ -314,3 +314,29 @@ def completions_handler(reply):
     return post_handler(
         lambda raw: json.dumps({"choices": [{"text": reply(json.loads(raw).get("prompt", ""))}]}).encode()
     )
+
+
+def cli_in_process(script: str, flags, cwd) -> tuple[int, str, str]:
+    """`script`'s entry point run in this process (its imports paid once), in `cwd`, as its __main__ calls it:
+    (exit status, stdout, stderr), the status of a SystemExit (tyro's errors) included; the signal handlers that cli
+    installs are put back afterwards."""
+    import contextlib
+    import importlib
+    import io
+    import signal
+
+    module, here = importlib.import_module(script), os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = module.cli([str(f) for f in flags])
+            except SystemExit as e:
+                code = e.code
+    finally:
+        os.chdir(here)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return code, out.getvalue(), err.getvalue()

@@ -28,6 +28,7 @@ from conftest import (
     wandb_records,
 )
 from conftest import bad as _bad
+from conftest import cli_in_process as in_process
 
 TINY = ("--hidden-size", "16", "--n-head", "2", "--context-len", "8", "--update-epochs", "2", "--minibatch-size", "64")
 TINY_ARGS = dict(hidden_size=16, n_head=2, context_len=8, update_epochs=2, minibatch_size=8)
@@ -458,25 +459,7 @@ SMALL = ("--hidden-size", "16", "--n-head", "2", "--update-epochs", "2", "--mini
 
 
 def cli_in_process(flags, cwd) -> tuple[int, str, str]:
-    """The script's entry point run in this process, in `cwd`: (exit status, stdout, stderr), the status of a
-    SystemExit (tyro's errors) included; the signal handlers that cli installs are put back afterwards."""
-    import contextlib
-    import io
-
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
-    try:
-        os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = g2.cli([str(f) for f in flags])
-            except SystemExit as e:
-                code = e.code
-    finally:
-        os.chdir(here)
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    return code, out.getvalue(), err.getvalue()
+    return in_process("gpt2ppo_lunar", flags, cwd)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from conftest import ROOT, bad
+from conftest import ROOT, bad, cli_in_process
 
 SCRIPTS = ["ppo_cartpole", "gpt2ppo_lunar", "trpo_gpt2_halfcheetah"]
 TINY = {  # two updates, a training state after each, the model saved: seconds
@@ -28,25 +28,6 @@ TINY = {  # two updates, a training state after each, the model saved: seconds
 }
 
 
-def cli(script: str, flags, cwd) -> tuple[int, str, str]:
-    """The script's entry point in this process, in `cwd`, as its __main__ calls it (tyro's own errors exit 2 from
-    inside it); the signal handlers it installs are put back. (exit status, stdout, stderr)."""
-    module, handlers, here = importlib.import_module(script), {s: signal.getsignal(s) for s in (2, 15)}, os.getcwd()
-    out, err = io.StringIO(), io.StringIO()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = module.cli([str(f) for f in flags])
-            except SystemExit as e:
-                code = e.code
-    finally:
-        os.chdir(here)
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    return code, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="session")
 def made(tmp_path_factory):
     """Per script, lazily: a complete tiny run with --save-model (its run folder, checkpoint and training state)."""
@@ -55,7 +36,9 @@ def made(tmp_path_factory):
     def get(script: str) -> dict:
         if script not in runs:
             cwd = tmp_path_factory.mktemp(script)
-            code, out, err = cli(script, [*TINY[script], "--save-model", "--eval-episodes", "1", "--seed", "5"], cwd)
+            code, out, err = cli_in_process(
+                script, [*TINY[script], "--save-model", "--eval-episodes", "1", "--seed", "5"], cwd
+            )
             assert code == 0, out + err
             (run,) = glob.glob(str(cwd / "runs" / "*"))
             runs[script] = {"run": run, "ckpt": os.path.join(run, f"{script}.pt"), "state": f"{run}/training_state.pt"}
@@ -264,7 +247,7 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(script, flags, me
             )
             code, out, err = proc.returncode, proc.stdout, proc.stderr
         else:
-            code, out, err = cli(script, args, tmp_path)
+            code, out, err = cli_in_process(script, args, tmp_path)
         assert code == 2 and "Traceback" not in err, out + err
         if message is not None:
             assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
@@ -324,7 +307,7 @@ def test_a_full_disk_ends_the_run_in_one_sentence_and_keeps_its_last_training_st
             with pytest.raises(OSError):
                 while True:
                     filler.write(b"\0" * 4096)
-        code, out, err = cli(script, ["--resume", run], tmp_path)
+        code, out, err = cli_in_process(script, ["--resume", run], tmp_path)
         assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, out + err
         assert "No space left on device" in err and "Traceback" not in err, err
         assert open(f"{run}/training_state.pt", "rb").read() == kept  # the last good state survives
@@ -340,6 +323,6 @@ def test_a_videos_folder_replaced_during_the_run_ends_it_in_one_sentence(script,
     run = shutil.copytree(made(script)["run"], tmp_path / "run")
     (run / "videos").write_text("not a folder")
     state = (run / "training_state.pt").read_bytes()
-    code, out, err = cli(script, ["--resume", run, "--save-model", "--capture-video"], tmp_path)
+    code, out, err = cli_in_process(script, ["--resume", run, "--save-model", "--capture-video"], tmp_path)
     assert code == 2 and err == f"error: {run}/videos: File exists.\n", out + err
     assert (run / "training_state.pt").read_bytes() == state and (run / f"{script}.pt").is_file()
