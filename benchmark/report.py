@@ -83,15 +83,33 @@ def derive(row: dict) -> dict:
     return row
 
 
+class StoreError(Exception):
+    """A file of the results store that is not one: one sentence naming it."""
+
+
+def read_json(path: str) -> dict:
+    """The JSON object of a store file; StoreError naming the file for anything else (cut, foreign, unreadable)."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{path} cannot be read as a file of the results store ({' '.join(str(e).split())[:120]})")
+    if not isinstance(obj, dict):
+        raise StoreError(f"{path} is not a file of the results store (its JSON is not an object)")
+    return obj
+
+
 def load(results_dir: str) -> dict:
     """Everything in the store: {"rows": [...], "throughput": [...], "speed": [...]}, the rows' numbers derived."""
     data = {"rows": [], "throughput": [], "speed": []}
     for path in sorted(glob.glob(os.path.join(results_dir, "**", "*.json"), recursive=True)):
-        with open(path) as f:
-            obj = json.load(f)
+        obj = read_json(path)
         obj["_file"] = os.path.relpath(path, os.path.dirname(os.path.abspath(results_dir)))
         kind = os.path.relpath(path, results_dir).split(os.sep)[0]
-        data[kind].append(obj) if kind in data else data["rows"].append(derive(obj))
+        try:
+            data[kind].append(obj) if kind in data else data["rows"].append(derive(obj))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise StoreError(f"{path} is not a row of the results store (at {e!r:.60})")
     return data
 
 

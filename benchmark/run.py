@@ -157,12 +157,32 @@ def thread_env() -> dict:
     return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 
 
-def is_complete(folder: str, cmd: list[str]) -> bool:
+MARKER_KEYS = {
+    "command",
+    "seconds",
+    "finished",
+    "machine",
+    "versions",
+    "nice",
+    "code",
+    "harness_command",
+    "load",
+}  # read
+
+
+def marker(folder: str) -> Optional[dict]:
+    """The run's marker (written when it exited 0), or None: none, or not one of this harness's (unreadable, cut, of
+    another program): the run then counts as not complete and runs again."""
     try:
         with open(os.path.join(folder, MARKER)) as f:
-            return json.load(f)["command"] == display(cmd)
-    except (OSError, ValueError, KeyError):
-        return False
+            found = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) and MARKER_KEYS <= found.keys() else None
+
+
+def is_complete(folder: str, cmd: list[str]) -> bool:
+    return (marker(folder) or {}).get("command") == display(cmd)
 
 
 def machine() -> str:
@@ -440,8 +460,7 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
     for seed in s.seeds:
         folder = run_folder(runs_dir, s, seed)
         if is_complete(folder, job_command(s, seed)):  # a run of this setting's command, not of older flags
-            with open(os.path.join(folder, MARKER)) as f:
-                fresh[str(seed)] = (read_run(folder), json.load(f))
+            fresh[str(seed)] = (read_run(folder), marker(folder))
     if not fresh:
         return None
     tag, dfs, markers = s.tag or info.tag, {k: df for k, (df, _) in fresh.items()}, [m for _, m in fresh.values()]
@@ -479,7 +498,7 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
     row.update(code=sorted({m["code"] for m in markers}), load=[m["load"] for m in markers])
     row["finished"] = max(m["finished"] for m in markers)
     path = report.row_path(results_dir, row)
-    old = json.load(open(path)) if os.path.isfile(path) else {}
+    old = report.read_json(path) if os.path.isfile(path) else {}
     wanted = wanted or s.seeds
     keep = [str(x) for x in old.get("seeds", []) if x in wanted and str(x) not in fresh and str(x) in old["series"]]
     if keep and [old.get("flags"), old.get("tag")] == [row["flags"], tag]:
@@ -681,6 +700,9 @@ def check_args(args: Args, registry: list[S]) -> None:
         if (bad := [x for x in given if x not in names])
     ]
     problems += ["--workers and --repeats must be at least 1"] * (args.workers < 1 or args.repeats < 1)
+    problems += [f"--seeds must be distinct seeds in 0..{2**32 - 1}, got {' '.join(map(str, args.seeds))}"] * (
+        len(set(args.seeds)) < len(args.seeds) or any(not 0 <= x < 2**32 for x in args.seeds)
+    )
     problems += [
         f"--{k.replace('_', '-')} must be at least 1"
         for k in ("steps", "throughput_steps")
@@ -714,6 +736,11 @@ def check_args(args: Args, registry: list[S]) -> None:
     )
     problems += [problem for flag, path, folder in written_paths(args) if (problem := unwritable(flag, path, folder))]
     store = default_paths(args)["results_dir"]  # --mode report only reads the store
+    if args.mode not in ("list", "slurm-task") and os.path.isdir(store) and not problems:
+        try:  # every file of the store readable as one, before anything runs or is written
+            report.load(store)
+        except report.StoreError as e:
+            problems.append(str(e))
     problems += [f"--results-dir {store} is not a folder"] * (
         args.mode == "report" and os.path.exists(store) and not os.path.isdir(store)
     )

@@ -356,6 +356,19 @@ def test_an_evaluation_stopped_and_run_again_on_resume_counts_once(tmp_path):
     assert len(df[df.tag == "charts/episodic_return"]) == 6
 
 
+@pytest.mark.parametrize("text", ['{"command": "python ppo_cartpole.py', "[1, 2]", '{"command": "x"}', "\x00\x01"])
+def test_a_marker_cut_short_or_foreign_leaves_its_run_incomplete(tmp_path, text):
+    """A run's done.json that is not the harness's (cut by a full disk, another program's, missing keys): the run is
+    not complete, so it runs again, and collecting it stores nothing, without a traceback."""
+    s = bench.S("ppo_cartpole", "CartPole-v1", "default", 512, (1,))
+    folder = _finished_run(str(tmp_path / "runs"), s, 1, [1.0, 2.0])
+    assert bench.is_complete(folder, bench.job_command(s, 1))  # (the real marker first)
+    with open(os.path.join(folder, bench.MARKER), "w") as f:
+        f.write(text)
+    assert not bench.is_complete(folder, bench.job_command(s, 1)) and bench.marker(folder) is None
+    assert bench.collect(s, str(tmp_path / "runs"), str(tmp_path / "store")) is None
+
+
 def test_the_runs_go_seed_by_seed_across_the_settings(tmp_path, monkeypatch):
     """A sweep stopped part-way leaves its settings with the same seeds: seed 1 of each setting, then seed 2..."""
     a = bench.S("ppo_cartpole", "CartPole-v1", "a", 512, (1, 2, 3))
@@ -475,6 +488,16 @@ def test_a_time_breakdown_splits_main_into_its_parts(tmp_path, monkeypatch):
         (("--mode", "throughput", "--scripts", "icpi_chain"), "no throughput entry for icpi_chain"),
         (("--mode", "throughput", "--scripts", "trpo_gpt2_halfcheetah", "--peer-dir", "x"), "--peer-dir applies"),
         (("--mode", "collect", "--runs-dir", "nowhere"), "--runs-dir"),
+        # seeds the scripts would refuse, or run twice in one folder
+        (
+            ("--scripts", "ppo_cartpole", "--seeds", "1", "1"),
+            "--seeds must be distinct seeds in 0..4294967295, got 1 1",
+        ),
+        (("--scripts", "ppo_cartpole", "--seeds", "-3"), "--seeds must be distinct seeds in 0..4294967295, got -3"),
+        # a file of the store cut short, or another program's: named before anything runs
+        (("--results-dir", "store:cut"), "cut.json cannot be read as a file of the results store (Unterminated"),
+        (("--results-dir", "store:list"), "list.json is not a file of the results store (its JSON is not an object)"),
+        (("--results-dir", "store:foreign"), "foreign.json is not a row of the results store (at KeyError('series')"),
         # the harness's own paths, checked before any run starts (a file, a folder, a path under a file)
         (("--runs-dir", "a-file"), "--runs-dir {tmp}/a-file is not a folder"),
         (("--results-dir", "a-file"), "--results-dir {tmp}/a-file is not a folder"),
@@ -510,9 +533,14 @@ def test_bad_input_one_clear_sentence_and_nothing_written(tmp_path, monkeypatch,
         )
         monkeypatch.setenv("SLURM_CONF", str(conf))
         flags = tuple(f for f in flags if f != "no-cluster")
+    for kind in [f[6:] for f in flags if f.startswith("store:")]:  # a store with one spoiled file
+        (tmp_path / "store" / "ppo_cartpole").mkdir(parents=True)
+        text = {"cut": '{"script": "ppo_cartpole", "se', "list": "[1, 2]", "foreign": '{"weights": [1, 2]}'}[kind]
+        (tmp_path / "store" / "ppo_cartpole" / f"{kind}.json").write_text(text)
     flags = [
         str(tmp_path / f) if f in ("nowhere", "a-file", "a-folder") or f.startswith("a-file/") else f for f in flags
     ]
+    flags = [str(tmp_path / "store") if f.startswith("store:") else f for f in flags]
     before = sorted(os.listdir(tmp_path))
     runs = ["--runs-dir", str(tmp_path / "runs")] * ("--runs-dir" not in flags)
     with pytest.raises(SystemExit) as stop:

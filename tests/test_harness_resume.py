@@ -135,13 +135,15 @@ def test_a_slurm_task_stopped_resumes(slurm_cluster, tmp_path, stop):
     ).stdout.split()[0]
     stopped = subprocess.run([*stop, task], env=slurm_cluster, capture_output=True, text=True)
     assert stopped.returncode == 0, stopped.stderr
-    deadline, folder = time.time() + 300, os.path.dirname(os.path.dirname(os.path.dirname(state)))
+    deadline, folder = time.time() + 600, os.path.dirname(os.path.dirname(os.path.dirname(state)))
     # until the requeued task has written its marker (the queue can be empty for a moment while a job is requeued)
     while not os.path.exists(os.path.join(folder, "done.json")):
         # a requeued job waits before it may start again; let it start now
         subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], env=slurm_cluster, capture_output=True)
-        assert time.time() < deadline, "the requeued task did not finish"
+        logs = "".join(open(p).read()[-1500:] for p in glob.glob(str(tmp_path / "runs" / "slurm-*.log")))
+        assert time.time() < deadline, f"the requeued task did not finish: {logs}"
         time.sleep(1)
     log = open(os.path.join(folder, "run.log")).read()
-    assert "resumed: python ppo_cartpole.py" in log and "interrupted" in log, log
+    logs = "".join(open(p).read()[-1500:] for p in glob.glob(str(tmp_path / "runs" / "slurm-*.log")))
+    assert "resumed: python ppo_cartpole.py" in log and "interrupted" in log, log + logs
     _check_whole(folder, 80)
