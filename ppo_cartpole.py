@@ -466,25 +466,19 @@ class StopSignal:
     """SIGINT (Ctrl-C) and SIGTERM, once `handle` is their handler (the entry point's doing, not an import's): the first
     stops the run at the next safe point, keeping what was done; a second quits at once."""
 
-    def __init__(self):
-        self.signum = 0
-        self.last_state = "no training state was saved"  # the run object says where its last state is
+    exit_status, last_state = 0, "no training state was saved"  # (the run object says where its last state is)
 
     def handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested:
             print(f"\n{name} again: quitting at once without saving; {self.last_state}", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
-        self.signum = signum
+        self.exit_status = 128 + signum
         print(f"\n{name}: stopping at the next safe point (again: quit at once)", file=sys.stderr, flush=True)
 
     @property
     def requested(self) -> bool:
-        return self.signum != 0
-
-    @property
-    def exit_status(self) -> int:
-        return 128 + self.signum if self.signum else 0
+        return self.exit_status != 0
 
 
 def save_checkpoint(path: str, obj: dict) -> None:

@@ -1140,8 +1140,8 @@ def test_a_stopped_run_started_again_continues_from_its_cache(tmp_path, monkeypa
         @property
         def requested(self):
             self.checks += 1
-            self.signum = self.signum or (signal.SIGTERM if self.checks >= 11 else 0)
-            return self.signum != 0
+            self.exit_status = self.exit_status or (128 + signal.SIGTERM if self.checks >= 11 else 0)
+            return self.exit_status != 0
 
     kw = dict(model=f"hf:{tiny_gpt2_dir}", total_steps=16, seed=2, min_successes=0, max_tokens=8, max_invalid=1.0)
     logged = {}

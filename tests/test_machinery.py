@@ -283,7 +283,7 @@ def stopped_run(script: str, cwd) -> str:
     """A tiny run stopped (a SIGTERM asked before it began) after its first of two updates: its run folder."""
     module = importlib.import_module(script)
     stop = module.StopSignal()
-    stop.signum = signal.SIGTERM
+    stop.exit_status = 128 + signal.SIGTERM
     here = os.getcwd()
     os.chdir(cwd)
     try:
