@@ -682,8 +682,8 @@ class Run:
         self.run_name, self.wandb_id, self.update = state["run_name"], state.get("wandb_id"), state.get("update")
         if type(self.update) is not int or not 0 <= self.update <= self.num_updates:
             raise UserError(f"'{path}' does not fit this run of {SCRIPT}: its update is not within its budget")
-        fresh = {**self.training_state(0, fresh=True), **{k: state[k] for k in ("args", "run_name", "update")}}
-        fresh["wandb_id"], envs = state.get("wandb_id"), (state.get("objects") or {}).get("envs")
+        fresh = {**self.training_state(0, fresh=True), **{k: state.get(k) for k in ("args", "run_name", "update")}}
+        fresh["wandb_id"], envs = state.get("wandb_id"), fresh["objects"]["envs"]  # (None: envs without a state)
         episodes = (np.ndarray, deque, gym.vector.VectorEnv)  # the envs and the episodes in progress
         names = [k for k, v in self.objects.items() if envs is not None or not isinstance(v, episodes)]
         load_into(path, state, fresh, self.objects, names)
