@@ -17,6 +17,7 @@ setting with every seed's episode series); report.py renders from it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import json
@@ -275,6 +276,9 @@ def attempt(folder: str, cmd: list[str], resume: Optional[str], nice: int, timeo
         kw = dict(cwd=folder, env=thread_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         proc = subprocess.Popen(["nice", "-n", str(nice), *full] if nice else full, start_new_session=not slurm, **kw)
         RUNNING.add(proc)
+        if nice and not slurm:  # a kernel that groups sessions (autogroup) weighs a session, not its process's nice
+            with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/autogroup", "w") as group:
+                group.write(str(nice))
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -607,6 +607,15 @@ def test_a_second_harness_leaves_a_run_that_another_process_runs_alone(tmp_path,
     assert not os.path.exists(bench.run_folder(runs, s, 1))
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="a kernel without session groups")
+def test_a_niced_run_is_niced_as_a_session_where_the_kernel_weighs_sessions(tmp_path):
+    """Under autogroup the scheduler shares the CPU between sessions first: a run in a session of its own yields to
+    the machine's other work only when its session's nice is raised too."""
+    probe = "import os; print(open('/proc/self/autogroup').read().split()[-1], os.nice(0))"
+    assert bench.attempt(str(tmp_path / "run"), [sys.executable, "-c", probe], None, 7, 60) == 0
+    assert open(tmp_path / "run" / "run.log").read().splitlines()[-1] == "7 7"
+
+
 def _committed_text_files():
     proc = subprocess.run(
         ["git", "-C", ROOT, "ls-files", "--cached", "--others", "--exclude-standard"], capture_output=True, text=True
