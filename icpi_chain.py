@@ -40,7 +40,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
-from typing import Any, Callable, Literal, Optional, get_args, get_origin
+from typing import Any, Callable, Literal, Optional
 
 import numpy as np
 import torch
@@ -1470,7 +1470,6 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
 # ---- Run machinery: checks, signals, the completion cache, the run folder, its log and W&B, the model files.
 
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a file or folder name: no separators, not . or ..
-CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
 MODELS = re.compile(r"smollm2|oracle|matching|(?s:(hf|openai):.+)")
 RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
     "seed": (0, 2**32 - 1, False),
@@ -1499,14 +1498,12 @@ def brief(e: BaseException) -> str:
 
 
 def check_args(args: Args) -> None:
-    """UserError for the first flag out of its range, choices or form, before any folder, cache or model exists."""
+    """UserError for the first flag out of its range or form (tyro checks the choices), before any folder, cache or
+    model exists."""
     for name, (low, high, low_excluded) in RANGES.items():
         value = getattr(args, name)
         if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
             raise UserError(f"{flag(name)} must be in {'(' if low_excluded else '['}{low}, {high}], got {value}")
-    for name, choices in CHOICES.items():
-        if getattr(args, name) not in choices:
-            raise UserError(f"{flag(name)} must be one of {', '.join(map(str, choices))}, got {getattr(args, name)!r}")
     if 0 < args.temperature < 1e-3:  # the logits divided by it would overflow
         raise UserError(f"--temperature must be 0 (greedy) or at least 0.001, got {args.temperature}")
     if not PLAIN_NAME.fullmatch(args.exp_name):

@@ -1061,7 +1061,6 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
 
 SCRIPT = os.path.basename(__file__)
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a file or folder name: no separators, not . or ..
-CHOICES = {f.name: get_args(f.type) for f in fields(Args) if get_origin(f.type) is Literal}
 
 
 class UserError(Exception):
@@ -1078,14 +1077,11 @@ def brief(e: BaseException) -> str:
 
 
 def check_args(args: Args) -> None:
-    """UserError for the first flag out of its range, choices or form, or that this script's env cannot take."""
+    """UserError for a flag out of its range or form, or that this script's env cannot take (tyro checks choices)."""
     for name, (low, high, low_excluded) in RANGES.items():
         value = getattr(args, name)
         if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
             raise UserError(f"{flag(name)} must be in {'(' if low_excluded else '['}{low}, {high}], got {value}")
-    for name, choices in CHOICES.items():
-        if getattr(args, name) not in choices:
-            raise UserError(f"{flag(name)} must be one of {', '.join(map(str, choices))}, got {getattr(args, name)!r}")
     widest = f"{args.env_id}__{args.exp_name}__{2**32 - 1}__{10**9}-99-eval__{2**32 - 1}__{10**9}-99"  # (its folders)
     if not PLAIN_NAME.fullmatch(args.exp_name) or args.exp_name == "training_state" or len(widest) > 255:
         raise UserError(

@@ -281,6 +281,21 @@ def test_a_save_stopped_by_a_signal_or_a_full_disk_keeps_the_previous_file(scrip
         assert raised.value.filename == str(path) and raised.value.strerror == "No space left on device"
 
 
+@pytest.mark.parametrize("script, name", [("gpt2ppo_lunar", "critic"), ("trpo_gpt2_halfcheetah", "policy")])
+def test_a_files_flag_outside_its_choices_is_refused_before_anything_is_written(script, name, tmp_path, made):
+    """tyro checks the choices of a flag given; a flag read from a file is checked by its type, a Literal's members."""
+    (run,) = prepare(script, ["run"], tmp_path, made)
+    damaged(f"{run}/training_state.pt", lambda s: s["args"].update({name: "bogus"}))
+    before = tree(tmp_path)
+    code, _, err = cli_in_process(script, ["--resume", run], tmp_path)
+    assert (code, err) == (
+        2,
+        f"error: '{run}/training_state.pt' was made by another version of {script}.py (its flags "
+        "or run name differ).\n",
+    )
+    assert tree(tmp_path) == before
+
+
 def stopped_run(script: str, cwd) -> str:
     """A tiny run stopped (a SIGTERM asked before it began) after its first of two updates: its run folder."""
     module = importlib.import_module(script)
