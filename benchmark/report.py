@@ -568,6 +568,7 @@ def confirm_table(data: dict, spec: dict) -> str:
         left = [f"{a} seed {s} ({why})" for (a, m), vals in values.items() for s, (v, why) in vals.items() if v is None]
         out += [f"Seeds without a value, left out of their comparisons: {', '.join(left) or 'none'}."]
         out += [f"Machines: {'; '.join(f'{a} {machines(rows[a])}' for a in arms if stored[a])}.", ""]
+        out += robustness_table(rows, reg, stored)
     else:
         out += ["No seed of the registered test is stored yet.", ""]
     out += [
@@ -576,6 +577,29 @@ def confirm_table(data: dict, spec: dict) -> str:
     if "exploratory" in spec:
         out += ["", exploratory_line(data, spec["exploratory"], script, env, steps)]
     return "\n".join(out)
+
+
+def robustness_table(rows: dict, reg: dict, stored: dict) -> list[str]:
+    """Every arm's evaluation under each registered perturbation: over its stored seeds (those whose unperturbed mean
+    is above 0), the mean ± std of the perturbed evaluation's mean over the unperturbed one, beside the unperturbed
+    mean. Descriptive: the H3 score is these ratios' mean per seed, and H3 is the registered test."""
+    perturbed = next((p for a in rows if (p := perturbations(reg[a]["flags"]))), [])
+    records = []
+    for a in (a for a in rows if stored[a] and perturbations(reg[a]["flags"])):
+        seeds = [s for s in stored[a] if (seed_metric(rows[a], s, "eval", [])[0] or 0) > 0]
+        if not seeds:
+            continue
+        ratios = {p: [seed_metric(rows[a], s, "robustness", [p])[0] for s in seeds] for p in perturbed}
+        cells = [
+            f"{fmt(_mean(r), 3)} ± {fmt(float(np.std(r)), 3)}" if None not in r else "n/a" for r in ratios.values()
+        ]
+        unperturbed = [seed_metric(rows[a], s, "eval", [])[0] for s in seeds]
+        records.append([a, len(seeds), f"{fmt(_mean(unperturbed))} ± {fmt(float(np.std(unperturbed)))}", *cells])
+    if not records:
+        return []
+    head = "Under each registered perturbation, per arm over its stored seeds (mean ± std of each seed's perturbed"
+    head += " evaluation over its unperturbed one; descriptive, the registered test of robustness is H3):"
+    return [head, "", markdown(records, ["arm", "seeds", "evaluation", *perturbed]), ""]
 
 
 def exploratory_line(data: dict, ex: dict, script: str, env: str, steps: int) -> str:

@@ -752,6 +752,7 @@ def _confirm_store(folder, seeds: dict, rng, negative=()):
             h2 = float(rounded(evals).mean())
             h3 = np.mean([rounded(under[p]).mean() for p in PERTURBATIONS]) / h2 if h2 > 0 else None
             truth[(arm, s)] = {"train-all": float(rounded(train).mean()), "eval": h2, "robustness": h3}
+            truth[(arm, s)]["under"] = {p: rounded(under[p]).mean() / h2 for p in PERTURBATIONS}
         if row["seeds"]:
             report.dump(row, report.row_path(str(folder), row))
     return report.load(str(folder)), truth
@@ -800,6 +801,16 @@ def test_the_registered_test_against_scipy_with_holm_over_six_and_a_seed_without
     # P seed 9's evaluation is below 0: no H3 score, listed, and left out of H3a and H3b only
     assert truth[("P", "9")]["robustness"] is None and _cells(text, "H3a")[3] == "9 vs 10"
     assert _cells(text, "H2")[3] == "10 vs 10" and "P seed 9 (no score: unperturbed mean" in text
+    # every arm under each perturbation (S too, which no registered comparison of H3 uses), P seed 9 left out
+    for arm in "PRSM":
+        seeds = [str(s) for s in range(6, 16) if truth[(arm, str(s))]["robustness"] is not None]
+        evals = [truth[(arm, s)]["eval"] for s in seeds]
+        cells = _cells(text.split("Under each registered perturbation")[1], arm)
+        assert cells[:3] == [arm, str(len(seeds)), f"{report.fmt(np.mean(evals))} ± {report.fmt(np.std(evals))}"]
+        for p, cell in zip(PERTURBATIONS, cells[3:], strict=True):
+            ratios = [truth[(arm, s)]["under"][p] for s in seeds]
+            mean, std = (float(x.split()[0]) for x in cell.split(" ± "))
+            assert mean == pytest.approx(np.mean(ratios), abs=1e-3) and std == pytest.approx(np.std(ratios), abs=1e-3)
     # the exploratory comparison beside it, labelled, with Welch and Mann-Whitney on its own seeds
     x = [truth[("xR", str(s))]["train-all"] for s in (1, 2, 3, 4, 5, 19, 20, 21, 22, 23)]
     y = [truth[("xP", str(s))]["train-all"] for s in (1, 2, 3, 4, 5, 19, 20, 21, 22, 23)]
