@@ -158,17 +158,8 @@ def thread_env() -> dict:
     return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 
 
-MARKER_KEYS = {
-    "command",
-    "seconds",
-    "finished",
-    "machine",
-    "versions",
-    "nice",
-    "code",
-    "harness_command",
-    "load",
-}  # read
+# what a run's marker holds, all of which collect reads: a marker without one of them is not this harness's
+MARKER_KEYS = {"command", "seconds", "finished", "machine", "versions", "nice", "code", "harness_command", "load"}
 
 
 def marker(folder: str) -> Optional[dict]:
