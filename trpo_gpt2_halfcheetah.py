@@ -38,6 +38,7 @@ import threading
 import time
 import types
 import uuid
+import warnings
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, fields, replace
@@ -1099,13 +1100,15 @@ def check_args(args: Args) -> None:
         os.environ.setdefault("MUJOCO_GL", "osmesa")  # (read when MuJoCo is first imported)
         os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
         os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
-    try:  # a frame now, not after training
-        with gym.make(args.env_id, render_mode="rgb_array") as env:
+    try:  # a frame and the recorder now, not after training
+        with gym.make(args.env_id, render_mode="rgb_array") as env, warnings.catch_warnings(action="ignore"):
             env.reset(seed=0)
             if getattr(env.render(), "ndim", 0) != 3:
                 raise RuntimeError("it gave no image")
+            import moviepy  # noqa: F401  (what gymnasium's RecordVideo writes with)
     except Exception as e:  # renderers raise many kinds (ImportError, RuntimeError, GL errors)
-        fix = "pip install pygame" if "mujoco" not in str(gym.spec(args.env_id).entry_point) else "libosmesa6"
+        missing = isinstance(e, (ImportError, gym.error.DependencyNotInstalled))
+        fix = "pip install -r requirements.txt" if missing else "without a DISPLAY, MuJoCo needs libosmesa6"
         raise UserError(f"--capture-video cannot render {args.env_id} ({brief(e)}; {fix})")
 
 
@@ -1173,13 +1176,14 @@ def load_checkpoint(path: str) -> dict:
     return saved
 
 
-def load_into(path: str, saved: dict, fresh: dict, objects: dict, names) -> None:
-    """Put the objects `names` of `saved` back into `objects` once `saved` matches `fresh`, what they would save."""
+def load_into(path: str, saved: dict, fresh: dict, put_back) -> None:
+    """Call `put_back` once `saved` matches `fresh`, what the run's objects would save; the libraries' own checks of
+    what it puts back (strict loading, a random generator's state setter) refuse the rest."""
     why = mismatch(saved, fresh, "it")
     try:
-        for name in names if why is None else ():
-            restore(objects[name], saved["objects"][name])
-    except (ValueError, RuntimeError, TypeError, KeyError, IndexError) as e:  # the libraries' own checks
+        if why is None:
+            put_back()
+    except Exception as e:  # (they raise many kinds: ValueError, RuntimeError, OverflowError, KeyError, ...)
         why = brief(e)
     if why is not None:
         raise UserError(f"'{path}' does not fit this run of {SCRIPT}: {why}")
@@ -1245,6 +1249,8 @@ def restore(obj, saved):
         mujoco.mj_setState(obj.model, obj, saved.numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
         mujoco.mj_forward(obj.model, obj)
     elif isinstance(obj, deque):
+        if not 0 <= saved["count"] <= obj.maxlen:
+            raise ValueError(f"a queue of {obj.maxlen} holds {saved['count']}")
         obj.clear()
         obj.extend(saved["values"][: saved["count"]].tolist())
     elif isinstance(obj, np.ndarray):
@@ -1287,7 +1293,8 @@ class Run:
 
     def __init__(self, args: Args, stop: StopSignal):
         """The run's flags, checked: those given, or its own with --resume (RESUME_FLAGS given replace them)."""
-        self.stop, self.state, self.lock, self.wandb_id, self.run_dir = stop, None, None, None, args.resume
+        self.stop, self.state, self.lock, self.run_dir = stop, None, None, args.resume
+        self.wandb_id = uuid.uuid4().hex[:12]  # (a resumed run's is its own)
         if args.resume is not None:
             self.state = load_checkpoint(os.path.join(args.resume, "training_state.pt"))
             saved, given = self.state["args"], [f.name for f in fields(Args) if getattr(args, f.name) != f.default]
@@ -1316,7 +1323,9 @@ class Run:
             self.restore()
         try:
             if self.state is None:
-                self.run_name = make_run_dir(f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}")
+                self.run_name = make_run_dir(
+                    f"{re.sub(r'[^A-Za-z0-9._-]', '-', args.env_id)}__{args.exp_name}__{args.seed}"
+                )
                 self.run_dir = os.path.join("runs", self.run_name)
             self.lock = lock_run_dir(self.run_dir)
             self.open_log()
@@ -1340,14 +1349,18 @@ class Run:
         if type(self.update) is not int or not 0 <= self.update <= self.num_updates:
             raise UserError(f"'{path}' does not fit this run of {SCRIPT}: its update is not within its budget")
         fresh = {**self.training_state(0, fresh=True), **{k: state.get(k) for k in ("args", "run_name", "update")}}
-        fresh["wandb_id"], envs = state.get("wandb_id"), fresh["objects"]["envs"]  # (None: envs without a state)
+        fresh["wandb_id"], envs = str(state.get("wandb_id")), fresh["objects"]["envs"]  # (None: envs without a state)
         episodes = (np.ndarray, deque, gym.vector.VectorEnv)  # the envs and the episodes in progress
         names = [k for k, v in self.objects.items() if envs is not None or not isinstance(v, episodes)]
-        load_into(path, state, fresh, self.objects, names)
-        np.random.set_state(("MT19937", state["random"]["numpy"][0].numpy(), *state["random"]["numpy"][1:]))
-        torch.set_rng_state(state["random"]["torch"])
-        if state["random"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["random"]["cuda"])
+
+        def put_back() -> None:
+            self.objects.update({k: restore(self.objects[k], state["objects"][k]) for k in names})
+            np.random.set_state(("MT19937", state["random"]["numpy"][0].numpy(), *state["random"]["numpy"][1:]))
+            torch.set_rng_state(state["random"]["torch"])
+            if state["random"]["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(state["random"]["cuda"])
+
+        load_into(path, state, fresh, put_back)
         self.stop.last_state = f"the last training state is {path} (update {self.update})"
 
     def open_log(self) -> None:
@@ -1355,11 +1368,10 @@ class Run:
         from torch.utils.tensorboard import SummaryWriter  # (slow to import: not before a run starts)
 
         args, names = self.args, os.listdir(self.run_dir)
-        for name in (n for n in names if re.fullmatch(r".+\.tmp\d+", n)):  # what a killed save left
+        for name in (n for n in names if re.fullmatch(r".+\.pt\.tmp\d+", n)):  # what a killed save left
             os.remove(os.path.join(self.run_dir, name))
         events = [int(n.split(".")[3]) for n in names if re.fullmatch(r"events\.out\.tfevents\.\d+\..+", n)]
         time.sleep(min(2.0, max(0.0, max(events, default=0) + 1 - time.time())))  # (2 s at most: a clock set back)
-        self.wandb_id = self.wandb_id or uuid.uuid4().hex[:12]
         where = dict(project=args.wandb_project_name, entity=args.wandb_entity, dir=self.run_dir, id=self.wandb_id)
         try:  # W&B's own checks (the package, its mode, the project, the credentials) may refuse the run
             if args.track:
@@ -1443,7 +1455,8 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
     check_args(train)  # (with the evaluation's flags: its renderer with --capture-video, what the script checks)
     objects = model_objects(train)
     fresh = {"script": SCRIPT, "args": saved["args"], "run_name": saved["run_name"]}
-    load_into(path, saved, {**fresh, "objects": {k: saved_form(objects[k]) for k in MODEL}}, objects, MODEL)
+    put_back = lambda: objects.update({k: restore(objects[k], saved["objects"][k]) for k in MODEL})  # noqa: E731
+    load_into(path, saved, {**fresh, "objects": {k: saved_form(objects[k]) for k in MODEL}}, put_back)
     seed = 10_000 + (args.seed if args.seed != 1 else train.seed)
     run_dir = os.path.join("runs", make_run_dir(f"{saved['run_name']}-eval__{seed}"))
     print(f"device: cpu (evaluation), logging to {run_dir}", flush=True)
@@ -1464,7 +1477,7 @@ def make_run_dir(base: str) -> str:
 def lock_run_dir(run_dir: str) -> int:
     """Hold `run_dir`/.lock (its holder's pid in it) while this process runs it; UserError when another one does."""
     path = os.path.join(run_dir, ".lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # (a link: ELOOP, named)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, os.pwrite(fd, f"{os.getpid()}\n".encode(), 0))  # (over the last pid: no new space needed)
@@ -1485,6 +1498,9 @@ def cli(argv: Optional[list[str]] = None) -> int:
     # a thread's OSError (the log's writer on a full disk) reaches the run through the object it serves: said once
     threading.excepthook = lambda a: None if issubclass(a.exc_type, OSError) else threading.__excepthook__(a)
     try:
+        for path in (getattr(args, name, None) for name in ("resume", "eval_checkpoint")):
+            if path is not None and not (path and path.isprintable()):  # (not bytes the system cannot decode)
+                raise UserError(f"a path must be one line of text, got {path!r}")
         return main(args, stop)
     except UserError as e:
         print(f"error: {e}.", file=sys.stderr, flush=True)
@@ -1563,8 +1579,10 @@ def check_this_script(args: Args) -> None:
         raise UserError("--eval-perturbations applies to an evaluation: add --save-model, or give --eval-checkpoint")
     mujoco = args.env_id in gym.registry and "mujoco" in str(gym.registry[args.env_id].entry_point)
     for p in args.eval_perturbations:
-        if not PERTURBATION.fullmatch(p) or float(p.split("=")[1]) <= 0:
-            raise UserError(f"--eval-perturbations takes mass=X, friction=X or action-noise=X with X > 0, got {p!r}")
+        if not PERTURBATION.fullmatch(p) or not 0 < float(p.split("=")[1]) <= 100:
+            raise UserError(
+                f"--eval-perturbations takes mass=X, friction=X or action-noise=X with X in (0, 100], got {p!r}"
+            )
         if not p.startswith("action-noise") and not mujoco:
             raise UserError(f"--eval-perturbations {p} changes a MuJoCo model, and '{args.env_id}' is not a MuJoCo env")
     if len(set(args.eval_perturbations)) < len(args.eval_perturbations):

@@ -62,6 +62,14 @@ def first_tensor(saved: dict) -> tuple[dict, str]:
     return model, next(k for k, v in model.items() if v.is_floating_point())
 
 
+def first(saved, holds) -> dict:
+    """The first dict inside a saved state that `holds` (depth first)."""
+    if isinstance(saved, dict) and holds(saved):
+        return saved
+    inner = saved.values() if isinstance(saved, dict) else saved if isinstance(saved, list) else []
+    return next((d for v in inner if (d := first(v, holds)) is not None), None)
+
+
 def env_layer(saved: dict) -> dict:
     """The last layer of a training state's saved envs (the env itself)."""
     return saved["objects"]["envs"][-1]
@@ -82,6 +90,10 @@ DAMAGE = {  # a file spoiled in one way: what the script must refuse before it w
     "torch_rng": lambda s: s["random"].update(torch=torch.zeros(10, dtype=torch.uint8)),
     "env_attribute": lambda s: env_layer(s).update(step=5),  # a plain value where the env has a method
     "env_none": lambda s: env_layer(s).update({k: None for k, v in env_layer(s).items() if torch.is_tensor(v)}),
+    "wandb_id": lambda s: s.update(wandb_id=torch.zeros(3)),
+    "torch_rng_content": lambda s: s["random"]["torch"].fill_(255),  # the right form, a state torch refuses
+    "generator_state": lambda s: first(s, lambda d: "bit_generator" in d)["state"].update(state=-5),  # numpy refuses
+    "queue_count": lambda s: first(s, lambda d: d.keys() == {"values", "count"}).update(count=10**9),
 }
 
 
@@ -89,12 +101,12 @@ def prepare(script: str, flags, tmp_path, made) -> list[str]:
     """The row's flags with its placeholders made real under tmp_path/given: ckpt[:damage], state[:damage],
     run[:damage] (a copy of the tiny run's folder), missing, folder, fifo, loop, text, truncated, pickle, foreign
     (another script's checkpoint), locked (a run folder another process holds), read_only (a run folder on a
-    read-only mount)."""
+    read-only mount), lock_link (a run folder whose lock is a link to a file outside it)."""
     given, out = tmp_path / "given", []
     given.mkdir(exist_ok=True)
     for flag in flags:
         kind, _, damage = flag.partition(":")
-        if kind in ("ckpt", "state", "run", "locked", "read_only"):
+        if kind in ("ckpt", "state", "run", "locked", "read_only", "lock_link"):
             run = shutil.copytree(made(script)["run"], given / f"run{len(out)}")
             path = {"ckpt": f"{run}/{script}.pt", "state": f"{run}/training_state.pt"}.get(kind, str(run))
             if damage:
@@ -113,6 +125,11 @@ def prepare(script: str, flags, tmp_path, made) -> list[str]:
                 )
                 holder.stdout.readline()
                 LOCKS.append(holder)
+            if kind == "lock_link":  # the lock a link to a file outside the run folder
+                (given / "outside.txt").write_text("not the run's\n")
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(f"{run}/.lock")
+                os.symlink(given / "outside.txt", f"{run}/.lock")
             if kind == "read_only":
                 mount("--bind", run, run)
                 mount("-o", "remount,ro,bind", run)
@@ -215,7 +232,15 @@ NOT_OURS, NO_FIT = "is not a checkpoint or training state of {script}.py", "does
         bad(("--resume", "run:torch_rng"), NO_FIT + "it.random.torch is not a torch.uint8 tensor of shape"),
         bad(("--resume", "run:env_attribute"), NO_FIT + "it.objects.envs."),
         bad(("--resume", "run:env_none"), NO_FIT + "it.objects.envs."),
+        bad(("--resume", "run:wandb_id"), NO_FIT + "it.wandb_id is tensor("),
+        bad(("--resume", "run:torch_rng_content"), NO_FIT),
+        bad(("--resume", "run:generator_state"), NO_FIT),
+        bad(("--resume", "run:queue_count"), NO_FIT + "a queue of "),
+        bad(("--resume", ""), "a path must be one line of text, got ''"),
+        bad(("--resume", "a\nb"), "a path must be one line of text, got 'a\\nb'"),
+        bad(("--eval-checkpoint", "bad\udcff"), "a path must be one line of text, got 'bad\\udcff'"),  # (undecodable)
         bad(("--resume", "locked"), "another process (pid 4242) is running "),
+        bad(("--resume", "lock_link"), ".lock: Too many levels of symbolic links"),
         bad(("--resume", "read_only"), ".lock: Read-only file system"),
         # a run folder that cannot be made: a file named runs stands where the folder would go
         bad(("!runs_is_a_file",), ": Not a directory"),
@@ -260,6 +285,26 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(script, flags, me
             LOCKS.pop().kill()
         while MOUNTS:
             subprocess.run(["umount", "--lazy", MOUNTS.pop()], check=True)
+
+
+def test_a_resumed_run_removes_what_a_killed_save_left_and_nothing_else(tmp_path, made):
+    """(The common text, so one script.) A user's file whose name ends like a temporary one stays."""
+    (run,) = prepare("ppo_cartpole", ["run"], tmp_path, made)
+    for name in ("notes.tmp2024", "training_state.pt.tmp99"):
+        open(f"{run}/{name}", "w").write("x")
+    code, out, err = cli_in_process("ppo_cartpole", ["--resume", run], tmp_path)
+    assert code == 0, out + err
+    assert os.path.exists(f"{run}/notes.tmp2024") and not os.path.exists(f"{run}/training_state.pt.tmp99")
+
+
+def test_an_env_id_of_gymnasiums_module_form_names_a_run_that_resumes(tmp_path):
+    """`module:id` names a plain run folder (no `:`), whose training state and checkpoint its run reads back."""
+    flags = [*TINY["ppo_cartpole"], "--env-id", "gymnasium:CartPole-v1", "--save-model", "--eval-episodes", "1"]
+    assert cli_in_process("ppo_cartpole", flags, tmp_path)[0] == 0
+    (run,) = glob.glob(str(tmp_path / "runs" / "gymnasium-CartPole-v1__ppo_cartpole__1__*"))
+    for again in (["--resume", run], ["--eval-checkpoint", f"{run}/ppo_cartpole.pt", "--eval-episodes", "1"]):
+        code, out, err = cli_in_process("ppo_cartpole", again, tmp_path)
+        assert code == 0, out + err
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

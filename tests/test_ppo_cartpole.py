@@ -347,11 +347,13 @@ def test_every_numeric_flag_has_a_range_and_the_defaults_pass():
         _bad(("--env-id", "Pendulum-v1"), "needs a flat Box observation and Discrete actions"),
         _bad(("--batch-size", "3"), None),  # (not a flag: tyro's own message)
         _bad(("--capture-video", "!no_pygame"), "--capture-video cannot render CartPole-v1 ("),
+        _bad(("--capture-video", "!no_moviepy"), "moviepy"),
     ],
 )
 def test_hostile_input_ends_in_one_sentence_and_writes_nothing(tmp_path, monkeypatch, capsys, flags, message):
-    if "!no_pygame" in flags:  # as if the package were not installed
-        monkeypatch.setitem(sys.modules, "pygame", None)
+    for package in ("pygame", "moviepy"):  # as if the package were not installed
+        if f"!no_{package}" in flags:
+            monkeypatch.setitem(sys.modules, package, None)
     monkeypatch.chdir(tmp_path)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:  # the script's entry point, as its __main__ calls it (tyro's own errors exit 2 from inside it)

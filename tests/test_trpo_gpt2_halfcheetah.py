@@ -559,16 +559,20 @@ NOT_FIT = "does not fit this run of trpo_gpt2_halfcheetah.py"
         _bad(("--llm-init", "shuffled", "--llm-embd", "64"), "--llm-embd and --llm-heads apply to --llm-init random"),
         _bad(("--eval-perturbations", "mass=0.7"), "--eval-perturbations applies to an evaluation: add --save-model"),
         _bad(
-            ("--save-model", "--eval-perturbations", "mass=0"), "takes mass=X, friction=X or action-noise=X with X > 0"
+            ("--save-model", "--eval-perturbations", "mass=0"),
+            "takes mass=X, friction=X or action-noise=X with X in (0, 100]",
         ),
         _bad(("--save-model", "--eval-perturbations", "gravity=2"), "takes mass=X, friction=X or action-noise=X"),
         _bad(("--save-model", "--eval-perturbations", "mass=1e3"), "takes mass=X, friction=X or action-noise=X"),
+        _bad(("--save-model", "--eval-perturbations", "action-noise=" + "9" * 400), "with X in (0, 100], got"),  # (inf)
         _bad(("--save-model", "--eval-perturbations", "mass=2", "mass=2"), "names a perturbation twice: mass=2 mass=2"),
         _bad(
             ("--env-id", "LunarLanderContinuous-v3", "--save-model", "--eval-perturbations", "friction=2"),
             "friction=2 changes a MuJoCo model, and 'LunarLanderContinuous-v3' is not a MuJoCo env",
         ),
-        _bad(("--eval-checkpoint", "ckpt:good", "--eval-perturbations", "mass=-1"), "with X > 0, got 'mass=-1'"),
+        _bad(
+            ("--eval-checkpoint", "ckpt:good", "--eval-perturbations", "mass=-1"), "with X in (0, 100], got 'mass=-1'"
+        ),
         _bad(
             ("--eval-checkpoint", "ckpt:good", "--eval-perturbations", "mass=2", "mass=2"),
             "names a perturbation twice: mass=2 mass=2",
