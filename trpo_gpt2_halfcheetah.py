@@ -1459,6 +1459,7 @@ def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
     load_into(path, saved, {**fresh, "objects": {k: saved_form(objects[k]) for k in MODEL}}, put_back)
     seed = 10_000 + (args.seed if args.seed != 1 else train.seed)
     run_dir = os.path.join("runs", make_run_dir(f"{saved['run_name']}-eval__{seed}"))
+    stop.last_state = f"the evaluation logs to {run_dir}"  # (what a failed write of its log names)
     print(f"device: cpu (evaluation), logging to {run_dir}", flush=True)
     with SummaryWriter(run_dir) as writer:
         videos = os.path.join(run_dir, "videos") if args.capture_video else None

@@ -378,6 +378,25 @@ def test_a_full_disk_ends_the_run_in_one_sentence_and_keeps_its_last_training_st
         subprocess.run(["umount", "--lazy", str(disk)], check=True)
 
 
+def test_an_evaluation_on_a_full_disk_ends_in_one_sentence_naming_its_folder(tmp_path, made):
+    """(The common text, so one script.) The log's writer fails in its thread, which names no file: the sentence
+    names the evaluation's folder."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount("-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk))
+    try:
+        shutil.copy(made("ppo_cartpole")["ckpt"], disk / "model.pt")
+        with open(disk / "filler", "wb", buffering=0) as filler:
+            with pytest.raises(OSError):
+                while True:
+                    filler.write(b"\0" * 4096)
+        code, out, err = cli_in_process("ppo_cartpole", ["--eval-checkpoint", "model.pt", "--eval-episodes", "3"], disk)
+        assert code == 2 and len(err.strip().splitlines()) == 1, out + err
+        assert err.startswith("error: No space left on device; the evaluation logs to runs/") and "-eval__" in err, err
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_videos_folder_replaced_during_the_run_ends_it_in_one_sentence(script, tmp_path, made):
     """The videos folder is made where it is used, at the evaluation: a file standing there by then is one sentence
