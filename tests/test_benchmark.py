@@ -613,7 +613,8 @@ def test_a_niced_run_is_niced_as_a_session_where_the_kernel_weighs_sessions(tmp_
     the machine's other work only when its session's nice is raised too."""
     probe = "import os; print(open('/proc/self/autogroup').read().split()[-1], os.nice(0))"
     assert bench.attempt(str(tmp_path / "run"), [sys.executable, "-c", probe], None, 7, 60) == 0
-    assert open(tmp_path / "run" / "run.log").read().splitlines()[-1] == "7 7"
+    niced = min(19, os.nice(0) + 7)  # (a nice adds to the test's own)
+    assert open(tmp_path / "run" / "run.log").read().splitlines()[-1] == f"7 {niced}"
 
 
 def _committed_text_files():
