@@ -679,7 +679,7 @@ def check_args(args: Args) -> None:
             import moviepy  # noqa: F401  (what gymnasium's RecordVideo writes with)
     except Exception as e:  # renderers raise many kinds (ImportError, RuntimeError, GL errors)
         missing = isinstance(e, (ImportError, gym.error.DependencyNotInstalled))
-        fix = "pip install -r requirements.txt" if missing else "without a DISPLAY, MuJoCo needs libosmesa6"
+        fix = "pip install -r requirements.txt" if missing else "a working DISPLAY, or none and libosmesa6 for MuJoCo"
         raise UserError(f"--capture-video cannot render {args.env_id} ({brief(e)}; {fix})")
 
 
