@@ -758,7 +758,6 @@ class Run:
     def finish(self) -> int:
         """The --save-model checkpoint, the final line, the evaluation (unless stopped); the exit status."""
         args, path, videos = self.args, os.path.join(self.run_dir, f"{self.args.exp_name}.pt"), None
-        self.training_state(self.update)  # (waits for the work in flight)
         self.objects["envs"].close()
         if args.save_model:  # the flags, the run's name and the model
             model = {k: saved_form(self.objects[k]) for k in MODEL}

@@ -655,7 +655,8 @@ def speed_records(e: dict) -> list[list]:
             [f"`{c}`", fmt(m), fmt(d["steps_per_epoch"] / m, 0), f"{m / first:.1f}x", len(d["per_epoch"][c])]
             for c, m in med.items()
         ]
-    med = lambda r, k: fmt(np.median(r[f"time/{k}_seconds"]))  # noqa: E731
+    # the first update holds the start-up (and compilation): left out where later ones were timed
+    med = lambda r, k: fmt(np.median(r[f"time/{k}_seconds"][1:] or r[f"time/{k}_seconds"]))  # noqa: E731
     updates = lambda r: r.get("updates", len(r["time/update_seconds"]))  # noqa: E731 (a probe says what it timed)
     parts = lambda r: [updates(r), med(r, "rollout"), med(r, "update"), f"{r['steps_done']:,}"]  # noqa: E731
     return [[name, *parts(r), fmt(r["wall_seconds"], 0), f"`{' '.join(r['flags'])}`"] for name, r in d["runs"].items()]
@@ -666,7 +667,15 @@ def speed_columns(e: dict) -> list[str]:
         return ["part", "s per update", "share"]
     if "per_epoch" in e["data"]:
         return ["configuration", "s per update (median)", "env steps/s", "vs the first", "updates timed"]
-    return ["run", "updates", "rollout s (median)", "update s (median)", "steps", "wall s", "flags"]
+    return [
+        "run",
+        "updates",
+        "rollout s (median after the first)",
+        "update s (median after the first)",
+        "steps",
+        "wall s",
+        "flags",
+    ]
 
 
 def speed_table(data: dict, name: str) -> str:
