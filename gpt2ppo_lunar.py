@@ -1078,7 +1078,9 @@ def cli(argv: Optional[list[str]] = None) -> int:
     except OSError as e:  # a file's, named; a thread's write names none: where the last training state is, then
         where = f"{e.filename}: {e.strerror}" if e.filename else f"{e.strerror or brief(e)}; {stop.last_state}"
         print(f"error: {where}.", file=sys.stderr, flush=True)
-    except MemoryError:
+    except (MemoryError, RuntimeError) as e:  # (torch's allocators raise RuntimeError: the CPU's, CUDA's OutOfMemory)
+        if isinstance(e, RuntimeError) and "allocate" not in str(e):
+            raise
         print("error: this machine does not have the memory these flags need.", file=sys.stderr, flush=True)
     return 2
 

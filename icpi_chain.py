@@ -1602,7 +1602,10 @@ class CompletionCache:
             raise self.failure(e)
 
     def get(self, key):
-        return self.sql(f"SELECT completion, tokens FROM {self.TABLE} WHERE key = ?", (key,))
+        hit = self.sql(f"SELECT completion, tokens FROM {self.TABLE} WHERE key = ?", (key,))
+        if hit is not None and not (type(hit[0]) is str and type(hit[1]) is int):  # (SQLite keeps any kind in a column)
+            raise UserError(f"--cache {self.path} is not a completion cache (an entry that is not a text and a count)")
+        return hit
 
     def put(self, key, completion, tokens):
         self.sql(f"INSERT OR REPLACE INTO {self.TABLE} VALUES (?, ?, ?)", (key, completion, tokens))
@@ -1765,7 +1768,7 @@ class ModelFiles:
         try:
             self.folder = self.folder or (convert_gguf_once(folder, gguf) if gguf else folder)
             return loader(self.folder, **kwargs)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # (the loaders raise many kinds: OSError, ValueError, the safetensors reader's own)
             raise hf_load_error(self.spec, folder, gguf, e)
 
 
@@ -1854,7 +1857,9 @@ def cli(argv: Optional[list[str]] = None) -> int:
     except OSError as e:  # a file's, named; a thread's write names none: where the last training state is, then
         where = f"{e.filename}: {e.strerror}" if e.filename else f"{e.strerror or brief(e)}; {stop.last_state}"
         print(f"error: {where}.", file=sys.stderr, flush=True)
-    except MemoryError:
+    except (MemoryError, RuntimeError) as e:  # (torch's allocators raise RuntimeError: the CPU's, CUDA's OutOfMemory)
+        if isinstance(e, RuntimeError) and "allocate" not in str(e):
+            raise
         print("error: this machine does not have the memory these flags need.", file=sys.stderr, flush=True)
     return 2
 

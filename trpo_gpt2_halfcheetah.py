@@ -373,6 +373,8 @@ def build_policy(args: Args, obs_dim: int, act_dim: int) -> nn.Module:
         transformer = AutoModel.from_config(language_model_config(args, files), attn_implementation="eager")
     if tokenizer is not None:
         tokenizer.pad_token, tokenizer.padding_side = tokenizer.pad_token or tokenizer.eos_token, "right"
+        if not tokenizer(args.instruction or "0.25 -1.50", add_special_tokens=False)["input_ids"]:
+            raise UserError(f"the tokenizer of '{args.llm}' turns text into no tokens (a folder without its files?)")
         if len(tokenizer) > transformer.config.vocab_size:
             raise UserError(
                 f"the tokenizer of '{args.llm}' has {len(tokenizer)} tokens, its model {transformer.config.vocab_size}"
@@ -395,6 +397,13 @@ def build_policy(args: Args, obs_dim: int, act_dim: int) -> nn.Module:
             norm_names = ("norm", "ln_f", "final_layer_norm", "final_layernorm")
             norms = [getattr(holder, n) for n in norm_names if isinstance(getattr(holder, n, None), nn.Module)]
             nn.ModuleList(norms[:1]).requires_grad_(True)
+    try:  # one action now: a model that cannot act as this policy (or acts in NaN) is refused before any folder
+        with torch.no_grad():
+            finite = bool(policy(torch.zeros(1, obs_dim)).isfinite().all())
+    except Exception as e:  # (the model's own code raises many kinds)
+        raise UserError(f"the language model '{args.llm}' cannot act as this policy ({e!r:.200})")
+    if not finite:
+        raise UserError(f"the language model '{args.llm}' gives a non-finite action (weights that are not finite?)")
     return policy.eval()
 
 
@@ -506,7 +515,7 @@ class LanguageModelFiles:
         source, local_only = self.source()
         try:
             return loader(source, local_files_only=local_only, **kwargs)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # (the loaders raise many kinds: OSError, ValueError, the safetensors reader's own)
             raise UserError(
                 f"could not load the language model '{self.llm}'{what} ({type(e).__name__}: "
                 f"{(str(e).splitlines() or ['?'])[0].rstrip('.')}); point --llm at a local folder saved with "
@@ -1507,7 +1516,9 @@ def cli(argv: Optional[list[str]] = None) -> int:
     except OSError as e:  # a file's, named; a thread's write names none: where the last training state is, then
         where = f"{e.filename}: {e.strerror}" if e.filename else f"{e.strerror or brief(e)}; {stop.last_state}"
         print(f"error: {where}.", file=sys.stderr, flush=True)
-    except MemoryError:
+    except (MemoryError, RuntimeError) as e:  # (torch's allocators raise RuntimeError: the CPU's, CUDA's OutOfMemory)
+        if isinstance(e, RuntimeError) and "allocate" not in str(e):
+            raise
         print("error: this machine does not have the memory these flags need.", file=sys.stderr, flush=True)
     return 2
 
@@ -1590,13 +1601,16 @@ def check_this_script(args: Args) -> None:
     obs_dim, act_dim = (space.shape[0] for space in env_spaces(args.env_id))
     # bytes per step: the two float32 observation buffers and three float64 batch copies of them (observations, next
     # observations, the value fit's copy); the float32 action buffer and two float64 copies (the batch's actions, the
-    # old means); ten float64 numbers (rewards, flags, values, advantages, returns and their copies)
+    # old means); ten float64 numbers (rewards, flags, values, advantages, returns and their copies); then the
+    # float64 weights of the --hidden-size layers (the MLP policy or a language model's head, the value net), each
+    # with three copies at least in an update (its gradient, the old weights, conjugate gradient's vectors)
     need = args.batch_size * (obs_dim * (2 * 4 + 3 * 8) + act_dim * (4 + 2 * 8) + 10 * 8)
+    need += 4 * 8 * 2 * (obs_dim + args.hidden_size + act_dim) * args.hidden_size
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
         raise UserError(
-            f"--batch-size {args.batch_size} needs about {need / 2**30:.1f} GiB of buffers, more than this "
-            f"machine's {have / 2**30:.1f} GiB of memory"
+            f"--batch-size {args.batch_size} and --hidden-size {args.hidden_size} need about {need / 2**30:.1f} GiB "
+            f"(buffers and weights), more than this machine's {have / 2**30:.1f} GiB of memory"
         )
 
 
@@ -1610,8 +1624,8 @@ def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
     env.close()
     if not all(isinstance(space, gym.spaces.Box) and len(space.shape) == 1 for space in (obs, act)):
         raise UserError(
-            f"{SCRIPT} needs a flat Box observation and Box actions, but '{env_id}' has {obs} and {act}; "
-            "ppo_cartpole.py takes Discrete actions"
+            f"{SCRIPT} needs a flat Box observation and Box actions, but '{env_id}' has {obs} and {act}"
+            + ("; ppo_cartpole.py takes Discrete actions" if isinstance(act, gym.spaces.Discrete) else "")
         )
     return obs, act
 

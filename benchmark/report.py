@@ -64,9 +64,13 @@ def derive(row: dict) -> dict:
     ended in the last `last_fraction` of the steps), then mean and population std over seeds; the same for the
     extras (the first quarter, an evaluation row's training return, seconds per update)."""
     row, frac, n = dict(row), row.get("last_fraction"), row.get("train_last_n", TRAIN_LAST_N)
+    if not (type(row.get("last_n", 1)) is int and row.get("last_n", 1) >= 1 and 0 < float(frac or 1) <= 1):
+        raise ValueError("last_n or last_fraction")
     per_seed, first = {}, {}
     for seed, s in row["series"].items():
-        steps, values = np.asarray(s["steps"]), np.asarray(s["values"], dtype=float)
+        steps, values = np.asarray(s["steps"], dtype=float), np.asarray(s["values"], dtype=float)
+        if steps.shape != values.shape or steps.ndim != 1 or not np.isfinite([*steps, *values]).all():
+            raise ValueError(f"seed {seed}: its steps and values are not finite numbers of one length")
         if frac:
             per_seed[seed] = _mean(values[steps >= (1 - frac) * row["steps"]])
             first[seed] = _mean(values[steps < frac * row["steps"]])
@@ -79,7 +83,9 @@ def derive(row: dict) -> dict:
     extra = {"first": first, "train": train, "update_s": update}
     row["extra"] = {k: dict(zip(("per_seed", "mean", "std"), (v, *mean_std(v.values())))) for k, v in extra.items()}
     row["extra"] = {k: v for k, v in row["extra"].items() if v["per_seed"]}
-    row["sps"], row["wall_seconds"] = (math.nan if row.get(k) is None else row[k] for k in ("sps", "wall_seconds"))
+    row["sps"], row["wall_seconds"] = (
+        math.nan if row.get(k) is None else float(row[k]) for k in ("sps", "wall_seconds")
+    )
     return row
 
 
@@ -109,7 +115,7 @@ def load(results_dir: str) -> dict:
         try:
             data[kind].append(obj) if kind in data else data["rows"].append(derive(obj))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise StoreError(f"{path} is not a row of the results store (at {e!r:.60})")
+            raise StoreError(f"{path} is not a row of the results store (at {e!r:.100})")
     return data
 
 

@@ -736,9 +736,7 @@ def check_args(args: Args, registry: list[S]) -> None:
             report.load(store)
         except report.StoreError as e:
             problems.append(str(e))
-    problems += [f"--results-dir {store} is not a folder"] * (
-        args.mode == "report" and os.path.exists(store) and not os.path.isdir(store)
-    )
+    problems += [f"--results-dir {store} is not a folder"] * (args.mode == "report" and not os.path.isdir(store))
     if problems:
         print(f"error: {problems[0]}.", file=sys.stderr)
         sys.exit(2)

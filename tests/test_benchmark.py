@@ -498,6 +498,11 @@ def test_a_time_breakdown_splits_main_into_its_parts(tmp_path, monkeypatch):
         (("--results-dir", "store:cut"), "cut.json cannot be read as a file of the results store (Unterminated"),
         (("--results-dir", "store:list"), "list.json is not a file of the results store (its JSON is not an object)"),
         (("--results-dir", "store:foreign"), "foreign.json is not a row of the results store (at KeyError('series')"),
+        (
+            ("--mode", "report", "--results-dir", "store:short"),
+            "short.json is not a row of the results store (at ValueError('seed 1: its",
+        ),
+        (("--mode", "report", "--results-dir", "store:slow"), "slow.json is not a row of the results store (at Value"),
         # the harness's own paths, checked before any run starts (a file, a folder, a path under a file)
         (("--runs-dir", "a-file"), "--runs-dir {tmp}/a-file is not a folder"),
         (("--results-dir", "a-file"), "--results-dir {tmp}/a-file is not a folder"),
@@ -506,6 +511,7 @@ def test_a_time_breakdown_splits_main_into_its_parts(tmp_path, monkeypatch):
         (("--plots-dir", "a-file/plots"), "--plots-dir {tmp}/a-file/plots cannot be created: {tmp}/a-file is not"),
         (("--runs-dir", "a-file/runs", "--slurm"), "--runs-dir {tmp}/a-file/runs cannot be created"),
         (("--mode", "report", "--results-dir", "a-file"), "--results-dir {tmp}/a-file is not a folder"),
+        (("--mode", "report", "--results-dir", "no-such"), "--results-dir {tmp}/no-such is not a folder"),  # (a typo)
         # a real sbatch with no cluster to answer it: sbatch's first error line, the jobs file and runs folder gone
         (("--slurm", "--scripts", "ppo_cartpole", "no-cluster"), 'sbatch failed (exit 1): "sbatch: error: '),
         (("--slurm", "--scripts", "ppo_cartpole", "--runs-dir", "a-folder", "no-cluster"), "sbatch failed"),
@@ -535,7 +541,9 @@ def test_bad_input_one_clear_sentence_and_nothing_written(tmp_path, monkeypatch,
         flags = tuple(f for f in flags if f != "no-cluster")
     for kind in [f[6:] for f in flags if f.startswith("store:")]:  # a store with one spoiled file
         (tmp_path / "store" / "ppo_cartpole").mkdir(parents=True)
-        text = {"cut": '{"script": "ppo_cartpole", "se', "list": "[1, 2]", "foreign": '{"weights": [1, 2]}'}[kind]
+        row = '{"steps": 9, "last_n": 1, "series": {"1": {"steps": [4, 8], "values": [%s]}}%s}'  # (hand-edited rows)
+        text = {"cut": '{"script": "ppo_cartpole", "se', "list": "[1, 2]", "foreign": '{"weights": [1, 2]}'}
+        text = {**text, "short": row % ("1.0", ""), "slow": row % ("1.0, 2.0", ', "wall_seconds": "slow"')}[kind]
         (tmp_path / "store" / "ppo_cartpole" / f"{kind}.json").write_text(text)
     flags = [
         str(tmp_path / f) if f in ("nowhere", "a-file", "a-folder") or f.startswith("a-file/") else f for f in flags

@@ -315,6 +315,14 @@ def test_hf_scores_match_a_full_forward_and_generation_stops(tiny_gpt2_dir):
     assert len(gen) == 2 and all("\n" not in text and 0 <= n <= 8 for text, n in gen)
 
 
+def test_hf_weights_cut_short_are_one_sentence_when_first_loaded(tmp_path, tiny_gpt2_dir):
+    folder = shutil.copytree(tiny_gpt2_dir, tmp_path / "cut")
+    os.truncate(folder / "model.safetensors", 1000)  # (the weights load on first use, after the run folder exists)
+    be = ic.HFBackend(f"hf:{folder}", ic.Args(model=f"hf:{folder}"))
+    with pytest.raises(ic.UserError, match=f"the folder {folder} does not hold a model that transformers can load"):
+        be.model
+
+
 def test_hf_prefix_cache_matches_full_forward(tiny_gpt2_dir):
     import torch
 
@@ -1038,6 +1046,10 @@ def test_cache_is_a_plain_path_and_says_locked_or_corrupt(tmp_path, monkeypatch)
     with pytest.raises(ic.UserError, match=r"is not a completion cache \(corrupt") as e:
         ic.CompletionCache("cut.sqlite", "m")
     assert "locked" not in str(e.value) and "delete" not in str(e.value)
+    bad = ic.CompletionCache("bytes.sqlite", "m")  # an entry edited into another kind: SQLite keeps it
+    bad.db.execute("INSERT INTO completions VALUES ('k', x'ff', 1)")
+    with pytest.raises(ic.UserError, match=r"is not a completion cache \(an entry that is not a text and a count"):
+        bad.get("k")
 
 
 def _run_in(folder, flags):

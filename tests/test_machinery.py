@@ -326,6 +326,22 @@ def test_a_save_stopped_by_a_signal_or_a_full_disk_keeps_the_previous_file(scrip
         assert raised.value.filename == str(path) and raised.value.strerror == "No space left on device"
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_memory_that_torchs_allocator_refuses_ends_in_one_sentence(script, tmp_path, made, monkeypatch):
+    """Torch's own allocator refusing a model (here the evaluation's): one sentence, exit 2, no folder; another
+    RuntimeError stays a traceback (a bug is not hidden)."""
+    module, flags = importlib.import_module(script), ["--eval-checkpoint", made(script)["ckpt"], "--eval-episodes", "1"]
+    monkeypatch.setattr(module, "model_objects", lambda args: torch.empty(2**62, dtype=torch.uint8))
+    assert cli_in_process(script, flags, tmp_path)[::2] == (
+        2,
+        "error: this machine does not have the memory these flags need.\n",
+    )
+    monkeypatch.setattr(module, "model_objects", lambda args: torch.zeros(2) @ torch.zeros(3))
+    with pytest.raises(RuntimeError, match="inconsistent tensor size"):
+        cli_in_process(script, flags, tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("script, name", [("gpt2ppo_lunar", "critic"), ("trpo_gpt2_halfcheetah", "policy")])
 def test_a_files_flag_outside_its_choices_is_refused_before_anything_is_written(script, name, tmp_path, made):
     """tyro checks the choices of a flag given; a flag read from a file is checked by its type, a Literal's members."""

@@ -1,5 +1,7 @@
+import contextlib
 import glob
 import importlib.util
+import io
 import os
 import shutil
 import signal
@@ -516,6 +518,29 @@ def _spoiled(made_run: str, name: str, folder: str, edit) -> str:
     return os.path.join(folder, name)
 
 
+def _nan_weight(folder) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    next(w for k, w in weights.items() if k.endswith("c_attn.weight"))[0, 0] = float("nan")
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _encoder_decoder(folder) -> None:  # a T5 in its place: not a causal LM
+    from transformers import T5Config, T5Model
+
+    with contextlib.redirect_stderr(io.StringIO()):  # (its progress bar)
+        T5Model(T5Config(d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2, vocab_size=64)).save_pretrained(folder)
+
+
+SPOILED_MODELS = {  # a copy of the tiny GPT-2's folder ("model:"), changed
+    "nan_weight": _nan_weight,
+    "cut_weights": lambda folder: os.truncate(os.path.join(folder, "model.safetensors"), 1000),
+    "t5": _encoder_decoder,
+    "no_tokenizer": lambda folder: [os.remove(os.path.join(folder, n)) for n in os.listdir(folder) if "token" in n],
+}
+
+
 def _mujoco_data(state: dict) -> dict:
     """The env layer of a training state that holds a MuJoCo integration state."""
     return next(layer for layer in state["objects"]["envs"] if torch.is_tensor(layer.get("data")))
@@ -551,7 +576,8 @@ NOT_FIT = "does not fit this run of trpo_gpt2_halfcheetah.py"
         _bad(("--obs-clip", "0"), "--obs-clip must be in (0, 1000000.0], got 0.0"),
         _bad(("--torch-threads", "0"), "--torch-threads must be in [1, 1024], got 0"),
         _bad(("--num-envs", "7"), "--num-envs 7 must divide --batch-size 15000"),
-        _bad(("--batch-size", str(10**12)), "GiB of buffers, more than this machine's"),  # more than any machine
+        _bad(("--batch-size", str(10**12)), "GiB (buffers and weights), more than this machine's"),  # than any machine
+        _bad(("--policy", "mlp", "--hidden-size", "65536"), "GiB (buffers and weights), more than this machine's"),
         # choices and combinations
         _bad(("--policy", "lstm"), None),  # (tyro's own message: the flag is a Literal)
         _bad(("--state-encoding", "pixels"), None),
@@ -593,6 +619,15 @@ NOT_FIT = "does not fit this run of trpo_gpt2_halfcheetah.py"
             "' or its tokenizer (for --state-encoding text or --instruction)",  # even at random init
         ),
         _bad(("--llm", "TINY", "--llm-layers", "3"), "--llm-layers 3 exceeds the 2 blocks of"),
+        _bad(("--llm", "model:cut_weights"), "could not load the language model '"),  # (the reader's own error)
+        _bad(("--llm", "model:t5"), "cannot act as this policy (ValueError("),
+        _bad(("--llm", "model:nan_weight"), "gives a non-finite action (weights that are not finite?)"),
+        _bad(("--llm", "model:no_tokenizer", "--state-encoding", "text"), "turns text into no tokens"),
+        _bad(("--llm", "model:no_tokenizer", "--instruction", "run"), "turns text into no tokens"),
+        _bad(
+            ("--env-id", "CarRacing-v3", "--policy", "mlp"),
+            "(96, 96, 3), uint8) and Box([-1.  0.  0.], 1.0, (3,), float32).",
+        ),
         _bad(
             ("--llm-init", "random", "--llm-layers", "2", "--llm-embd", "16", "--llm-heads", "3"),
             "the width 16 of the model must be a multiple of its 3 heads",
@@ -644,6 +679,9 @@ def test_hostile_input_ends_in_one_sentence_and_writes_nothing(
             )
         elif kind == "resume":
             places[f] = os.path.dirname(_spoiled(made_run, "training_state.pt", str(given / spoiled), SPOILED[spoiled]))
+        elif kind == "model":
+            places[f] = shutil.copytree(tiny_gpt2_dir, given / spoiled)
+            SPOILED_MODELS[spoiled](places[f])
     flags = [str(places.get(f, f)) for f in flags]
     before = _files(tmp_path)
 
