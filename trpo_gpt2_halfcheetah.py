@@ -1507,7 +1507,7 @@ def cli(argv: Optional[list[str]] = None) -> int:
     # a thread's OSError (the log's writer on a full disk) reaches the run through the object it serves: said once
     threading.excepthook = lambda a: None if issubclass(a.exc_type, OSError) else threading.__excepthook__(a)
     try:
-        for path in (getattr(args, name, None) for name in ("resume", "eval_checkpoint")):
+        for path in (getattr(args, name, None) for name in ("resume", "eval_checkpoint", "cache")):
             if path is not None and not (path and path.isprintable()):  # (not bytes the system cannot decode)
                 raise UserError(f"a path must be one line of text, got {path!r}")
         return main(args, stop)

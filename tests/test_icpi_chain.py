@@ -884,7 +884,8 @@ HOSTILE = [
     _bad(("--env", "nowhere"), None),
     _bad(("--seed", "1.5"), None),
     # the completion cache: opened guarded, refused when it is not one
-    _bad(("--model", "openai:x", "--cache", ""), "is not a regular file"),  # (the current folder)
+    _bad(("--model", "openai:x", "--cache", ""), "a path must be one line of text, got ''"),
+    _bad(("--model", "openai:x", "--cache", "DIR/two\nlines.sqlite"), "a path must be one line of text, got '"),
     _bad(("--model", "openai:x", "--cache", "DIR"), "'DIR' is not a regular file"),
     _bad(("--model", "openai:x", "--cache", "DIR/fifo"), "'DIR/fifo' is not a regular file"),
     _bad(("--model", "openai:x", "--cache", "DIR/loop.gguf"), "DIR/loop.gguf: Too many levels of symbolic links"),
