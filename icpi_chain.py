@@ -551,9 +551,15 @@ class HFBackend:
         """The weights, loaded on first use (a run served entirely from the cache never loads them)."""
         from transformers import AutoModelForCausalLM
 
+        def load(folder: str):  # (a model that loads but keeps no key/value cache cannot serve the examples' reuse)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(self.torch, self.dtype))
+            with self.torch.inference_mode():
+                if model.to(self.device).eval()(self.torch.tensor([[0]], device=self.device)).past_key_values is None:
+                    raise ValueError(f"its {type(model).__name__} keeps no key/value cache (not a causal LM)")
+            return model
+
         print(f"loading the weights of {self.spec}...", file=sys.stderr)
-        model = self.files.load(AutoModelForCausalLM.from_pretrained, dtype=getattr(self.torch, self.dtype))
-        return model.to(self.device).eval()
+        return self.files.load(load)
 
     def _ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"] if text else []
@@ -1763,11 +1769,11 @@ class ModelFiles:
     def __init__(self, spec: str):
         self.spec, self.source, self.folder = spec, resolve_hf_spec(spec), None
 
-    def load(self, loader, **kwargs):
+    def load(self, loader):
         folder, gguf = self.source
         try:
             self.folder = self.folder or (convert_gguf_once(folder, gguf) if gguf else folder)
-            return loader(self.folder, **kwargs)
+            return loader(self.folder)
         except Exception as e:  # (the loaders raise many kinds: OSError, ValueError, the safetensors reader's own)
             raise hf_load_error(self.spec, folder, gguf, e)
 

@@ -1,5 +1,7 @@
+import contextlib
 import hashlib
 import importlib.util
+import io
 import itertools
 import json
 import os
@@ -320,6 +322,20 @@ def test_hf_weights_cut_short_are_one_sentence_when_first_loaded(tmp_path, tiny_
     os.truncate(folder / "model.safetensors", 1000)  # (the weights load on first use, after the run folder exists)
     be = ic.HFBackend(f"hf:{folder}", ic.Args(model=f"hf:{folder}"))
     with pytest.raises(ic.UserError, match=f"the folder {folder} does not hold a model that transformers can load"):
+        be.model
+
+
+def test_hf_a_model_that_is_not_a_causal_lm_is_one_sentence_when_first_loaded(tmp_path, tiny_gpt2_dir):
+    from transformers import BertConfig, BertLMHeadModel
+
+    folder = shutil.copytree(tiny_gpt2_dir, tmp_path / "bert")  # its tokenizer, a BERT's weights (no KV cache)
+    config = BertConfig(
+        vocab_size=500, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    with contextlib.redirect_stderr(io.StringIO()):  # (its progress bar)
+        BertLMHeadModel(config).save_pretrained(folder)
+    be = ic.HFBackend(f"hf:{folder}", ic.Args(model=f"hf:{folder}"))
+    with pytest.raises(ic.UserError, match="its BertLMHeadModel keeps no key/value cache"):
         be.model
 
 
