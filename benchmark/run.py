@@ -694,6 +694,10 @@ def check_args(args: Args, registry: list[S]) -> None:
         for what, given, names in checks
         if (bad := [x for x in given if x not in names])
     ]
+    paths = [getattr(args, k) for k in ("runs_dir", "results_dir", "results_md", "plots_dir", "jobs_file", "peer_dir")]
+    problems += [
+        f"a path must be one line of text, got {p!r}" for p in paths if p is not None and not (p and p.isprintable())
+    ]
     problems += ["--workers and --repeats must be at least 1"] * (args.workers < 1 or args.repeats < 1)
     problems += [f"--seeds must be distinct seeds in 0..{2**32 - 1}, got {' '.join(map(str, args.seeds))}"] * (
         len(set(args.seeds)) < len(args.seeds) or any(not 0 <= x < 2**32 for x in args.seeds)
