@@ -742,7 +742,8 @@ def load_checkpoint(path: str) -> dict:
         raise UserError(f"'{path}' is not a checkpoint or training state of {SCRIPT}")
     flags, name = saved["args"], saved.get("run_name")
     typed = flags.keys() == {f.name for f in fields(Args)} and all(fits(flags[f.name], f.type) for f in fields(Args))
-    if not typed or not (isinstance(name, str) and PLAIN_NAME.fullmatch(name)):
+    evaluation = f"{name}-eval__{2**32 - 1}__{10**9}-99"  # (the widest folder name --eval-checkpoint makes of it)
+    if not typed or not (isinstance(name, str) and PLAIN_NAME.fullmatch(name) and PLAIN_NAME.fullmatch(evaluation)):
         raise UserError(f"'{path}' was made by another version of {SCRIPT} (its flags or run name differ)")
     return saved
 
@@ -750,9 +751,8 @@ def load_checkpoint(path: str) -> dict:
 def load_into(path: str, saved: dict, fresh: dict, put_back) -> None:
     """Call `put_back` once `saved` matches `fresh`, what the run's objects would save; the libraries' own checks of
     what it puts back (strict loading, a random generator's state setter) refuse the rest."""
-    why = mismatch(saved, fresh, "it")
     try:
-        if why is None:
+        if (why := mismatch(saved, fresh, "it")) is None:
             put_back()
     except Exception as e:  # (they raise many kinds: ValueError, RuntimeError, OverflowError, KeyError, ...)
         why = brief(e)
@@ -826,6 +826,8 @@ def restore(obj, saved):
         obj.extend(saved["values"][: saved["count"]].tolist())
     elif isinstance(obj, np.ndarray):
         obj[...] = saved.numpy()
+    elif obj is not None and not isinstance(obj, (bool, int, float, str, np.generic)):  # (an env's space, its mode)
+        raise ValueError(f"a {type(saved).__name__} cannot replace its {type(obj).__name__}")
     else:  # a plain value, or an array where the fresh object has none yet
         return saved.numpy() if torch.is_tensor(saved) else saved
     return obj
@@ -900,13 +902,15 @@ class Run:
                 self.run_dir = os.path.join("runs", self.run_name)
             self.lock = lock_run_dir(self.run_dir)
             self.open_log()
-        except BaseException:  # a refused start (a name too long, another process, W&B) leaves nothing behind
+        except BaseException as e:  # a refused start (a name too long, another process, W&B) leaves nothing behind
             if self.lock is not None:
                 os.close(self.lock)
             if self.state is None and self.run_dir:
                 shutil.rmtree(self.run_dir)
             if made and os.path.isdir("runs") and not os.listdir("runs"):
                 os.rmdir("runs")
+            if isinstance(e, OSError) and e.strerror:  # (the log's writer names its file in bytes, or none: the folder)
+                raise OSError(e.errno, e.strerror, os.fsdecode(e.filename or self.run_dir)) from None
             raise
         self.global_step = self.first_step = self.update * self.steps_per_update
         self.start_time = self.last_line = time.time()
@@ -932,6 +936,8 @@ class Run:
                 torch.cuda.set_rng_state(state["random"]["cuda"])
 
         load_into(path, state, fresh, put_back)
+        if envs is None:
+            print(f"note: {SCRIPT} does not save {self.args.env_id}'s state: its episodes in progress start anew")
         self.stop.last_state = f"the last training state is {path} (update {self.update})"
 
     def open_log(self) -> None:
@@ -1053,9 +1059,9 @@ def lock_run_dir(run_dir: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, os.pwrite(fd, f"{os.getpid()}\n".encode(), 0))  # (over the last pid: no new space needed)
     except OSError as e:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        holder = isinstance(e, BlockingIOError) and (os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown")
         os.close(fd)
-        if isinstance(e, BlockingIOError):
+        if holder:
             raise UserError(f"another process (pid {holder}) is running {run_dir}")
         raise OSError(e.errno, e.strerror, path) from None
     return fd
@@ -1081,7 +1087,7 @@ def cli(argv: Optional[list[str]] = None) -> int:
     except (MemoryError, RuntimeError) as e:  # (torch's allocators raise RuntimeError: the CPU's, CUDA's OutOfMemory)
         if isinstance(e, RuntimeError) and "allocate" not in str(e):
             raise
-        print("error: this machine does not have the memory these flags need.", file=sys.stderr, flush=True)
+        print("error: this machine lacks the memory this run needs (its flags or a file).", file=sys.stderr, flush=True)
     return 2
 
 

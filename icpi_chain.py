@@ -1866,7 +1866,7 @@ def cli(argv: Optional[list[str]] = None) -> int:
     except (MemoryError, RuntimeError) as e:  # (torch's allocators raise RuntimeError: the CPU's, CUDA's OutOfMemory)
         if isinstance(e, RuntimeError) and "allocate" not in str(e):
             raise
-        print("error: this machine does not have the memory these flags need.", file=sys.stderr, flush=True)
+        print("error: this machine lacks the memory this run needs (its flags or a file).", file=sys.stderr, flush=True)
     return 2
 
 

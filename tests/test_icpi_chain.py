@@ -1037,7 +1037,7 @@ def test_too_little_memory_is_one_sentence(tmp_path, monkeypatch, capsys):
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
-    assert capsys.readouterr().err == "error: this machine does not have the memory these flags need.\n"
+    assert capsys.readouterr().err == "error: this machine lacks the memory this run needs (its flags or a file).\n"
     assert os.listdir(tmp_path) == []
 
 

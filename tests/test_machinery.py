@@ -7,6 +7,7 @@ import glob
 import importlib
 import io
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -94,6 +95,14 @@ DAMAGE = {  # a file spoiled in one way: what the script must refuse before it w
     "torch_rng_content": lambda s: s["random"]["torch"].fill_(255),  # the right form, a state torch refuses
     "generator_state": lambda s: first(s, lambda d: "bit_generator" in d)["state"].update(state=-5),  # numpy refuses
     "queue_count": lambda s: first(s, lambda d: d.keys() == {"values", "count"}).update(count=10**9),
+    "float8": lambda s: first_tensor(s)[0].update(
+        {first_tensor(s)[1]: first_tensor(s)[0][first_tensor(s)[1]].to(torch.float8_e4m3fn)}
+    ),
+    "sparse": lambda s: first_tensor(s)[0].update(
+        {first_tensor(s)[1]: first_tensor(s)[0][first_tensor(s)[1]].to_sparse()}
+    ),
+    "env_object": lambda s: env_layer(s).update(action_space=torch.zeros(3)),  # where the env holds an object
+    "long_run_name": lambda s: s.update(run_name="x" * 240),  # its evaluation's folder name would not fit
 }
 
 
@@ -101,12 +110,12 @@ def prepare(script: str, flags, tmp_path, made) -> list[str]:
     """The row's flags with its placeholders made real under tmp_path/given: ckpt[:damage], state[:damage],
     run[:damage] (a copy of the tiny run's folder), missing, folder, fifo, loop, text, truncated, pickle, foreign
     (another script's checkpoint), locked (a run folder another process holds), read_only (a run folder on a
-    read-only mount), lock_link (a run folder whose lock is a link to a file outside it)."""
+    read-only mount), lock_link (a run folder whose lock is a link to a file outside it), lock_fifo (... a FIFO)."""
     given, out = tmp_path / "given", []
     given.mkdir(exist_ok=True)
     for flag in flags:
         kind, _, damage = flag.partition(":")
-        if kind in ("ckpt", "state", "run", "locked", "read_only", "lock_link"):
+        if kind in ("ckpt", "state", "run", "locked", "read_only", "lock_link", "lock_fifo"):
             run = shutil.copytree(made(script)["run"], given / f"run{len(out)}")
             path = {"ckpt": f"{run}/{script}.pt", "state": f"{run}/training_state.pt"}.get(kind, str(run))
             if damage:
@@ -130,6 +139,10 @@ def prepare(script: str, flags, tmp_path, made) -> list[str]:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(f"{run}/.lock")
                 os.symlink(given / "outside.txt", f"{run}/.lock")
+            if kind == "lock_fifo":
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(f"{run}/.lock")
+                os.mkfifo(f"{run}/.lock")
             if kind == "read_only":
                 mount("--bind", run, run)
                 mount("-o", "remount,ro,bind", run)
@@ -216,6 +229,8 @@ NOT_OURS, NO_FIT = "is not a checkpoint or training state of {script}.py", "does
         bad(("--eval-checkpoint", "ckpt:other_version"), "was made by another version of {script}.py"),
         bad(("--eval-checkpoint", "ckpt:mistyped_flag"), "was made by another version of {script}.py"),
         bad(("--eval-checkpoint", "ckpt:bad_run_name"), "was made by another version of {script}.py"),
+        bad(("--eval-checkpoint", "ckpt:long_run_name"), "was made by another version of {script}.py"),
+        bad(("--eval-checkpoint", "ckpt:float8"), NO_FIT + '"isfinite" not implemented for'),
         bad(("--eval-checkpoint", "ckpt", "--total-timesteps", "5"), "takes no training flags, got --total-timesteps"),
         # --resume: no run folder, other flags, a damaged training state, a held or read-only folder
         bad(("--resume", "nowhere"), "nowhere/training_state.pt: No such file or directory"),
@@ -232,6 +247,9 @@ NOT_OURS, NO_FIT = "is not a checkpoint or training state of {script}.py", "does
         bad(("--resume", "run:torch_rng"), NO_FIT + "it.random.torch is not a torch.uint8 tensor of shape"),
         bad(("--resume", "run:env_attribute"), NO_FIT + "it.objects.envs."),
         bad(("--resume", "run:env_none"), NO_FIT + "it.objects.envs."),
+        bad(("--resume", "run:env_object"), NO_FIT + "a Tensor cannot replace its "),
+        bad(("--resume", "run:float8"), NO_FIT),
+        bad(("--resume", "run:sparse"), NO_FIT),
         bad(("--resume", "run:wandb_id"), NO_FIT + "it.wandb_id is tensor("),
         bad(("--resume", "run:torch_rng_content"), NO_FIT),
         bad(("--resume", "run:generator_state"), NO_FIT),
@@ -241,6 +259,7 @@ NOT_OURS, NO_FIT = "is not a checkpoint or training state of {script}.py", "does
         bad(("--eval-checkpoint", "bad\udcff"), "a path must be one line of text, got 'bad\\udcff'"),  # (undecodable)
         bad(("--resume", "locked"), "another process (pid 4242) is running "),
         bad(("--resume", "lock_link"), ".lock: Too many levels of symbolic links"),
+        bad(("--resume", "lock_fifo"), ".lock: Illegal seek"),
         bad(("--resume", "read_only"), ".lock: Read-only file system"),
         # a run folder that cannot be made: a file named runs stands where the folder would go
         bad(("!runs_is_a_file",), ": Not a directory"),
@@ -334,7 +353,7 @@ def test_memory_that_torchs_allocator_refuses_ends_in_one_sentence(script, tmp_p
     monkeypatch.setattr(module, "model_objects", lambda args: torch.empty(2**62, dtype=torch.uint8))
     assert cli_in_process(script, flags, tmp_path)[::2] == (
         2,
-        "error: this machine does not have the memory these flags need.\n",
+        "error: this machine lacks the memory this run needs (its flags or a file).\n",
     )
     monkeypatch.setattr(module, "model_objects", lambda args: torch.zeros(2) @ torch.zeros(3))
     with pytest.raises(RuntimeError, match="inconsistent tensor size"):
@@ -357,8 +376,9 @@ def test_a_files_flag_outside_its_choices_is_refused_before_anything_is_written(
     assert tree(tmp_path) == before
 
 
-def stopped_run(script: str, cwd) -> str:
-    """A tiny run stopped (a SIGTERM asked before it began) after its first of two updates: its run folder."""
+def stopped_run(script: str, cwd, flags=()) -> str:
+    """A tiny run (with `flags`) stopped (a SIGTERM asked before it began) after its first of two updates: its run
+    folder."""
     module = importlib.import_module(script)
     stop = module.StopSignal()
     stop.exit_status = 128 + signal.SIGTERM
@@ -366,7 +386,9 @@ def stopped_run(script: str, cwd) -> str:
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            assert module.main(module.cli.__globals__["tyro"].cli(module.Args, args=TINY[script]), stop) == 143
+            assert (
+                module.main(module.cli.__globals__["tyro"].cli(module.Args, args=[*TINY[script], *flags]), stop) == 143
+            )
     finally:
         os.chdir(here)
     (run,) = glob.glob(str(cwd / "runs" / "*"))
@@ -392,6 +414,31 @@ def test_a_full_disk_ends_the_run_in_one_sentence_and_keeps_its_last_training_st
         assert not glob.glob(f"{run}/*.tmp*")
     finally:
         subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+def test_a_disk_full_when_the_log_opens_ends_in_one_sentence_naming_the_run_folder(tmp_path):
+    """(The common text, so one script.) The log's writer names no file: the sentence names the run's folder, which
+    the refused start removes."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount("-t", "tmpfs", "-o", "size=4k", "tmpfs", str(disk))
+    try:
+        code, out, err = cli_in_process("ppo_cartpole", TINY["ppo_cartpole"], disk)
+        assert code == 2 and len(err.strip().splitlines()) == 1, out + err
+        assert re.fullmatch(r"error: runs/CartPole-v1__ppo_cartpole__1__\d+: No space left on device\.\n", err), err
+        assert os.listdir(disk) == []
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+def test_a_resume_whose_envs_keep_no_state_says_their_episodes_start_anew(tmp_path):
+    """(The common text, so one script.) Box2D's envs hold no state the scripts save."""
+    note = "note: ppo_cartpole.py does not save LunarLander-v3's state: its episodes in progress start anew"
+    for env, cwd in (("LunarLander-v3", tmp_path / "box2d"), ("CartPole-v1", tmp_path / "classic")):
+        cwd.mkdir()
+        run = stopped_run("ppo_cartpole", cwd, ["--env-id", env])
+        code, out, err = cli_in_process("ppo_cartpole", ["--resume", run], cwd)
+        assert code == 0 and (note in out) == (env == "LunarLander-v3"), out + err
 
 
 def test_an_evaluation_on_a_full_disk_ends_in_one_sentence_naming_its_folder(tmp_path, made):

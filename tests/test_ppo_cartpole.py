@@ -341,7 +341,7 @@ def test_every_numeric_flag_has_a_range_and_the_defaults_pass():
         _bad(("--clip-coef", "0"), "--clip-coef must be in (0, 1000000.0], got 0.0"),
         _bad(("--ent-coef", "-0.1"), "--ent-coef must be in [0, 1000000.0], got -0.1"),
         _bad(("--target-kl", "-inf"), "--target-kl must be in (0, 1000000.0], got -inf"),
-        _bad(("--num-envs", "1024", "--num-steps", "1000000000"), "this machine does not have the memory these flags"),
+        _bad(("--num-envs", "1024", "--num-steps", "1000000000"), "this machine lacks the memory this run needs"),
         _bad(("--env-id", "NoSuchEnv-v0"), "cannot make env 'NoSuchEnv-v0'"),
         _bad(("--env-id", "CartPol-v1"), "Did you mean: `CartPole`"),  # gymnasium's question, one sentence
         _bad(("--env-id", "Pendulum-v1"), "needs a flat Box observation and Discrete actions"),
