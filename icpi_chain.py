@@ -553,9 +553,11 @@ class HFBackend:
 
         def load(folder: str):  # (a model that loads but keeps no key/value cache cannot serve the examples' reuse)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(self.torch, self.dtype))
+            model = model.to(self.device).eval()
             with self.torch.inference_mode():
-                if model.to(self.device).eval()(self.torch.tensor([[0]], device=self.device)).past_key_values is None:
-                    raise ValueError(f"its {type(model).__name__} keeps no key/value cache (not a causal LM)")
+                probe = model(self.torch.tensor([[0]], device=self.device), use_cache=True)  # one token
+            if probe.past_key_values is None:
+                raise ValueError(f"its {type(model).__name__} keeps no key/value cache (not a causal LM)")
             return model
 
         print(f"loading the weights of {self.spec}...", file=sys.stderr)
