@@ -513,7 +513,7 @@ def confirm_table(data: dict, spec: dict) -> str:
     rows = {a: find_or_none(data, script, env, steps, name) for a, name in arms.items()}
     stored = {a: [s for s in reg[a]["seeds"] if r and s in r["series"]] for a, r in rows.items()}
     complete = all(len(stored[a]) == len(reg[a]["seeds"]) for a in arms)
-    used = {a: dict.fromkeys(m for _, m, x, y in spec["comparisons"] if a in (x, y)) for a in arms}
+    used = {a: dict.fromkeys(m for _, m, x, y, _ in spec["comparisons"] if a in (x, y)) for a in arms}
     values = {
         (a, m): {s: seed_metric(rows[a], s, m, perturbations(reg[a]["flags"])) for s in stored[a]}
         for a in arms
@@ -529,7 +529,7 @@ def confirm_table(data: dict, spec: dict) -> str:
         ]
     else:
         records, power, results = [], [], []
-        for label, m, x, y in spec["comparisons"]:
+        for label, m, x, y, _ in spec["comparisons"]:
             a = [v for v, _ in values[(x, m)].values() if v is not None]
             b = [v for v, _ in values[(y, m)].values() if v is not None]
             results.append(welch_mw(a, b) if min(len(a), len(b)) >= 2 else None)
@@ -565,6 +565,11 @@ def confirm_table(data: dict, spec: dict) -> str:
         out += [""]
         out += [f"Holm-corrected p below 0.05: {', '.join(below) or 'none'}, of {len(results)} comparisons.", ""]
         out += [head, "", *power, ""]
+        out += [
+            "**The claim, as registered** (the report's words for the outcomes above, by the registered rules):",
+            "",
+        ]
+        out += [*claim_lines(spec, results, corrected), ""]
     per_arm = []
     for (a, m), vals in ((k, v) for k, v in values.items() if v):
         cells = [f"{s}: {fmt(v, METRICS[m][1]) if v is not None else why}" for s, (v, why) in vals.items()]
@@ -583,6 +588,35 @@ def confirm_table(data: dict, spec: dict) -> str:
     if "exploratory" in spec:
         out += ["", exploratory_line(data, spec["exploratory"], script, env, steps)]
     return "\n".join(out)
+
+
+def claim_lines(spec: dict, results: list, corrected: list[float]) -> list[str]:
+    """The registered claim: a line per group of `spec["claim"]`, each comparison's outcome after Holm's correction at
+    0.05 (a above b, a below b, or no difference detected; said against its registered prediction where it has one),
+    a group that one of `spec["readings"]` names ending with the reading its outcomes match, or "inconclusive"."""
+    found = {c[0]: (c, r, p) for c, r, p in zip(spec["comparisons"], results, corrected)}
+    outcome = {
+        k: "none" if r is None or p >= 0.05 else ["below", "above"][r["diff"] > 0] for k, (_, r, p) in found.items()
+    }
+    lines = []
+    for group in spec["claim"]:
+        parts = []
+        for label in group:
+            (_, m, a, b, predicted), r, p = found[label]
+            said = {"above": f"{a} above {b}", "below": f"{a} below {b}", "none": "no difference detected"}[
+                outcome[label]
+            ]
+            if predicted and outcome[label] != "none":
+                said += ", as predicted" if outcome[label] == predicted else ", against the prediction"
+            parts.append(
+                f"{label} ({a} - {b}, {METRICS[m][0].split(':')[0]}): {said} (Holm p {fmt_p(p) if r else 'n/a'})"
+            )
+        readings = [(want, meaning) for want, meaning in spec.get("readings", []) if set(want) == set(group)]
+        if readings:
+            meaning = [m for want, m in readings if all(outcome[k] == v for k, v in want.items())]
+            parts[-1] += f": {meaning[0] if meaning else 'inconclusive'}, by the registered reading"
+        lines.append("- " + "; ".join(parts) + ".")
+    return lines
 
 
 def robustness_table(rows: dict, reg: dict, stored: dict) -> list[str]:

@@ -779,6 +779,31 @@ def _cells(text, first):
     return [c.strip() for c in line.split("|")[1:-1]]
 
 
+def test_the_claim_says_each_registered_outcome_and_the_controls_registered_reading():
+    def claim(**outcomes):  # label -> (a - b, its Holm p)
+        labels = [c[0] for c in CONFIRM["comparisons"]]
+        return report.claim_lines(CONFIRM, [{"diff": outcomes[k][0]} for k in labels], [outcomes[k][1] for k in labels])
+
+    seen = dict(H1=(300.0, 0.0001), H2=(-90.0, 0.21), H3a=(0.01, 0.5), H3b=(0.05, 0.012), C1=(-300.0, 0.001))
+    lines = claim(**seen, C2=(-600.0, 0.0002))
+    assert lines == [
+        "- H1 (R - P, H1 metric): R above P, as predicted (Holm p < 0.001); H2 (R - P, H2 metric): no difference "
+        "detected (Holm p 0.210).",
+        "- H3a (P - R, H3 score): no difference detected (Holm p 0.500); H3b (P - M, H3 score): P above M (Holm p "
+        "0.012).",
+        "- C1 (S - P, H1 metric): S below P (Holm p 0.001); C2 (S - R, H1 metric): S below R (Holm p < 0.001): "
+        "inconclusive, by the registered reading.",
+    ]
+    # a prediction contradicted is said so; each registered reading of the control when its outcomes hold
+    assert "R below P, against the prediction" in claim(**{**seen, "H1": (-300.0, 0.01)}, C2=(-600.0, 0.01))[0]
+    weights = claim(**{**seen, "C1": (-20.0, 0.6)}, C2=(-300.0, 0.01))[2]
+    assert weights.endswith("the slowdown comes with the pretrained weights' statistics, by the registered reading.")
+    learned = claim(**{**seen, "C1": (200.0, 0.01)}, C2=(-30.0, 0.3))[2]
+    assert learned.endswith("the slowdown comes from what pretraining learned, by the registered reading.")
+    # p at 0.05 is not below it: no difference detected
+    assert "C2 (S - R, H1 metric): no difference detected" in claim(**seen, C2=(-300.0, 0.05))[2]
+
+
 def test_the_registered_test_against_scipy_with_holm_over_six_and_a_seed_without_a_score(tmp_path):
     rng = np.random.default_rng(7)
     seeds = {arm: list(range(6, 16)) for arm in "PRSM"}
@@ -786,7 +811,7 @@ def test_the_registered_test_against_scipy_with_holm_over_six_and_a_seed_without
     text = report.table(data, CONFIRM)
     assert "Incomplete" not in text and "Every arm holds its registered seeds (P 10 of 10, R 10 of 10" in text
     expected, welch_p = {}, []
-    for label, metric, a, b in CONFIRM["comparisons"]:
+    for label, metric, a, b, _ in CONFIRM["comparisons"]:
         x = [truth[(a, str(s))][metric] for s in range(6, 16) if truth[(a, str(s))][metric] is not None]
         y = [truth[(b, str(s))][metric] for s in range(6, 16) if truth[(b, str(s))][metric] is not None]
         t, u = stats.ttest_ind(x, y, equal_var=False), stats.mannwhitneyu(x, y, alternative="two-sided")
@@ -799,7 +824,7 @@ def test_the_registered_test_against_scipy_with_holm_over_six_and_a_seed_without
     holm[order] = adjusted
     assert sorted(welch_p)[0] < 0.01 and max(welch_p) > 0.05  # the synthetic arms give both kinds
     head = [c.strip() for c in text.split("\n| comparison")[1].splitlines()[0].split("|")[1:-1]]
-    for (label, metric, a, b), h in zip(CONFIRM["comparisons"], holm):
+    for (label, metric, a, b, _), h in zip(CONFIRM["comparisons"], holm):
         x, y, t, u = expected[label]
         cell = dict(zip(["comparison", *head], _cells(text, label)))
         d = 3 if metric == "robustness" else 2
@@ -813,6 +838,13 @@ def test_the_registered_test_against_scipy_with_holm_over_six_and_a_seed_without
         assert f"- {label}: with {len(x)} and {len(y)} seeds" in text  # its power line
     below = [f"{label} ({report.fmt_p(h)})" for (label, *_), h in zip(CONFIRM["comparisons"], holm) if h < 0.05]
     assert f"Holm-corrected p below 0.05: {', '.join(below)}, of 6 comparisons." in text
+    # the claim under it: a line per registered group, each comparison's outcome by its Holm p and sign
+    claim = text.split("**The claim, as registered**")[1].split("\n\n")[1].splitlines()
+    assert len(claim) == 3 and all(line.startswith("- ") for line in claim)
+    for (label, metric, a, b, _), h in zip(CONFIRM["comparisons"], holm):
+        x, y, *_ = expected[label]
+        said = "no difference detected" if h >= 0.05 else f"{a} {'above' if np.mean(x) > np.mean(y) else 'below'} {b}"
+        assert f"{label} ({a} - {b}, " in "".join(claim) and said in "".join(claim).split(f"{label} (")[1].split(";")[0]
     # P seed 9's evaluation is below 0: no H3 score, listed, and left out of H3a and H3b only
     assert truth[("P", "9")]["robustness"] is None and _cells(text, "H3a")[3] == "9 vs 10"
     assert _cells(text, "H2")[3] == "10 vs 10" and "P seed 9 (no score: unperturbed mean" in text
