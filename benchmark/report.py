@@ -596,25 +596,24 @@ def claim_lines(spec: dict, results: list, corrected: list[float]) -> list[str]:
     a group that one of `spec["readings"]` names ending with the reading its outcomes match, or "inconclusive"."""
     found = {c[0]: (c, r, p) for c, r, p in zip(spec["comparisons"], results, corrected)}
     outcome = {
-        k: "none" if r is None or p >= 0.05 else ["below", "above"][r["diff"] > 0] for k, (_, r, p) in found.items()
+        k: "untested" if r is None else "none" if p >= 0.05 else ["below", "above"][r["diff"] > 0]
+        for k, (_, r, p) in found.items()
     }
     lines = []
     for group in spec["claim"]:
         parts = []
         for label in group:
-            (_, m, a, b, predicted), r, p = found[label]
-            said = {"above": f"{a} above {b}", "below": f"{a} below {b}", "none": "no difference detected"}[
-                outcome[label]
-            ]
-            if predicted and outcome[label] != "none":
+            (_, metric, a, b, predicted), _, p = found[label]
+            said = {"above": f"{a} above {b}", "below": f"{a} below {b}", "none": "no difference detected"}
+            said = said.get(outcome[label], "not tested (fewer than 2 seeds with a value)")
+            if predicted and outcome[label] in ("above", "below"):
                 said += ", as predicted" if outcome[label] == predicted else ", against the prediction"
-            parts.append(
-                f"{label} ({a} - {b}, {METRICS[m][0].split(':')[0]}): {said} (Holm p {fmt_p(p) if r else 'n/a'})"
-            )
+            name = METRICS[metric][0].split(":")[0]
+            parts.append(f"{label} ({a} - {b}, {name}): {said}" + (f" (Holm p {fmt_p(p)})" if found[label][1] else ""))
         readings = [(want, meaning) for want, meaning in spec.get("readings", []) if set(want) == set(group)]
         if readings:
-            meaning = [m for want, m in readings if all(outcome[k] == v for k, v in want.items())]
-            parts[-1] += f": {meaning[0] if meaning else 'inconclusive'}, by the registered reading"
+            matched = [meaning for want, meaning in readings if all(outcome[k] == v for k, v in want.items())]
+            parts[-1] += f": {matched[0] if matched else 'inconclusive'}, by the registered reading"
         lines.append("- " + "; ".join(parts) + ".")
     return lines
 

@@ -800,8 +800,11 @@ def test_the_claim_says_each_registered_outcome_and_the_controls_registered_read
     assert weights.endswith("the slowdown comes with the pretrained weights' statistics, by the registered reading.")
     learned = claim(**{**seen, "C1": (200.0, 0.01)}, C2=(-30.0, 0.3))[2]
     assert learned.endswith("the slowdown comes from what pretraining learned, by the registered reading.")
-    # p at 0.05 is not below it: no difference detected
+    # p at 0.05 is not below it: no difference detected; a comparison without 2 seeds a side is not tested
     assert "C2 (S - R, H1 metric): no difference detected" in claim(**seen, C2=(-300.0, 0.05))[2]
+    labels = [c[0] for c in CONFIRM["comparisons"]]
+    untested = report.claim_lines(CONFIRM, [None if k == "H3a" else {"diff": 1.0} for k in labels], [1.0] * 6)
+    assert untested[1].startswith("- H3a (P - R, H3 score): not tested (fewer than 2 seeds with a value); H3b")
 
 
 def test_the_registered_test_against_scipy_with_holm_over_six_and_a_seed_without_a_score(tmp_path):
