@@ -960,7 +960,8 @@ def plot(rows: list[dict], plots_dir: str, points: int = 200) -> list[str]:
             ax.set(xlabel=here[0]["x_label"], title=f"{env}, {steps:,} steps")
             ax.set_ylabel(f"{ylabel} (running mean of {here[0]['last_n']} episodes)", fontsize=8)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=6, loc="best")
+            if ax.get_legend_handles_labels()[0]:  # a panel whose rows have no episode yet draws no legend
+                ax.legend(fontsize=6, loc="best")
         fig.tight_layout()
         os.makedirs(plots_dir, exist_ok=True)
         written.append(os.path.join(plots_dir, f"{name}.png"))
