@@ -603,13 +603,13 @@ def claim_lines(spec: dict, results: list, corrected: list[float]) -> list[str]:
     for group in spec["claim"]:
         parts = []
         for label in group:
-            (_, metric, a, b, predicted), _, p = found[label]
-            said = {"above": f"{a} above {b}", "below": f"{a} below {b}", "none": "no difference detected"}
-            said = said.get(outcome[label], "not tested (fewer than 2 seeds with a value)")
+            (_, metric, a, b, predicted), result, p = found[label]
+            words = {"above": f"{a} above {b}", "below": f"{a} below {b}", "none": "no difference detected"}
+            said = words.get(outcome[label], "not tested (fewer than 2 seeds with a value)")
             if predicted and outcome[label] in ("above", "below"):
                 said += ", as predicted" if outcome[label] == predicted else ", against the prediction"
             name = METRICS[metric][0].split(":")[0]
-            parts.append(f"{label} ({a} - {b}, {name}): {said}" + (f" (Holm p {fmt_p(p)})" if found[label][1] else ""))
+            parts.append(f"{label} ({a} - {b}, {name}): {said}" + (f" (Holm p {fmt_p(p)})" if result else ""))
         readings = [(want, meaning) for want, meaning in spec.get("readings", []) if set(want) == set(group)]
         if readings:
             matched = [meaning for want, meaning in readings if all(outcome[k] == v for k, v in want.items())]
