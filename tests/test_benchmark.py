@@ -891,4 +891,4 @@ def test_an_incomplete_registered_test_shows_its_seeds_and_no_test(tmp_path):
         and "No seed of the registered test is stored yet" in empty
     )
     written = report.plot([], str(tmp_path / "plots"))
-    assert [os.path.basename(p) for p in written] == ["trpo_gpt2_halfcheetah_confirm.png"]
+    assert [os.path.basename(p) for p in written] == [f"trpo_gpt2_halfcheetah_{n}.png" for n in ("confirm", "scale")]

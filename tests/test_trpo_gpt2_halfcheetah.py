@@ -2,6 +2,7 @@ import contextlib
 import glob
 import importlib.util
 import io
+import math
 import os
 import shutil
 import signal
@@ -222,11 +223,41 @@ def test_chunked_update_equals_whole_batch_and_reuses_the_accepted_evaluation(mo
         monkeypatch.setattr(trpo, "set_flat_params", counted)
         args = trpo.Args(policy="mlp", update_chunk=chunk, fvp_subsample=3, num_envs=4)
         stats = trpo.trpo_step(policy, params, policy.encode(obs), actions, adv, args)
-        # the old parameters, then one evaluation per step tried, and nothing after the accepted one
-        assert stats["accepted"] and len(calls) == 1 + stats["line_search_steps"]
+        # one evaluation per step tried: none at the old parameters, nothing after the accepted one
+        assert stats["accepted"] and len(calls) == stats["line_search_steps"]
         results.append((trpo.flat_params(params), stats["kl"]))
     assert torch.allclose(results[0][0], results[1][0], atol=1e-10)
     assert results[0][1] == pytest.approx(results[1][1], rel=1e-8)
+
+
+@pytest.mark.parametrize("cg_iters", [1, 60])
+def test_the_step_diagnostics_per_block_add_up_to_the_step_taken(cg_iters):
+    """Per block the gradient's and the natural gradient's norm and the relative change; the natural gradient scaled
+    by step_scale and the line search's fraction is the change of the parameters; conjugate gradient's residual is
+    about 0 once it has had more iterations than there are parameters, not after one."""
+    policy = _mlp_policy(hidden=4)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(2)
+    obs, actions = torch.randn(40, 3, generator=g, dtype=torch.float64), torch.randn(40, 2, generator=g).double()
+    before = trpo.flat_params(params)
+    args = trpo.Args(policy="mlp", cg_iters=cg_iters, num_envs=4)
+    stats = trpo.trpo_step(policy, params, policy.encode(obs), actions, torch.randn(40, generator=g).double(), args)
+    groups = stats["groups"]
+    assert stats["accepted"] and list(groups) == ["action_log_std", "net.0", "net.2", "action_mean"]
+    change = trpo.flat_params(params) - before
+    natural = math.sqrt(sum(n**2 for _, n, _ in groups.values()))
+    step = natural * stats["step_scale"] * 0.5 ** (stats["line_search_steps"] - 1)
+    assert step == pytest.approx(float(change.norm()), rel=1e-9)
+    old = dict(zip([n for n, p in policy.named_parameters()], torch.split(before, [p.numel() for p in params])))
+    moved = dict(zip(old, torch.split(change, [p.numel() for p in params])))
+    assert groups["net.0"][2] == pytest.approx(
+        float(torch.cat([moved["net.0.weight"], moved["net.0.bias"]]).norm())
+        / float(torch.cat([old["net.0.weight"], old["net.0.bias"]]).norm())
+    )
+    assert all(grad > 0 for grad, _, _ in groups.values())
+    assert (stats["cg_residual"] < 1e-4) == (cg_iters == 60) and stats["cg_residual"] >= 0
+    assert trpo.parameter_group("transformer.layers.1.mlp.up_proj.weight") == "transformer.layers.1"
+    assert trpo.parameter_group("transformer.ln_f.weight") == "transformer.ln_f"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -125,6 +125,47 @@ def test_shuffled_init_permutes_each_pretrained_tensor_by_a_seeded_permutation(l
     assert heads and all(torch.equal(v, pretrained.state_dict()[k]) for k, v in heads)
 
 
+@pytest.mark.parametrize("lm", ["tiny_gpt2_dir", "tiny_llama_dir"])
+def test_rescaled_inits_give_each_tensor_random_inits_statistics_with_the_pretrained_or_a_shuffled_order(
+    lm, request, tmp_path
+):
+    """--llm-init rescaled and shuffled-rescaled on a model whose tensors are far from random init's scale (the tiny
+    model, each tensor scaled and shifted by its own factor, the norms' gains 2.5): every tensor then has the mean and
+    std of the same tensor of a model drawn as --llm-init random draws it, a norm's gain is 1 again, and its values
+    keep the pretrained order (rescaled) or the order of --llm-init shuffled at the same seed (shuffled-rescaled);
+    the projection and head are those of the pretrained policy (the global random streams untouched)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = str(tmp_path / "far")
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(lm))
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            p.fill_(2.5) if "norm" in name or "ln" in name else p.mul_(3.0 + i).add_(0.1 * i)
+    model.save_pretrained(folder)
+    shutil.copy(os.path.join(request.getfixturevalue(lm), "tokenizer.json"), folder)
+    policies = {}
+    for init in ("pretrained", "shuffled", "rescaled", "shuffled-rescaled"):
+        torch.manual_seed(0)
+        policies[init] = trpo.build_policy(trpo.Args(llm=folder, seed=5, llm_init=init), 3, 2)
+    torch.manual_seed(5)
+    reference = dict(
+        type(policies["pretrained"].transformer)(policies["pretrained"].transformer.config).named_parameters()
+    )
+    for kept, init in (("pretrained", "rescaled"), ("shuffled", "shuffled-rescaled")):
+        before, after = dict(policies[kept].transformer.named_parameters()), policies[init].transformer
+        assert after.get_input_embeddings().weight.abs().max() < 1  # (the fixture's tensors reach beyond 3)
+        for name, p in after.named_parameters():
+            p, ref, old = p.detach(), reference[name].detach(), before[name].detach()
+            if ref.std() == 0:  # a norm's gain or a bias: random init's constant
+                assert torch.equal(p, ref), name
+                continue
+            assert float(p.mean()) == pytest.approx(float(ref.mean()), abs=1e-6), name
+            assert float(p.std(correction=0)) == pytest.approx(float(ref.std(correction=0)), rel=1e-4), name
+            assert torch.corrcoef(torch.stack([p.reshape(-1), old.reshape(-1)]))[0, 1] > 0.99999, name
+        heads = [(k, v) for k, v in policies[init].state_dict().items() if not k.startswith("transformer.")]
+        assert heads and all(torch.equal(v, policies["pretrained"].state_dict()[k]) for k, v in heads)
+
+
 def test_a_model_without_a_list_of_blocks_is_refused_in_one_sentence():
     with pytest.raises(trpo.UserError, match=r"cannot find the transformer blocks of the language model \(Linear\)"):
         trpo.decoder_layers(torch.nn.Linear(2, 2))
