@@ -142,6 +142,10 @@ class Args:
     """text read before the state, e.g. 'run forward as fast as possible'"""
     finetune_blocks: int = -1
     """how many last blocks TRPO trains (-1: all, with the embeddings; 0: none)"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """a language model's forwards: float32, or bfloat16 (autocast in the update, a bfloat16 copy of the weights in the
+    rollout; the weights, gradients and the trust region's numbers stay float32): faster where the CPU has bfloat16
+    instructions (AMX, AVX512-BF16) or on a GPU, other numbers than float32's"""
 
 
 def make_env(env_id: str):
@@ -276,6 +280,7 @@ class LMPolicy(nn.Module):
         self.action_mean.weight.data.mul_(0.1)
         self.action_mean.bias.data.zero_()
         self.action_log_std = nn.Parameter(torch.zeros(1, act_dim))
+        self.bfloat16 = False  # --dtype bfloat16 (use_bfloat16)
 
     @staticmethod
     def obs_to_text(obs: np.ndarray) -> list[str]:
@@ -288,27 +293,43 @@ class LMPolicy(nn.Module):
         return {"input_ids": toks["input_ids"].to(obs.device), "attention_mask": toks["attention_mask"].to(obs.device)}
 
     def mean_from(self, enc: dict) -> torch.Tensor:
+        """The action mean (float32 with float32 weights, whatever the autocast of --dtype computed it in)."""
         embed = self.transformer.get_input_embeddings()
-        x = self.proj(enc["obs"]).unsqueeze(1) if self.state_encoding == "embed" else embed(enc["input_ids"])
-        mask = enc.get("attention_mask", torch.ones(x.shape[:2], dtype=torch.long, device=x.device))
-        B, P = x.shape[0], self.prefix_ids.numel()
-        if P:
-            x = torch.cat([embed(self.prefix_ids).unsqueeze(0).expand(B, -1, -1).to(x.dtype), x], 1)
-            mask = torch.cat([torch.ones(B, P, dtype=mask.dtype, device=mask.device), mask], 1)
-        h = self.transformer(inputs_embeds=x, attention_mask=mask).last_hidden_state
-        return self.action_mean(self.head(h[torch.arange(B, device=h.device), mask.sum(1) - 1]))  # last real token
+        with torch.autocast(self.prefix_ids.device.type, dtype=torch.bfloat16, enabled=self.bfloat16):
+            x = self.proj(enc["obs"]).unsqueeze(1) if self.state_encoding == "embed" else embed(enc["input_ids"])
+            mask = enc.get("attention_mask", torch.ones(x.shape[:2], dtype=torch.long, device=x.device))
+            B, P = x.shape[0], self.prefix_ids.numel()
+            if P:
+                x = torch.cat([embed(self.prefix_ids).unsqueeze(0).expand(B, -1, -1).to(x.dtype), x], 1)
+                mask = torch.cat([torch.ones(B, P, dtype=mask.dtype, device=mask.device), mask], 1)
+            h = self.transformer(inputs_embeds=x, attention_mask=mask).last_hidden_state
+            mean = self.action_mean(self.head(h[torch.arange(B, device=h.device), mask.sum(1) - 1]))  # last real token
+        return mean.to(self.action_log_std.dtype)
 
     def forward(self, obs: Optional[torch.Tensor], enc: Optional[dict] = None) -> torch.Tensor:
         return self.mean_from(self.encode(obs) if enc is None else enc)
 
+    def use_bfloat16(self) -> None:
+        """--dtype bfloat16: every forward under bfloat16 autocast, and the rollout on a bfloat16 copy of the weights
+        (autocast would cast the weights again at each of its small forwards); `refresh_rollout` copies the weights."""
+        self.bfloat16 = True
+        self.__dict__["rollout_copy"] = copy.deepcopy(self).to(torch.bfloat16)  # not a submodule: not saved
+
+    def refresh_rollout(self) -> None:
+        with torch.no_grad():
+            for rollout_weight, weight in zip(self.__dict__["rollout_copy"].parameters(), self.parameters()):
+                rollout_weight.copy_(weight)
+
     def compile_rollout(self) -> None:
         """torch.compile the forward that `act` runs (on a GPU: CUDA graphs); the update's forwards stay eager."""
-        self.__dict__["rollout_forward"] = torch.compile(self, mode="reduce-overhead")  # not a submodule: no weights
+        rollout = self.__dict__.get("rollout_copy", self)
+        self.__dict__["rollout_forward"] = torch.compile(rollout, mode="reduce-overhead")  # not a submodule: no weights
 
     def act(self, obs: np.ndarray) -> np.ndarray:
         """The action mean (float32) of the rollout's observations."""
-        x = torch.from_numpy(obs).to(self.action_log_std)
-        return self.__dict__.get("rollout_forward", self)(x).float().cpu().numpy()
+        rollout = self.__dict__.get("rollout_copy", self)
+        x = torch.from_numpy(obs).to(rollout.action_log_std)
+        return self.__dict__.get("rollout_forward", rollout)(x).float().cpu().numpy()
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -1014,6 +1035,8 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     policy = build_policy(args, obs_dim, act_dim).to(device=device, dtype=dtype)
     value_net = ValueNet(obs_dim, args.hidden_size).to(device=device, dtype=dtype)
     params = [p for p in policy.parameters() if p.requires_grad]  # what TRPO trains
+    if args.dtype == "bfloat16":  # the update under bfloat16 autocast, the rollout on a bfloat16 copy
+        policy.use_bfloat16()
     if args.compile:  # the rollout's forward (one state per env); the update's stay eager
         policy.compile_rollout()
 
@@ -1055,6 +1078,8 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
 
     for update in range(begin.update + 1, num_updates + 1):
         rollout_start = time.time()
+        if args.dtype == "bfloat16":  # the rollout's copy gets the weights of the last update (or of the resume)
+            policy.refresh_rollout()
         with torch.no_grad():
             std = np.exp(policy.action_log_std.detach().float().cpu().numpy()[0])
             for step in range(T):
@@ -1640,6 +1665,7 @@ LM_FLAGS = (
     "state_encoding",
     "instruction",
     "finetune_blocks",
+    "dtype",
 )
 PERTURBATION = re.compile(r"(mass|friction|action-noise)=(\d+\.?\d*|\.\d+)")
 

@@ -680,6 +680,13 @@ def throughput_table(data: dict, script: str) -> str:
     return markdown(records, ["machine", *head, "1-minute load before / after"])
 
 
+def phases(d: dict) -> list[str]:
+    """The phases of an update a speed entry timed in every configuration (the script's time/<phase>_seconds): the
+    rollout first, the update's total last, its parts between."""
+    common = set.intersection(*(set(p) for p in d["phases"].values())) if d.get("phases") else set()
+    return sorted(common, key=lambda k: (k != "rollout", k == "update", k))
+
+
 def speed_records(e: dict) -> list[list]:
     """A speed entry's table: seconds per update (epoch) of each configuration against the first's (`per_epoch`), or
     the runs of a GPU check (`runs`: medians over the updates)."""
@@ -690,9 +697,11 @@ def speed_records(e: dict) -> list[list]:
     if "per_epoch" in d:
         med = {c: float(np.median(v)) for c, v in d["per_epoch"].items()}
         first = next(iter(med.values()))
+        shown = [[fmt(float(np.median(d["phases"][c][k]))) for k in phases(d)] for c in med]
         return [
-            [f"`{c}`", fmt(m), fmt(d["steps_per_epoch"] / m, 0), f"{m / first:.1f}x", len(d["per_epoch"][c])]
-            for c, m in med.items()
+            [f"`{c}`", fmt(m), fmt(d["steps_per_epoch"] / m, 0), f"{m / first:.{2 if phases(d) else 1}f}x"]
+            + [len(d["per_epoch"][c]), *shown[i]]
+            for i, (c, m) in enumerate(med.items())
         ]
     # the first update holds the start-up (and compilation): left out where later ones were timed
     med = lambda r, k: fmt(np.median(r[f"time/{k}_seconds"][1:] or r[f"time/{k}_seconds"]))  # noqa: E731
@@ -705,7 +714,8 @@ def speed_columns(e: dict) -> list[str]:
     if "parts" in e["data"]:
         return ["part", "s per update", "share"]
     if "per_epoch" in e["data"]:
-        return ["configuration", "s per update (median)", "env steps/s", "vs the first", "updates timed"]
+        shown = [f"{k.replace('_', ' ')} s" for k in phases(e["data"])]
+        return ["configuration", "s per update (median)", "env steps/s", "vs the first", "updates timed", *shown]
     return [
         "run",
         "updates",
@@ -724,6 +734,8 @@ def speed_table(data: dict, name: str) -> str:
     if "parts" in e["data"]:
         d = e["data"]
         note = f" `{d['command']}` under pyinstrument, {d['updates']} updates; start-up {fmt(d['startup_seconds'])} s."
+    if "load" in e:
+        note += f" The 1-minute load average when it ended: {e['load']}."
     return markdown(speed_records(e), speed_columns(e)) + f"\n\nMachine: {e['machine']}.{note}"
 
 
@@ -884,24 +896,34 @@ CURVES = {  # a curve of a `curves` figure: (the row's key, y label, window)
 
 
 def curves_figure(rows: list[dict], f: dict, path: str) -> str:
-    """A figure of `curves` (registry [figures]): a panel per curve, a line per setting with the seeds stored, and
-    "no seed stored yet" on a panel with none."""
+    """A figure of `curves` (registry [figures]): a panel per curve (three to a line), a line per setting with the
+    seeds stored, and "no seed stored yet" on a panel with none. A curve `diagnostics/NAME` draws the scalar the
+    script logged under that tag at every update (`diagnostics_series`)."""
     import matplotlib.pyplot as plt
 
     mine = {s: find_or_none({"rows": rows}, f["script"], f["env"], f["steps"], s) for s in f["settings"]}
-    fig, axes = plt.subplots(1, len(f["curves"]), figsize=(5.5 * len(f["curves"]), 4.2), squeeze=False)
+    cols = min(3, len(f["curves"]))
+    lines = -(-len(f["curves"]) // cols)
+    fig, axes = plt.subplots(lines, cols, figsize=(5.5 * cols, 4.2 * lines), squeeze=False)
+    for ax in axes.flat[len(f["curves"]) :]:
+        ax.set_visible(False)
     for ax, curve in zip(axes.flat, f["curves"]):
-        key, ylabel, window = CURVES[curve]
+        diagnostic = curve.removeprefix("diagnostics/") if curve.startswith("diagnostics/") else None
+        key, ylabel, window = ("diagnostics_series", "per update, log scale", 1) if diagnostic else CURVES[curve]
+        pick = (lambda r: (r.get(key) or {}).get(diagnostic) or {}) if diagnostic else (lambda r: r.get(key) or {})
         n = next((r.get("train_last_n", TRAIN_LAST_N) for r in mine.values() if r), TRAIN_LAST_N)
         drawn = sum(
-            band(ax, r.get(key) or {}, f["steps"], window or n, f"C{i % 10}", setting)
+            band(ax, pick(r), f["steps"], window or n, f"C{i % 10}", setting)
             for i, (setting, r) in enumerate(mine.items())
             if r
         )
         if not drawn:
             ax.text(0.5, 0.5, "no seed stored yet", ha="center", va="center", transform=ax.transAxes)
-        ax.set(xlabel="environment steps", xlim=(0, f["steps"]), title=f"{f['env']}, {f['steps']:,} steps")
+        title = diagnostic if diagnostic else f"{f['env']}, {f['steps']:,} steps"
+        ax.set(xlabel="environment steps", xlim=(0, f["steps"]), title=title)
         ax.set_ylabel(ylabel.format(n=n), fontsize=8)
+        if diagnostic and drawn:  # (norms and scales of the arms differ by orders of magnitude)
+            ax.set_yscale("log")
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(fontsize=6, loc="best")

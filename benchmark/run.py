@@ -471,6 +471,12 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
     row["entropy_series"] = {
         k: series(df, "losses/entropy") for k, df in dfs.items() if (df.tag == "losses/entropy").any()
     }
+    # and where logged, what each policy step did (diagnostics/<name>, per update): exploratory, for the plots
+    diagnostics = sorted({t for df in dfs.values() for t in df.tag.unique() if t.startswith("diagnostics/")})
+    row["diagnostics_series"] = {
+        t[len("diagnostics/") :]: {k: series(df, t) for k, df in dfs.items() if (df.tag == t).any()}
+        for t in diagnostics
+    }
     perturbed = sorted({m[1] for df in dfs.values() for t in df.tag.unique() if (m := PERTURBED.match(t))})
     row["perturbed_series"] = {
         p: {
@@ -505,11 +511,10 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
         )
         for key in (*per_seed_keys, "seed_wall_seconds", "seed_machine", "seed_code"):
             row[key] = by_seed(row.get(key), old.get(key))
-        was = old.get("perturbed_series") or {}
-        row["perturbed_series"] = {
-            p: by_seed(row["perturbed_series"].get(p), was.get(p)) for p in sorted({*was, *row["perturbed_series"]})
-        }
-        row["perturbed_series"] = {p: v for p, v in row["perturbed_series"].items() if v}
+        for key in ("perturbed_series", "diagnostics_series"):  # {name: {seed: series}}
+            was = old.get(key) or {}
+            row[key] = {p: by_seed(row[key].get(p), was.get(p)) for p in sorted({*was, *row[key]})}
+            row[key] = {p: v for p, v in row[key].items() if v}
         for key in ("machine", "versions", "nice", "harness_command"):
             row[key] = " / ".join(dict.fromkeys(f"{old.get(key, '')} / {row[key]}".strip(" /").split(" / ")))
         for key in ("run_commands", "code", "load"):
@@ -568,20 +573,40 @@ def throughput(p: dict, steps: int, repeats: int, harness_command: str, peer_dir
     return dict(out, load=[load0, round(os.getloadavg()[0], 2)])
 
 
+def committed_script(path: str, commit: str, folder: str) -> str:
+    """The script at `path` as committed at `commit`, written into `folder` (the "before" of a speed comparison)."""
+    proc = subprocess.run(["git", "-C", ROOT, "show", f"{commit}:{path}"], capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"error: cannot read {path} at commit {commit}: {proc.stderr.strip()[:200]}")
+    os.makedirs(os.path.join(folder, commit), exist_ok=True)
+    with open(os.path.join(folder, commit, path), "w") as f:
+        f.write(proc.stdout)
+    return os.path.join(folder, commit, path)
+
+
 def speed(name: str, harness_command: str) -> dict:
-    """Seconds per update (rollout + update) of each configuration of [speed.NAME], one after another in turn."""
+    """Seconds per update (rollout + update) of each configuration of [speed.NAME], one after another in turn, and
+    each update's phases (every `time/*_seconds` the script logs); a configuration `@COMMIT flags` runs the script as
+    committed at COMMIT, so that a change is timed against what it changed, alternating on one machine."""
     e = SPEED[name]
-    info, per = SCRIPTS[e["script"]], {c: [] for c in e["configs"]}
-    for _ in range(e.get("repeats", 1)):
-        for config in e["configs"]:
-            cmd = script_command(info.file, info, e["env"], e["steps_per_update"] * e["updates"], shlex.split(config))
-            df = timed_run(cmd, e["steps_per_update"] * e["updates"])[1]
-            parts = [df.value[df.tag == f"time/{k}_seconds"].to_numpy() for k in ("rollout", "update")]
-            per[config] += [round(float(r + u), 4) for r, u in zip(*parts)]
-            print(f"{config}: {per[config][-len(parts[0]) :]} s per update", flush=True)
+    info, per, phases = SCRIPTS[e["script"]], {c: [] for c in e["configs"]}, {c: {} for c in e["configs"]}
+    with tempfile.TemporaryDirectory() as committed:
+        for _ in range(e.get("repeats", 1)):
+            for config in e["configs"]:
+                words, path = shlex.split(config), info.file
+                if words and words[0].startswith("@"):
+                    path = committed_script(info.file, words.pop(0)[1:], committed)
+                cmd = script_command(path, info, e["env"], e["steps_per_update"] * e["updates"], words)
+                df = timed_run(cmd, e["steps_per_update"] * e["updates"])[1]
+                parts = [df.value[df.tag == f"time/{k}_seconds"].to_numpy() for k in ("rollout", "update")]
+                per[config] += [round(float(r + u), 4) for r, u in zip(*parts)]
+                for tag in sorted(t for t in set(df.tag) if re.fullmatch(r"time/\w+_seconds", t)):
+                    values = df.value[df.tag == tag].to_numpy()
+                    phases[config].setdefault(tag[5:-8], []).extend(round(float(v), 4) for v in values)
+                print(f"{config}: {per[config][-len(parts[0]) :]} s per update", flush=True)
     out = {"name": name, "harness_command": harness_command, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
-    data = {"env_id": e["env"], "steps_per_epoch": e["steps_per_update"], "per_epoch": per}
-    return dict(out, machine=machine(), versions=versions(), data=data)
+    data = {"env_id": e["env"], "steps_per_epoch": e["steps_per_update"], "per_epoch": per, "phases": phases}
+    return dict(out, machine=machine(), versions=versions(), data=data, load=round(os.getloadavg()[0], 2))
 
 
 def breakdown(name: str, harness_command: str) -> dict:

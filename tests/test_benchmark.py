@@ -147,8 +147,14 @@ def test_a_real_run_stores_its_entropy_and_each_perturbed_evaluation_and_merges_
         stored = row["perturbed_series"][p]["1"]
         assert stored["steps"] == [0, 1] and stored["values"] == logged(f"eval/{p}/episodic_return")
     assert row["perturbed_series"]["mass=0.5"]["1"] != row["series"]["1"]  # not the unperturbed evaluation
+    # the step's diagnostics, each update's (per block of the MLP, and the step's scale and residual)
+    diagnostics = sorted(t[len("diagnostics/") :] for t in df.tag.unique() if t.startswith("diagnostics/"))
+    assert "relative_change/net.0" in diagnostics and "cg_residual" in diagnostics and len(diagnostics) == 2 + 3 * 4
+    assert sorted(row["diagnostics_series"]) == diagnostics
+    assert row["diagnostics_series"]["step_scale"]["1"]["values"] == logged("diagnostics/step_scale")
     # seed 2 elsewhere, with one of the two perturbations: seed 1's series are kept beside it
     extra = [("losses/entropy", [7.0, 6.5]), ("eval/mass=0.5/episodic_return", [3.0, 4.0])]
+    extra += [("diagnostics/step_scale", [0.5, 0.25])]
     _finished_run(str(tmp_path / "other"), s, 2, [1.0, 2.0], extra=extra)
     assert _collect(str(tmp_path / "other"), tmp_path, "--seeds", "2", registry=[s]) == 0
     (row,) = report.load(str(tmp_path / "res"))["rows"]
@@ -157,13 +163,15 @@ def test_a_real_run_stores_its_entropy_and_each_perturbed_evaluation_and_merges_
     assert list(row["perturbed_series"]["mass=0.5"]) == ["1", "2"]
     assert row["perturbed_series"]["mass=0.5"]["2"]["values"] == [3.0, 4.0]
     assert list(row["perturbed_series"]["action-noise=0.3"]) == ["1"]
+    assert row["diagnostics_series"]["step_scale"]["2"]["values"] == [0.5, 0.25]
+    assert list(row["diagnostics_series"]["cg_residual"]) == ["1"]
     # a run that logs neither stores neither key
     plain = bench.S("ppo_cartpole", "CartPole-v1", "t", 1000, (1,))
     _finished_run(str(tmp_path / "plain"), plain, 1, [5.0])
     assert _collect(str(tmp_path / "plain"), tmp_path, registry=[plain]) == 0
     where = {"script": "ppo_cartpole", "env": "CartPole-v1", "setting": "t", "steps": 1000}
     stored = json.load(open(report.row_path(str(tmp_path / "res"), where)))
-    assert "entropy_series" not in stored and "perturbed_series" not in stored
+    assert not {"entropy_series", "perturbed_series", "diagnostics_series"} & set(stored)
 
 
 def test_each_seed_keeps_its_machine_and_script_version_when_rows_merge(tmp_path):
@@ -440,14 +448,18 @@ def test_throughput_and_speed_modes_store_what_they_time(tmp_path, monkeypatch):
         "env": "LunarLander-v3",
         "steps_per_update": 256,
         "updates": 2,
-        "configs": ["--critic mlp --steps-per-epoch 256"],
-    }
+        "configs": ["@HEAD --critic mlp --steps-per-epoch 256", "--critic mlp --steps-per-epoch 256"],
+    }  # (`@COMMIT flags`: the script as committed there, the "before" of a change)
     monkeypatch.setitem(bench.SPEED, "tiny", tiny)
     assert bench.main(["--mode", "speed", "--speed", "tiny", *out]) == 0
     (e,) = report.load(str(tmp_path / "res"))["speed"]
-    per = e["data"]["per_epoch"]["--critic mlp --steps-per-epoch 256"]
-    assert e["name"] == "tiny" and len(per) == 2 and all(0 < x < 60 for x in per)
+    for config in tiny["configs"]:
+        per, phases = e["data"]["per_epoch"][config], e["data"]["phases"][config]
+        assert e["name"] == "tiny" and len(per) == 2 and all(0 < x < 60 for x in per)
+        assert per == [pytest.approx(r + u, abs=2e-4) for r, u in zip(phases["rollout"], phases["update"])]
     assert "### tiny (machine M" in open(tmp_path / "r.md").read()
+    with pytest.raises(SystemExit, match="cannot read gpt2ppo_lunar.py at commit nonesuch"):
+        bench.committed_script("gpt2ppo_lunar.py", "nonesuch", str(tmp_path))
 
 
 def test_a_time_breakdown_splits_main_into_its_parts(tmp_path, monkeypatch):
@@ -891,4 +903,6 @@ def test_an_incomplete_registered_test_shows_its_seeds_and_no_test(tmp_path):
         and "No seed of the registered test is stored yet" in empty
     )
     written = report.plot([], str(tmp_path / "plots"))
-    assert [os.path.basename(p) for p in written] == [f"trpo_gpt2_halfcheetah_{n}.png" for n in ("confirm", "scale")]
+    assert [os.path.basename(p) for p in written] == [
+        f"trpo_gpt2_halfcheetah_{n}.png" for n in ("confirm", "scale", "step")
+    ]
