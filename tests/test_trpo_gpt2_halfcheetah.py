@@ -454,6 +454,19 @@ def test_the_registered_arms_give_the_numbers_of_the_registration_commit(tmp_pat
     assert len(read_scalars(run, "eval/action-noise=0.2/episodic_return")) == 1
 
 
+# The commit that registered the second test (the weights' scale or their structure: Pr and Sr) and began its runs.
+REGISTERED_SCALE = "24ba2c7"
+
+
+@needs_smollm2
+@pytest.mark.parametrize("init", ["rescaled", "shuffled-rescaled"])
+def test_the_rescaled_arms_give_the_numbers_of_their_registration_commit(tmp_path, init):
+    """Pr and Sr as registered: every scalar (the step's diagnostics too) as their registration commit logs it."""
+    arm = ("--llm", "smollm2", "--llm-layers", "2", "--fvp-subsample", "5", "--llm-init", init)
+    _, run = same_numbers(SCRIPT, *arm, *REGISTERED_TINY, "--no-cuda", tmp_path=tmp_path, commit=REGISTERED_SCALE)
+    assert len(read_scalars(run, "diagnostics/relative_change/transformer.layers.1")) == 1
+
+
 def test_learns_inverted_pendulum(tmp_path):
     cwd = str(tmp_path)
     flags = ("--policy", "mlp", "--env-id", "InvertedPendulum-v5", "--batch-size", "2000", "--num-envs", "2")
