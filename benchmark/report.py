@@ -666,6 +666,38 @@ def exploratory_line(data: dict, ex: dict, script: str, env: str, steps: int) ->
     )
 
 
+def against_table(data: dict, spec: dict) -> str:
+    """Exploratory: each seed of `settings` against the 95% prediction interval of the seeds of a `reference` row,
+    per registered metric (`metrics`, as seed_metric computes them), then each setting's mean against the reference's
+    with Welch's 95% interval, uncorrected (it tests nothing)."""
+    script, env, steps = spec["against"].split()
+    ref = find_or_none(data, script, env, int(steps), spec["reference"])
+    records, lines = [], []
+    for m in spec["metrics"]:
+        name, d = METRICS[m][0].split(":")[0], METRICS[m][1]
+        base = [v for s in map(str, ref["seeds"]) if (v := seed_metric(ref, s, m, [])[0]) is not None] if ref else []
+        low, high = prediction_interval(base) if len(base) >= 3 else (math.nan, math.nan)
+        for setting in spec["settings"]:
+            row = find_or_none(data, script, env, int(steps), setting)
+            values = {s: seed_metric(row, s, m, [])[0] for s in map(str, row["seeds"])} if row else {}
+            values = {s: v for s, v in values.items() if v is not None}
+            for s, v in values.items():
+                inside = "inside" if low <= v <= high else "OUTSIDE"
+                records.append([f"`{setting}`", s, name, fmt(v, d), f"{inside} [{fmt(low, d)}, {fmt(high, d)}]"])
+            if len(values) >= 2 and len(base) >= 2:
+                c = welch_mw(list(values.values()), base)
+                lines.append(
+                    f"- {name}: `{setting}` {fmt(_mean(list(values.values())), d)} against {fmt(_mean(base), d)}, a "
+                    f"difference of {fmt(c['diff'], d)}, Welch 95% CI [{fmt(c['welch_ci'][0], d)}, "
+                    f"{fmt(c['welch_ci'][1], d)}] ({len(values)} vs {len(base)} seeds; uncorrected, exploratory)."
+                )
+    head = f"Against `{spec['reference']}` ({len(ref['seeds']) if ref else 0} seeds stored)"
+    if not records:
+        return f"{head}: no seed of {', '.join(f'`{s}`' for s in spec['settings'])} stored yet."
+    columns = ["setting", "seed", "metric", "value", "against the reference seeds' 95% prediction interval"]
+    return f"{head}, exploratory:\n\n" + markdown(records, columns) + "\n\n" + "\n".join(lines)
+
+
 def throughput_table(data: dict, script: str) -> str:
     head = "steps per run, runs each, ours steps/s, peer, peer threads, peer steps/s, ratio".split(", ")
     keys = ("steps", "repeats", "sps", "peer_label", "peer_threads", "peer_sps", "ratio")
@@ -768,6 +800,8 @@ def table(data: dict, spec: dict) -> str:
         return compare_table(data, spec["compare"], spec.get("labels"))
     if "confirm" in spec:
         return confirm_table(data, spec)
+    if "against" in spec:
+        return against_table(data, spec)
     if "throughput" in spec:
         return throughput_table(data, spec["throughput"])
     if "speed" in spec:

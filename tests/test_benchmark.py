@@ -906,3 +906,25 @@ def test_an_incomplete_registered_test_shows_its_seeds_and_no_test(tmp_path):
     assert [os.path.basename(p) for p in written] == [
         f"trpo_gpt2_halfcheetah_{n}.png" for n in ("confirm", "scale", "step")
     ]
+
+
+def test_an_exploratory_check_puts_each_seed_against_the_reference_seeds_prediction_interval(tmp_path):
+    spec = report.REGISTRY["tables"]["trpo-bf16"]
+    rng = np.random.default_rng(5)
+    data, truth = _confirm_store(tmp_path / "res", {"R": list(range(6, 16))}, rng)
+    assert "no seed of `bf16-smollm2-2blocks-random-eval` stored yet" in report.table(data, spec)
+    (r,) = [x for x in data["rows"] if x["setting"] == spec["reference"]]
+    row = json.loads(json.dumps(r))  # three seeds of R's numbers as the new setting's, seed 8's training far above
+    row.update(setting=spec["settings"][0], seeds=[6, 7, 8])
+    row["train_series"]["8"]["values"] = [v + 5000 for v in row["train_series"]["8"]["values"]]
+    report.dump(row, report.row_path(str(tmp_path / "res"), row))
+    text = report.table(report.load(str(tmp_path / "res")), spec)
+    base = [truth[("R", str(s))]["train-all"] for s in range(6, 16)]
+    half = stats.t.ppf(0.975, 9) * np.std(base, ddof=1) * np.sqrt(1 + 1 / 10)
+    low, high = np.mean(base) - half, np.mean(base) + half
+    h1 = [line for line in text.splitlines() if line.startswith("| `bf16") and "H1 metric" in line]
+    assert [c.split("|")[5].strip() for c in h1] == [f"inside [{low:.2f}, {high:.2f}]"] * 2 + [
+        f"OUTSIDE [{low:.2f}, {high:.2f}]"
+    ]
+    mine = [truth[("R", s)]["train-all"] for s in ("6", "7")] + [truth[("R", "8")]["train-all"] + 5000]
+    assert f"a difference of {np.mean(mine) - np.mean(base):.2f}" in text and "uncorrected, exploratory" in text
