@@ -316,6 +316,7 @@ class LMPolicy(nn.Module):
         self.__dict__["rollout_copy"] = copy.deepcopy(self).to(torch.bfloat16)  # not a submodule: not saved
 
     def refresh_rollout(self) -> None:
+        """The weights into the rollout's bfloat16 copy (before each rollout: the last update's, or a resume's)."""
         with torch.no_grad():
             for rollout_weight, weight in zip(self.__dict__["rollout_copy"].parameters(), self.parameters()):
                 rollout_weight.copy_(weight)
