@@ -444,8 +444,11 @@ def read_run(folder: str):
 PERTURBED = re.compile(r"eval/(.+)/episodic_return$")  # an evaluation under one of --eval-perturbations
 
 
-def series(df, tag: str) -> dict:
-    return {"steps": df.step[df.tag == tag].astype(int).tolist(), "values": df.value[df.tag == tag].round(4).tolist()}
+def series(df, tag: str, significant: bool = False) -> dict:
+    """A tag's steps and values, to 4 decimals (returns, entropies) or `significant`ly to 6 digits (small numbers)."""
+    values = df.value[df.tag == tag]
+    values = [float(f"{v:.6g}") for v in values] if significant else values.round(4).tolist()
+    return {"steps": df.step[df.tag == tag].astype(int).tolist(), "values": values}
 
 
 def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ()) -> Optional[dict]:
@@ -474,7 +477,7 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
     # and where logged, what each policy step did (diagnostics/<name>, per update): exploratory, for the plots
     diagnostics = sorted({t for df in dfs.values() for t in df.tag.unique() if t.startswith("diagnostics/")})
     row["diagnostics_series"] = {
-        t[len("diagnostics/") :]: {k: series(df, t) for k, df in dfs.items() if (df.tag == t).any()}
+        t[len("diagnostics/") :]: {k: series(df, t, significant=True) for k, df in dfs.items() if (df.tag == t).any()}
         for t in diagnostics
     }
     perturbed = sorted({m[1] for df in dfs.values() for t in df.tag.unique() if (m := PERTURBED.match(t))})

@@ -151,7 +151,8 @@ def test_a_real_run_stores_its_entropy_and_each_perturbed_evaluation_and_merges_
     diagnostics = sorted(t[len("diagnostics/") :] for t in df.tag.unique() if t.startswith("diagnostics/"))
     assert "relative_change/net.0" in diagnostics and "cg_residual" in diagnostics and len(diagnostics) == 2 + 3 * 4
     assert sorted(row["diagnostics_series"]) == diagnostics
-    assert row["diagnostics_series"]["step_scale"]["1"]["values"] == logged("diagnostics/step_scale")
+    change = df.value[df.tag == "diagnostics/relative_change/net.0"]  # small numbers: 6 significant digits kept
+    assert row["diagnostics_series"]["relative_change/net.0"]["1"]["values"] == [float(f"{v:.6g}") for v in change]
     # seed 2 elsewhere, with one of the two perturbations: seed 1's series are kept beside it
     extra = [("losses/entropy", [7.0, 6.5]), ("eval/mass=0.5/episodic_return", [3.0, 4.0])]
     extra += [("diagnostics/step_scale", [0.5, 0.25])]
