@@ -1658,17 +1658,7 @@ EVAL_FLAGS = {
 RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes", "capture_video"}
 RESUME_FLAGS |= {"eval_perturbations", "update_chunk", "overlap_value_fit", "compile"}
 MODEL = ("policy", "value_net", "obs_rms")  # what a --save-model checkpoint holds
-LM_FLAGS = (
-    "llm",
-    "llm_init",
-    "llm_layers",
-    "llm_embd",
-    "llm_heads",
-    "state_encoding",
-    "instruction",
-    "finetune_blocks",
-    "dtype",
-)
+LM_FLAGS = "llm llm_init llm_layers llm_embd llm_heads state_encoding instruction finetune_blocks dtype".split()
 PERTURBATION = re.compile(r"(mass|friction|action-noise)=(\d+\.?\d*|\.\d+)")
 
 

@@ -594,12 +594,14 @@ def speed(name: str, harness_command: str) -> dict:
     e = SPEED[name]
     info, per, phases = SCRIPTS[e["script"]], {c: [] for c in e["configs"]}, {c: {} for c in e["configs"]}
     with tempfile.TemporaryDirectory() as committed:
+        commands = {}  # every configuration's command, before any run (a commit that cannot be read stops it here)
+        for config in e["configs"]:
+            words, path = shlex.split(config), info.file
+            if words and words[0].startswith("@"):
+                path = committed_script(info.file, words.pop(0)[1:], committed)
+            commands[config] = script_command(path, info, e["env"], e["steps_per_update"] * e["updates"], words)
         for _ in range(e.get("repeats", 1)):
-            for config in e["configs"]:
-                words, path = shlex.split(config), info.file
-                if words and words[0].startswith("@"):
-                    path = committed_script(info.file, words.pop(0)[1:], committed)
-                cmd = script_command(path, info, e["env"], e["steps_per_update"] * e["updates"], words)
+            for config, cmd in commands.items():
                 df = timed_run(cmd, e["steps_per_update"] * e["updates"])[1]
                 parts = [df.value[df.tag == f"time/{k}_seconds"].to_numpy() for k in ("rollout", "update")]
                 per[config] += [round(float(r + u), 4) for r, u in zip(*parts)]

@@ -459,8 +459,12 @@ def test_throughput_and_speed_modes_store_what_they_time(tmp_path, monkeypatch):
         assert e["name"] == "tiny" and len(per) == 2 and all(0 < x < 60 for x in per)
         assert per == [pytest.approx(r + u, abs=2e-4) for r, u in zip(phases["rollout"], phases["update"])]
     assert "### tiny (machine M" in open(tmp_path / "r.md").read()
+    # a commit that cannot be read ends the measurement before any run (the first configuration is not timed)
+    bad = dict(tiny, configs=[*tiny["configs"], "@nonesuch --critic mlp"])
+    monkeypatch.setitem(bench.SPEED, "bad", bad)
+    monkeypatch.setattr(bench, "timed_run", lambda *a: pytest.fail("a run started"))
     with pytest.raises(SystemExit, match="cannot read gpt2ppo_lunar.py at commit nonesuch"):
-        bench.committed_script("gpt2ppo_lunar.py", "nonesuch", str(tmp_path))
+        bench.main(["--mode", "speed", "--speed", "bad", *out])
 
 
 def test_a_time_breakdown_splits_main_into_its_parts(tmp_path, monkeypatch):
