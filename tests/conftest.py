@@ -35,25 +35,6 @@ def bad(flags, message):
     return pytest.param(flags, message, id=" ".join(flags)[:60])
 
 
-def checkpoint_file(path: str, kind: str, save) -> str:
-    """`path` as a hostile-input test wants it: written by `save(path)`, or spoiled as `kind` says: "text" (not a
-    checkpoint), "missing_file" (none there), "loop" (a symbolic link to itself), "fifo" (a named pipe: opening it
-    would wait for a writer forever), "truncated" (the saved file cut in half)."""
-    if kind == "loop":
-        os.symlink(os.path.basename(path), path)
-    elif kind == "text":
-        with open(path, "w") as f:
-            f.write("not a checkpoint\n")
-    elif kind == "fifo":
-        os.mkfifo(path)
-    elif kind != "missing_file":
-        save(path)
-    if kind == "truncated":
-        with open(path, "r+b") as f:
-            f.truncate(os.path.getsize(path) // 2)
-    return path
-
-
 def run_script(script: str, *flags: str, cwd: str, timeout: float = 600, check: bool = True):
     """Run `python script flags...` in `cwd` (so its runs/ folder lands there); `script` may be a path."""
     path = script if os.path.isabs(script) else os.path.join(ROOT, script)
@@ -316,18 +297,25 @@ def completions_handler(reply):
     )
 
 
-def cli_in_process(script: str, flags, cwd) -> tuple[int, str, str]:
+def cli_in_process(script: str, flags, cwd, on_print=None) -> tuple[int, str, str]:
     """`script`'s entry point run in this process (its imports paid once), in `cwd`, as its __main__ calls it:
-    (exit status, stdout, stderr), the status of a SystemExit (tyro's errors) included; the signal handlers that cli
-    installs are put back afterwards."""
+    (exit status, stdout, stderr), the status of a SystemExit (tyro's errors, a second signal) included; the signal
+    handlers that cli installs are put back afterwards. `on_print(text)` sees each text written to stdout, as it is
+    written (where a test sends a signal)."""
     import contextlib
     import importlib
     import io
     import signal
 
+    class Out(io.StringIO):
+        def write(self, text):
+            super().write(text)
+            on_print(text)
+            return len(text)
+
     module, here = importlib.import_module(script), os.getcwd()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    out, err = io.StringIO(), io.StringIO()
+    out, err = io.StringIO() if on_print is None else Out(), io.StringIO()
     try:
         os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -340,3 +328,20 @@ def cli_in_process(script: str, flags, cwd) -> tuple[int, str, str]:
         for s, h in handlers.items():
             signal.signal(s, h)
     return code, out.getvalue(), err.getvalue()
+
+
+def signal_at(text: str, *signals):
+    """A cli_in_process `on_print` that raises `signals` in this thread, each handled before the next (two of a kind
+    sent to the process at once may arrive as one), when the script first prints `text` ("logging to": its folder
+    made, its handlers in place; ": update k/": update k done)."""
+    import signal
+
+    sent = []
+
+    def on_print(printed):
+        if text in printed and not sent:
+            sent.append(text)
+            for s in signals:
+                signal.raise_signal(s)
+
+    return on_print

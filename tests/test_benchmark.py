@@ -505,8 +505,8 @@ def test_a_time_breakdown_splits_main_into_its_parts(tmp_path, monkeypatch):
         (("--mode", "throughput", "--scripts", "icpi_chain"), "no throughput entry for icpi_chain"),
         (("--mode", "throughput", "--scripts", "trpo_gpt2_halfcheetah", "--peer-dir", "x"), "--peer-dir applies"),
         (("--mode", "collect", "--runs-dir", "nowhere"), "--runs-dir"),
-        (("--runs-dir", "runs\nelsewhere"), "a path must be one line of text, got 'runs\\nelsewhere'"),
-        (("--results-dir", ""), "a path must be one line of text, got ''"),
+        (("--runs-dir", "runs\nelsewhere"), "--runs-dir must be a path on one line of text, got 'runs\\nelsewhere'"),
+        (("--results-dir", ""), "--results-dir must be a path on one line of text, got ''"),
         # seeds the scripts would refuse, or run twice in one folder
         (
             ("--scripts", "ppo_cartpole", "--seeds", "1", "1"),

@@ -2,15 +2,21 @@
 code is formatted and linted by ruff (pyproject.toml)."""
 
 import ast
+import dataclasses
 import difflib
+import glob
+import importlib
 import os
 import signal
 import subprocess
 import sys
+from dataclasses import fields
+from typing import Annotated, get_args
 
 import pytest
+import torch
 
-from conftest import ROOT
+from conftest import ROOT, cli_in_process
 
 SCRIPTS = ["ppo_cartpole", "gpt2ppo_lunar", "trpo_gpt2_halfcheetah", "icpi_chain"]
 TORCH_SCRIPTS = SCRIPTS[:3]
@@ -133,7 +139,10 @@ def definition(script: str, name: str) -> str:
     raise AssertionError(f"{script}.py defines no {name}")
 
 
-@pytest.mark.parametrize("name", ["UserError", "PLAIN_NAME", "StopSignal", "flag", "brief", "cli", "make_run_dir"])
+CONVENTIONS = ["UserError", "PLAIN_NAME", "StopSignal", "flag", "brief", "marks", "cli", "make_run_dir"]
+
+
+@pytest.mark.parametrize("name", CONVENTIONS)
 def test_one_convention_per_concern_in_all_four_scripts(name):
     sources = {script: definition(script, name) for script in SCRIPTS}
     assert len(set(sources.values())) == 1, "\n\n".join(f"# {k}\n{v}" for k, v in sources.items())
@@ -155,3 +164,48 @@ def test_the_torch_scripts_carry_one_machinery_text(script):
     first, this = machinery(TORCH_SCRIPTS[0]), machinery(script)
     diff = "".join(difflib.unified_diff(first.splitlines(True), this.splitlines(True), TORCH_SCRIPTS[0], script, n=1))
     assert this == first, diff[:3000]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_numeric_flag_has_a_range_beside_it_and_the_defaults_pass(script):
+    """What a flag is (type, default, doc, range, whether a resume or an evaluation may change it) is written once,
+    beside it in `Args`: a number's range is a mark of its type."""
+    module = importlib.import_module(script)
+
+    def kinds(hint) -> set:  # the plain types in a flag's type: Annotated's, Optional's members
+        return set().union(*map(kinds, get_args(hint)[:1] if hasattr(hint, "__metadata__") else get_args(hint))) or {
+            hint
+        }
+
+    numeric = {f.name for f in fields(module.Args) if {int, float} & kinds(f.type)}
+    ranged = {f.name for f in fields(module.Args) if any(m[0] in "([" for m in module.marks(f.name))}
+    assert numeric and numeric == ranged, numeric ^ ranged
+    module.check_args(module.Args())
+    assert getattr(module.Args(), "cuda", True)  # CUDA whenever torch sees a device; --no-cuda for the CPU
+
+
+def test_a_flag_added_in_args_alone_gets_its_range_and_its_resume_behaviour(tmp_path, monkeypatch):
+    """(The common text, so one script.) A new flag is one field in Args; its marks give it a range and say whether a
+    resumed run may change it."""
+    ppo = importlib.import_module("ppo_cartpole")
+    extra = [
+        ("what", Annotated[float, "(0, 1]"], dataclasses.field(default=0.5)),  # what the run computes
+        ("how", Annotated[int, "[1, 9]", "resume"], dataclasses.field(default=1)),  # how it computes it
+    ]
+    monkeypatch.setattr(ppo, "Args", dataclasses.make_dataclass("Args", extra, bases=(ppo.Args,)))
+    tiny = ["--total-timesteps", "512", "--num-envs", "2", "--num-steps", "128"]
+    assert (
+        cli_in_process("ppo_cartpole", [*tiny, "--what", "0"], tmp_path)[2]
+        == "error: --what must be in (0, 1], got 0.0.\n"
+    )
+    assert (
+        cli_in_process("ppo_cartpole", [*tiny, "--how", "10"], tmp_path)[2]
+        == "error: --how must be in [1, 9], got 10.\n"
+    )
+    code, out, err = cli_in_process("ppo_cartpole", [*tiny, "--what", "0.25"], tmp_path)
+    assert code == 0 and torch.load(glob.glob(f"{tmp_path}/runs/*/training_state.pt")[0])["args"]["what"] == 0.25
+    (run,) = glob.glob(f"{tmp_path}/runs/*")
+    code, _, err = cli_in_process("ppo_cartpole", ["--resume", run, "--what", "0.75"], tmp_path)
+    assert (code, err) == (2, "error: --resume continues a run: --what 0.75 is not its 0.25.\n")
+    code, out, err = cli_in_process("ppo_cartpole", ["--resume", run, "--how", "3"], tmp_path)
+    assert code == 0 and "Traceback" not in err, out + err

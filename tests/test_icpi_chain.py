@@ -855,13 +855,13 @@ class _FullDisk:
 _RUN = ("--total-steps", "30", "--min-successes", "0", "--max-retries", "0")  # a run that asks the server soon
 HOSTILE = [
     # numbers: one table of ranges, finite
-    _bad(("--total-steps", "0"), "--total-steps must be in [1, 10000000], got 0"),
-    _bad(("--total-steps", "100000000000"), "--total-steps must be in [1, 10000000]"),
+    _bad(("--total-steps", "0"), "--total-steps must be in [1, 1e7], got 0"),
+    _bad(("--total-steps", "100000000000"), "--total-steps must be in [1, 1e7]"),
     _bad(("--seed", "-1"), "--seed must be in [0, 4294967295], got -1"),
     _bad(("--seed", str(2**32)), "--seed must be in [0, 4294967295]"),
     _bad(("--temperature", "inf"), "--temperature must be in [0, 100], got inf"),
     _bad(("--temperature", "1e-300"), "--temperature must be 0 (greedy) or at least 0.001"),
-    _bad(("--q-init", "nan"), "--q-init must be in [-1000000.0, 1000000.0], got nan"),
+    _bad(("--q-init", "nan"), "--q-init must be in [-1e6, 1e6], got nan"),
     _bad(("--max-tokens", "100000"), "--max-tokens must be in [1, 4096], got 100000"),
     _bad(("--algo", "llm-advisor", "--model", "oracle", "--advice-prob", "0"), "--advice-prob must be in (0, 1]"),
     _bad(("--algo", "llm-advisor", "--model", "oracle", "--advice-decay", "1.01"), "--advice-decay must be in (0, 1]"),
@@ -900,8 +900,10 @@ HOSTILE = [
     _bad(("--env", "nowhere"), None),
     _bad(("--seed", "1.5"), None),
     # the completion cache: opened guarded, refused when it is not one
-    _bad(("--model", "openai:x", "--cache", ""), "a path must be one line of text, got ''"),
-    _bad(("--model", "openai:x", "--cache", "DIR/two\nlines.sqlite"), "a path must be one line of text, got '"),
+    _bad(("--model", "openai:x", "--cache", ""), "--cache must be a path on one line of text, got ''"),
+    _bad(
+        ("--model", "openai:x", "--cache", "DIR/two\nlines.sqlite"), "--cache must be a path on one line of text, got '"
+    ),
     _bad(("--model", "openai:x", "--cache", "DIR"), "'DIR' is not a regular file"),
     _bad(("--model", "openai:x", "--cache", "DIR/fifo"), "'DIR/fifo' is not a regular file"),
     _bad(("--model", "openai:x", "--cache", "DIR/loop.gguf"), "DIR/loop.gguf: Too many levels of symbolic links"),
