@@ -698,19 +698,15 @@ class StopSignal:
     """SIGINT (Ctrl-C) and SIGTERM, once `handle` is their handler (the entry point's doing, not an import's): the first
     stops the run at the next safe point, keeping what was done; a second quits at once."""
 
-    exit_status, last_state = 0, "no training state was saved"  # (the run object says where its last state is)
+    exit_status, requested, last_state = 0, False, "no training state was saved"  # (the Run names its last state)
 
     def handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested:
             print(f"\n{name} again: quitting at once without saving; {self.last_state}", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
-        self.exit_status = 128 + signum
+        self.exit_status, self.requested = 128 + signum, True
         print(f"\n{name}: stopping at the next safe point (again: quit at once)", file=sys.stderr, flush=True)
-
-    @property
-    def requested(self) -> bool:
-        return self.exit_status != 0
 
 
 def save_checkpoint(path: str, obj: dict) -> None:
@@ -886,7 +882,7 @@ class Run:
         """Given the objects a training state holds (models, optimizers, generators, envs, the loop's arrays, queues):
         a resumed run's state put back once it matches what they would save (the episodes in progress return with the
         envs' state, or start anew); the folder, its lock and log. The update and step the loop goes on from."""
-        self.objects, self.update, args, made = objects, 0, self.args, not os.path.exists("runs")
+        self.objects, self.update, self.writer, args, made = objects, 0, None, self.args, not os.path.exists("runs")
         if self.state is not None:
             fresh, episodes = self.training_state(0, fresh=True), (np.ndarray, deque, gym.vector.VectorEnv)
             state, path = self.state, os.path.join(self.run_dir, "training_state.pt")
@@ -924,6 +920,8 @@ class Run:
         except BaseException as e:  # a refused start (a name too long, another process, W&B) leaves nothing behind
             if self.lock is not None:
                 os.close(self.lock)
+            if self.writer is not None:  # (its thread writes into the folder: a second signal may come while it opens)
+                self.writer.close()
             if self.state is None and self.run_dir:
                 shutil.rmtree(self.run_dir)
             if made and os.path.isdir("runs") and not os.listdir("runs"):

@@ -1540,19 +1540,15 @@ class StopSignal:
     """SIGINT (Ctrl-C) and SIGTERM, once `handle` is their handler (the entry point's doing, not an import's): the first
     stops the run at the next safe point, keeping what was done; a second quits at once."""
 
-    exit_status, last_state = 0, "no training state was saved"  # (the run object says where its last state is)
+    exit_status, requested, last_state = 0, False, "no training state was saved"  # (the Run names its last state)
 
     def handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested:
             print(f"\n{name} again: quitting at once without saving; {self.last_state}", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
-        self.exit_status = 128 + signum
+        self.exit_status, self.requested = 128 + signum, True
         print(f"\n{name}: stopping at the next safe point (again: quit at once)", file=sys.stderr, flush=True)
-
-    @property
-    def requested(self) -> bool:
-        return self.exit_status != 0
 
 
 class CompletionCache:

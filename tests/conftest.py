@@ -18,6 +18,11 @@ sys.path.insert(0, ROOT)
 SCRIPT_ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
+def pytest_collection_modifyitems(items):
+    """The tests marked slow first: the last to start are short ones, and the workers end together."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
     """Models run in this process on one torch thread, as the scripts run in the suite (OMP_NUM_THREADS=1): a tiny

@@ -425,6 +425,7 @@ def test_runner_end_to_end_on_ppo_cartpole_clears_a_stale_folder_and_skips_compl
     assert [os.path.getmtime(p) for p in events] == mtimes
 
 
+@pytest.mark.slow
 def test_throughput_and_speed_modes_store_what_they_time(tmp_path, monkeypatch):
     out = _out(tmp_path)
     # a peer from another repository runs unmodified from a checkout of it: here a git repository made on the spot

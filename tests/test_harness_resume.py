@@ -68,6 +68,7 @@ def _check_whole(run_folder: str, updates: int) -> None:
     assert steps == [512 * (i + 1) for i in range(updates)], steps
 
 
+@pytest.mark.slow
 def test_a_harness_stopped_by_sigterm_stops_its_run_which_resumes_on_the_next_call(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     first = subprocess.Popen(_harness(tmp_path, "--workers", "1"), env=env, text=True, stderr=subprocess.PIPE)
@@ -88,6 +89,7 @@ def test_a_harness_stopped_by_sigterm_stops_its_run_which_resumes_on_the_next_ca
     assert _stored(tmp_path)["seeds"] == [1]
 
 
+@pytest.mark.slow
 def test_a_run_killed_after_its_last_update_is_finished_by_a_resume(tmp_path):
     """A run whose training state holds its last update but that has no marker (killed before the harness wrote it)
     is resumed: the script runs no update again and ends the run."""
@@ -108,6 +110,7 @@ def _submit(tmp_path, env, **kw) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("slurm")  # one cluster at a time
 def test_slurm_array_stores_two_runs(slurm_cluster, tmp_path):
     out = _submit(tmp_path, slurm_cluster, steps=2048, seeds=("1", "2"))
@@ -126,6 +129,7 @@ def test_slurm_array_stores_two_runs(slurm_cluster, tmp_path):
     [["scontrol", "requeue"], ["scancel", "--full", "--signal=TERM"]],
     ids=["requeued by Slurm", "SIGTERM as at the time limit: the task requeues itself"],
 )
+@pytest.mark.slow
 @pytest.mark.xdist_group("slurm")  # one cluster at a time
 def test_a_slurm_task_stopped_resumes(slurm_cluster, tmp_path, stop):
     array = re.search(r"job array (\d+) ", _submit(tmp_path, slurm_cluster, steps=40960)).group(1)

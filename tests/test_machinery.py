@@ -630,22 +630,28 @@ def test_a_signal_stops_the_run_after_its_update_and_a_stop_in_the_last_one_leav
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["before-any-state", "after-a-state"])
-def test_a_second_signal_quits_at_once_and_says_where_the_last_training_state_is(script, sig, tmp_path):
+@pytest.mark.parametrize(
+    "sig, at", [(signal.SIGINT, ": update 1/"), (signal.SIGTERM, ": update 1/"), (signal.SIGINT, "logging to")]
+)
+def test_a_second_signal_quits_at_once_and_says_where_the_last_training_state_is(script, sig, at, tmp_path):
     """Two signals as update 1 of 2 ends, with no training state saved yet (--checkpoint-every 10, the default) or one
-    saved after it."""
-    before = sig == signal.SIGINT
+    saved after it; or as the log opens, when the start removes its folder once the log's writer is closed (its
+    thread would write into the folder as it goes)."""
+    before, threads = sig == signal.SIGINT, set(threading.enumerate())
     flags = [*TINY[script], "--checkpoint-every", "10" if before else "1"]
-    code, _, err = cli_in_process(script, flags, tmp_path, signal_at(": update 1/", sig, sig))
-    (run,) = glob.glob(str(tmp_path / "runs" / "*"))
-    state = os.path.relpath(f"{run}/training_state.pt", tmp_path)
+    code, _, err = cli_in_process(script, flags, tmp_path, signal_at(at, sig, sig))
+    runs = glob.glob(str(tmp_path / "runs" / "*"))
+    state = os.path.relpath(f"{runs[0]}/training_state.pt", tmp_path) if runs else None
     where = "no training state was saved" if before else f"the last training state is {state} (update 1)"
     assert code == 128 + sig and err == (
         f"\n{sig.name}: stopping at the next safe point (again: quit at once)\n\n{sig.name} again: quitting at once "
         f"without saving; {where}\n"
     )
-    assert before or torch.load(f"{run}/training_state.pt", weights_only=True)["update"] == 1
-    assert os.path.exists(f"{run}/training_state.pt") != before
+    if at == "logging to":  # nothing left, and nothing of the run's still running
+        assert os.listdir(tmp_path) == [] and set(threading.enumerate()) <= threads
+    else:
+        assert os.path.exists(f"{tmp_path}/{state}") != before
+        assert before or torch.load(f"{tmp_path}/{state}", weights_only=True)["update"] == 1
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -744,6 +750,7 @@ def wandb_run(path: str) -> dict:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_track_and_capture_video_record_the_run_its_resume_and_its_evaluations(script, tmp_path):
     """A tiny run with --track (W&B offline: no network, no login, a HOME of its own), --save-model and

@@ -345,6 +345,7 @@ def test_same_numbers_mlp_and_its_checkpoint_evaluates_alike(tmp_path, monkeypat
     assert saved["objects"]["obs_rms"]["count"] == 2000 + 2  # every observation seen, the resets included
 
 
+@pytest.mark.slow
 def test_same_numbers_embed_and_compile_wraps_exactly_the_rollout_forward(tmp_path, tiny_gpt2_dir, monkeypatch, capsys):
     flags = ("--llm", tiny_gpt2_dir, *TINY_LM, "--fvp-subsample", "2")
     _, run = same_numbers(SCRIPT, *flags, tmp_path=tmp_path)
@@ -416,6 +417,7 @@ def test_same_numbers_random_gpt2_2x128(tmp_path):
 
 
 @needs_smollm2
+@pytest.mark.slow
 def test_same_numbers_smollm2_two_blocks(tmp_path):
     flags = ("--llm", "smollm2", "--llm-layers", "2", "--fvp-subsample", "5", "--env-id", "InvertedPendulum-v5")
     flags += ("--seed", "543")  # (the baseline's default seed)
@@ -430,6 +432,7 @@ REGISTERED_TINY = ("--num-envs", "2", "--batch-size", "40", "--total-timesteps",
 REGISTERED_TINY += ("--save-model", "--eval-episodes", "1", "--eval-perturbations", "action-noise=0.2")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "arm",
     [
@@ -453,6 +456,7 @@ REGISTERED_SCALE = "24ba2c7"
 
 
 @needs_smollm2
+@pytest.mark.slow
 @pytest.mark.parametrize("init", ["rescaled", "shuffled-rescaled"])
 def test_the_rescaled_arms_give_the_numbers_of_their_registration_commit(tmp_path, init):
     """Pr and Sr as registered: every scalar (the step's diagnostics too) as their registration commit logs it."""
