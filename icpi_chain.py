@@ -577,42 +577,62 @@ class HFBackend:
             )
         return out
 
-    def _complete_prefixed(self, r: Request) -> tuple[str, int]:
-        """Sample on top of the cached KV of the examples (built once, LRU of 32), then crop the cache back.
+    def _complete_prefixed(self, requests: list[Request]) -> list[tuple[str, int]]:
+        """Sample the requests together on top of their examples' cached KV (each built once, LRU of 32): a copy of
+        the caches left-padded to one width, the queries too, a mask hiding the pads, each row's positions its own.
 
         This replaces a whole-prompt `generate` per request, which would prefill the same examples again for every
         query of a step. Each request draws its tokens from its own generator, seeded with the request's seed, so its
-        answer depends on the request alone, not on the other requests of the call or on which were cache hits."""
-        torch = self.torch
-        cache = self._prefixes.pop(r.prefix, None)
-        if cache is None:
-            cache = self._forward(self._ids(r.prefix)).past_key_values
-        if len(self._prefixes) >= 32:  # the least recently used goes
-            self._prefixes.pop(next(iter(self._prefixes)))
-        self._prefixes[r.prefix] = cache
-        n = cache.get_seq_length()
-        nxt = self._forward(self._ids(r.prompt[len(r.prefix) :]), cache).logits[0, -1].float()
-        gen = torch.Generator().manual_seed(r.seed % (2**63))
-        out_ids, text = [], ""
+        answer depends on the request alone (up to the rounding of a batch's shape), not on which were cache hits."""
+        from transformers import DynamicCache
+
+        torch, pad, caches = self.torch, self.tok.pad_token_id, []
+        for r in requests:
+            cache = self._prefixes.pop(r.prefix, None)
+            if cache is None:
+                cache = self._forward(self._ids(r.prefix)).past_key_values
+            if len(self._prefixes) >= 32:  # the least recently used goes
+                self._prefixes.pop(next(iter(self._prefixes)))
+            self._prefixes[r.prefix] = cache
+            caches.append(cache)
+        known, queries = [c.get_seq_length() for c in caches], [self._ids(r.prompt[len(r.prefix) :]) for r in requests]
+        width, q_width = max(known), max(map(len, queries))
+        left = lambda t: torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))  # noqa: E731 ([1, heads, n, dim])
+        stacked = lambda i, kv: torch.cat([left(getattr(c.layers[i], kv)) for c in caches])  # noqa: E731
+        batch = DynamicCache([(stacked(i, "keys"), stacked(i, "values")) for i in range(len(caches[0].layers))])
+        gaps = [q_width - len(q) for q in queries]
+        tensor = lambda rows: torch.tensor(rows, device=self.device)  # noqa: E731
+        mask = tensor([[0] * (width - n) + [1] * n + [0] * g + [1] * len(q) for n, g, q in zip(known, gaps, queries)])
+        ids = tensor([[pad] * g + q for g, q in zip(gaps, queries)])
+        pos = tensor([[0] * g + list(range(n, n + len(q))) for n, g, q in zip(known, gaps, queries)])
+        gens = [torch.Generator().manual_seed(r.seed % (2**63)) for r in requests]
+        out_ids, texts, done = [[] for _ in requests], [""] * len(requests), [False] * len(requests)
         for _ in range(self.max_tokens):
-            if r.temperature > 0:
-                t_id = int(torch.multinomial(torch.softmax(nxt / r.temperature, -1).cpu(), 1, generator=gen))
-            else:
-                t_id = int(nxt.argmax())
-            if t_id == self.tok.eos_token_id:
+            with torch.inference_mode():
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=batch)
+            logits = out.logits[:, -1].float()
+            for k, r in enumerate(requests):
+                if done[k]:
+                    continue
+                if r.temperature > 0:
+                    probs = torch.softmax(logits[k] / r.temperature, -1).cpu()
+                    t_id = int(torch.multinomial(probs, 1, generator=gens[k]))
+                else:
+                    t_id = int(logits[k].argmax())
+                if t_id != self.tok.eos_token_id:
+                    out_ids[k].append(t_id)
+                    texts[k] = self.tok.decode(out_ids[k], skip_special_tokens=True)
+                done[k] = t_id == self.tok.eos_token_id or r.stop in texts[k]
+            if all(done):
                 break
-            out_ids.append(t_id)
-            text = self.tok.decode(out_ids, skip_special_tokens=True)
-            if r.stop in text:
-                break
-            nxt = self._forward([t_id], cache).logits[0, -1].float()
-        cache.crop(n - cache.get_seq_length())  # back to the examples alone
-        return text.split(r.stop)[0], len(out_ids)
+            ids = tensor([[pad if d else o[-1]] for d, o in zip(done, out_ids)])
+            mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos[:, -1:] + 1
+        return [(text.split(r.stop)[0], len(o)) for text, o, r in zip(texts, out_ids, requests)]
 
     def complete(self, requests: list[Request]) -> list[tuple[str, int]]:
         """Sampled completions cut at the stop string (one call's requests share stop string and temperature)."""
         if all(r.prefix for r in requests):
-            return [self._complete_prefixed(r) for r in requests]
+            return self._complete_prefixed(requests)
         torch = self.torch
         stop = requests[0].stop
         temperature = requests[0].temperature

@@ -358,6 +358,38 @@ def test_hf_prefix_cache_matches_full_forward(tiny_gpt2_dir):
     assert len(be._prefixes) == 1
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])  # (learned positions; rotary ones, as SmolLM2's)
+def test_hf_requests_decoded_together_answer_as_each_alone(arch, tmp_path, tiny_gpt2_dir):
+    """The queries of a step decode as one batch: examples and queries of different lengths (pads in the cache and
+    between), two on the same examples, sampled or greedy: each completion is the one its request gets alone."""
+    import torch
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    folder = tiny_gpt2_dir
+    if arch == "llama":  # the tiny GPT-2's tokenizer, a tiny Llama's weights
+        folder, gpt2 = shutil.copytree(tiny_gpt2_dir, tmp_path / "llama"), AutoConfig.from_pretrained(tiny_gpt2_dir)
+        config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+        config.update(num_key_value_heads=2, vocab_size=gpt2.vocab_size, eos_token_id=gpt2.eos_token_id)
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(folder)
+    prefixes = ["assert state == 3\nstate = left()\nassert not done\n\n", "assert state == 1\n\n"]
+    queries = ["assert state == 5\nstate = right()\n", "assert state == 2 and state != 4\nstate = left()\n"]
+    for temperature in (0.0, 1.0):
+        be = ic.HFBackend(f"hf:{folder}", ic.Args(model=f"hf:{folder}", max_tokens=6, temperature=temperature))
+        pairs = [*zip(prefixes, queries), (prefixes[0], queries[1])]
+        reqs = [ic.Request(p + q, k, p, "e \n"[k], temperature) for k, (p, q) in enumerate(pairs)]
+        be.complete(reqs)  # (the examples' caches built: from here on each forward is a query's or a token's)
+        logits = []  # each forward's next-token logits, a row per request
+        be.model.register_forward_hook(lambda model, inputs, out: logits.append(out.logits[:, -1]))
+        alone = []
+        for r in reqs:
+            alone.append((be.complete([r])[0], torch.cat(logits)))
+            logits.clear()
+        assert be.complete(reqs) == [text for text, _ in alone] and len({n for (_, n), _ in alone}) > 1, alone
+        for k, (_, steps) in enumerate(alone):  # the same numbers, up to the rounding of a batch's shape
+            assert torch.allclose(torch.stack([step[k] for step in logits[: len(steps)]]), steps, atol=1e-5)
+
+
 def test_hf_bfloat16_scores_close_to_float32_and_keys_the_cache_apart(tiny_gpt2_dir):
     import torch
 

@@ -429,7 +429,7 @@ def test_same_numbers_smollm2_two_blocks(tmp_path):
 # confirmatory runs: a later commit may run its seeds only while its script gives these numbers, bit for bit.
 REGISTERED = "e90d100"
 REGISTERED_TINY = ("--num-envs", "2", "--batch-size", "40", "--total-timesteps", "40", "--cg-iters", "3", "--seed", "7")
-REGISTERED_TINY += ("--save-model", "--eval-episodes", "1", "--eval-perturbations", "action-noise=0.2")
+REGISTERED_EVAL = ("--save-model", "--eval-episodes", "1", "--eval-perturbations", "action-noise=0.2")
 
 
 @pytest.mark.slow
@@ -447,7 +447,8 @@ REGISTERED_TINY += ("--save-model", "--eval-episodes", "1", "--eval-perturbation
 def test_the_registered_arms_give_the_numbers_of_the_registration_commit(tmp_path, arm):
     """The shuffled control (the pretrained files, shuffled) and the MLP, trained, evaluated and evaluated under the
     registered perturbations on HalfCheetah-v5: every scalar as the registration commit's script logs it."""
-    _, run = same_numbers(SCRIPT, *arm, *REGISTERED_TINY, "--no-cuda", tmp_path=tmp_path, commit=REGISTERED)
+    flags = (*arm, *REGISTERED_TINY, *REGISTERED_EVAL, "--no-cuda")
+    _, run = same_numbers(SCRIPT, *flags, tmp_path=tmp_path, commit=REGISTERED)
     assert len(read_scalars(run, "eval/action-noise=0.2/episodic_return")) == 1
 
 
@@ -459,7 +460,8 @@ REGISTERED_SCALE = "24ba2c7"
 @pytest.mark.slow
 @pytest.mark.parametrize("init", ["rescaled", "shuffled-rescaled"])
 def test_the_rescaled_arms_give_the_numbers_of_their_registration_commit(tmp_path, init):
-    """Pr and Sr as registered: every scalar (the step's diagnostics too) as their registration commit logs it."""
+    """Pr and Sr as registered: every scalar of training (the step's diagnostics too) as their registration commit logs
+    it; the evaluation, one code for every arm, is held to the registration by the registered arms' test."""
     arm = ("--llm", "smollm2", "--llm-layers", "2", "--fvp-subsample", "5", "--llm-init", init)
     _, run = same_numbers(SCRIPT, *arm, *REGISTERED_TINY, "--no-cuda", tmp_path=tmp_path, commit=REGISTERED_SCALE)
     assert len(read_scalars(run, "diagnostics/relative_change/transformer.layers.1")) == 1
