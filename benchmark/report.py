@@ -716,6 +716,7 @@ def phases(d: dict) -> list[str]:
     """The phases of an update a speed entry timed in every configuration (the script's time/<phase>_seconds): the
     rollout first, the update's total last, its parts between."""
     common = set.intersection(*(set(p) for p in d["phases"].values())) if d.get("phases") else set()
+    common = set() if d.get("unit") == "run" else common  # (a whole run's time: its phases are per step, not per run)
     return sorted(common, key=lambda k: (k != "rollout", k == "update", k))
 
 
@@ -747,7 +748,8 @@ def speed_columns(e: dict) -> list[str]:
         return ["part", "s per update", "share"]
     if "per_epoch" in e["data"]:
         shown = [f"{k.replace('_', ' ')} s" for k in phases(e["data"])]
-        return ["configuration", "s per update (median)", "env steps/s", "vs the first", "updates timed", *shown]
+        unit = e["data"].get("unit", "update")
+        return ["configuration", f"s per {unit} (median)", "env steps/s", "vs the first", f"{unit}s timed", *shown]
     return [
         "run",
         "updates",

@@ -66,6 +66,7 @@ class Script:
     y_label: str = "episodic return"
     quick_steps: int = 2048  # --quick: the tiny budget, with these extra flags
     quick_flags: str = ""
+    phases: tuple[str, ...] = ("rollout", "update")  # --mode speed: the time/<phase>_seconds that sum to an update's
 
 
 @dataclass(frozen=True)
@@ -588,11 +589,13 @@ def committed_script(path: str, commit: str, folder: str) -> str:
 
 
 def speed(name: str, harness_command: str) -> dict:
-    """Seconds per update (rollout + update) of each configuration of [speed.NAME], one after another in turn, and
-    each update's phases (every `time/*_seconds` the script logs); a configuration `@COMMIT flags` runs the script as
-    committed at COMMIT, so that a change is timed against what it changed, alternating on one machine."""
+    """Seconds per update (the sum of the script's phases) or per run (`whole_run`) of each configuration of
+    [speed.NAME], one after another in turn, and each phase (every `time/*_seconds` the script logs); a configuration
+    `@COMMIT flags` runs the script as committed at COMMIT, so that a change is timed against what it changed,
+    alternating on one machine."""
     e = SPEED[name]
     info, per, phases = SCRIPTS[e["script"]], {c: [] for c in e["configs"]}, {c: {} for c in e["configs"]}
+    unit = "run" if e.get("whole_run") else "update"  # (whole_run: a run's phases summed, one number per run)
     with tempfile.TemporaryDirectory() as committed:
         commands = {}  # every configuration's command, before any run (a commit that cannot be read stops it here)
         for config in e["configs"]:
@@ -603,14 +606,16 @@ def speed(name: str, harness_command: str) -> dict:
         for _ in range(e.get("repeats", 1)):
             for config, cmd in commands.items():
                 df = timed_run(cmd, e["steps_per_update"] * e["updates"])[1]
-                parts = [df.value[df.tag == f"time/{k}_seconds"].to_numpy() for k in ("rollout", "update")]
-                per[config] += [round(float(r + u), 4) for r, u in zip(*parts)]
+                parts = [df.value[df.tag == f"time/{k}_seconds"].to_numpy() for k in info.phases]
+                times = [round(float(sum(t)), 4) for t in zip(*parts)]
+                per[config] += [round(sum(times), 4)] if e.get("whole_run") else times
                 for tag in sorted(t for t in set(df.tag) if re.fullmatch(r"time/\w+_seconds", t)):
                     values = df.value[df.tag == tag].to_numpy()
                     phases[config].setdefault(tag[5:-8], []).extend(round(float(v), 4) for v in values)
-                print(f"{config}: {per[config][-len(parts[0]) :]} s per update", flush=True)
+                print(f"{config}: {per[config][-1 if e.get('whole_run') else -len(times) :]} s per {unit}", flush=True)
     out = {"name": name, "harness_command": harness_command, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     data = {"env_id": e["env"], "steps_per_epoch": e["steps_per_update"], "per_epoch": per, "phases": phases}
+    data.update({"unit": "run", "steps_per_epoch": e["steps_per_update"] * e["updates"]} if e.get("whole_run") else {})
     return dict(out, machine=machine(), versions=versions(), data=data, load=round(os.getloadavg()[0], 2))
 
 

@@ -460,6 +460,14 @@ def test_throughput_and_speed_modes_store_what_they_time(tmp_path, monkeypatch):
         assert e["name"] == "tiny" and len(per) == 2 and all(0 < x < 60 for x in per)
         assert per == [pytest.approx(r + u, abs=2e-4) for r, u in zip(phases["rollout"], phases["update"])]
     assert "### tiny (machine M" in open(tmp_path / "r.md").read()
+    # a whole run timed as one number: the sum of its steps' phases (ICPI's time/step_seconds)
+    whole = {"script": "icpi_chain", "env": "chain", "steps_per_update": 16, "updates": 1, "whole_run": True}
+    monkeypatch.setitem(bench.SPEED, "whole", dict(whole, configs=["--model oracle --no-cache"]))
+    assert bench.main(["--mode", "speed", "--speed", "whole", *out]) == 0
+    (d,) = [e["data"] for e in report.load(str(tmp_path / "res"))["speed"] if e["name"] == "whole"]
+    (steps,) = d["phases"].values()
+    assert d["unit"] == "run" and d["per_epoch"]["--model oracle --no-cache"] == [round(sum(steps["step"]), 4)]
+    assert len(steps["step"]) == 16 and d["steps_per_epoch"] == 16
     # a commit that cannot be read ends the measurement before any run (the first configuration is not timed)
     bad = dict(tiny, configs=[*tiny["configs"], "@nonesuch --critic mlp"])
     monkeypatch.setitem(bench.SPEED, "bad", bad)
