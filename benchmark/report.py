@@ -732,7 +732,8 @@ def speed_records(e: dict) -> list[list]:
         first = next(iter(med.values()))
         shown = [[fmt(float(np.median(d["phases"][c][k]))) for k in phases(d)] for c in med]
         return [
-            [f"`{c}`", fmt(m), fmt(d["steps_per_epoch"] / m, 0), f"{m / first:.{2 if phases(d) else 1}f}x"]
+            [f"`{c}`", fmt(m), fmt(d["steps_per_epoch"] / m, 0 if d["steps_per_epoch"] >= 10 * m else 3)]
+            + [f"{m / first:.{2 if phases(d) or d.get('unit') == 'run' else 1}f}x"]
             + [len(d["per_epoch"][c]), *shown[i]]
             for i, (c, m) in enumerate(med.items())
         ]
