@@ -517,7 +517,8 @@ MIN_EXAMPLE_TOKENS = 16  # and the least it keeps for examples
 
 
 class HFBackend:
-    """A transformers causal LM: queries reuse their examples' key/value cache; prompts without examples batch."""
+    """A transformers causal LM: a step's queries decode as one batch on their examples' cached keys and values;
+    prompts without examples batch through `generate`."""
 
     def __init__(self, spec: str, args: Args):
         import torch
