@@ -578,24 +578,27 @@ class HFBackend:
             )
         return out
 
-    def _complete_prefixed(self, requests: list[Request]) -> list[tuple[str, int]]:
-        """Sample the requests together on top of their examples' cached KV (each built once, LRU of 32): a copy of
-        the caches left-padded to one width, the queries too, a mask hiding the pads, each row's positions its own.
+    def _examples_cache(self, prefix: str):
+        """The key/value cache of a prompt's examples: built once, kept among the 32 most recently used.
 
         This replaces a whole-prompt `generate` per request, which would prefill the same examples again for every
-        query of a step. Each request draws its tokens from its own generator, seeded with the request's seed, so its
-        answer depends on the request alone (up to the rounding of a batch's shape), not on which were cache hits."""
+        query of a step."""
+        cache = self._prefixes.pop(prefix, None)
+        if cache is None:
+            cache = self._forward(self._ids(prefix)).past_key_values
+        if len(self._prefixes) >= 32:  # the least recently used goes
+            self._prefixes.pop(next(iter(self._prefixes)))
+        self._prefixes[prefix] = cache
+        return cache
+
+    def _decode(self, requests: list[Request], caches: list) -> list[tuple[str, int]]:
+        """Sample the requests together on top of their examples' caches: a copy of the caches left-padded to one
+        width, the queries too, a mask hiding the pads, each row's positions its own. Each request draws its tokens
+        from its own generator, seeded with the request's seed, so its answer depends on the request alone (up to the
+        rounding of a batch's shape), not on the other requests of the call or on which were cache hits."""
         from transformers import DynamicCache
 
-        torch, pad, caches = self.torch, self.tok.pad_token_id, []
-        for r in requests:
-            cache = self._prefixes.pop(r.prefix, None)
-            if cache is None:
-                cache = self._forward(self._ids(r.prefix)).past_key_values
-            if len(self._prefixes) >= 32:  # the least recently used goes
-                self._prefixes.pop(next(iter(self._prefixes)))
-            self._prefixes[r.prefix] = cache
-            caches.append(cache)
+        torch, pad = self.torch, self.tok.pad_token_id
         known, queries = [c.get_seq_length() for c in caches], [self._ids(r.prompt[len(r.prefix) :]) for r in requests]
         width, q_width = max(known), max(map(len, queries))
         left = lambda t: torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))  # noqa: E731 ([1, heads, n, dim])
@@ -633,7 +636,7 @@ class HFBackend:
     def complete(self, requests: list[Request]) -> list[tuple[str, int]]:
         """Sampled completions cut at the stop string (one call's requests share stop string and temperature)."""
         if all(r.prefix for r in requests):
-            return self._complete_prefixed(requests)
+            return self._decode(requests, [self._examples_cache(r.prefix) for r in requests])
         torch = self.torch
         stop = requests[0].stop
         temperature = requests[0].temperature
