@@ -768,7 +768,8 @@ def speed_table(data: dict, name: str) -> str:
     note = f" The {floor['steps']:,} env steps alone: {floor['steps_per_s']:.0f} steps/s." if floor else ""
     if "parts" in e["data"]:
         d = e["data"]
-        note = f" `{d['command']}` under pyinstrument, {d['updates']} updates; start-up {fmt(d['startup_seconds'])} s."
+        updates = f"{d['updates']} update{'s' * (d['updates'] != 1)}"
+        note = f" `{d['command']}` under pyinstrument, {updates}; start-up {fmt(d['startup_seconds'])} s."
     if "load" in e:
         note += f" The 1-minute load average when it ended: {e['load']}."
     return markdown(speed_records(e), speed_columns(e)) + f"\n\nMachine: {e['machine']}.{note}"
