@@ -497,6 +497,14 @@ SAMPLE_SEED = 7  # (run seed, real step, kind, action, attempt, SAMPLE_SEED): th
 JUDGEMENT_SEED = 14  # (attempt, JUDGEMENT_SEED): the sampling of a judgement, the same in every run
 
 
+def prompt_lookup(ids: list[int], size: int, n: int = 2) -> list[int]:
+    """Up to `size` tokens that followed the latest earlier occurrence of the last `n` tokens of `ids` ([]: none)."""
+    for i in range(len(ids) - n - 1, -1, -1):
+        if ids[i : i + n] == ids[-n:]:
+            return ids[i + n : i + n + size]
+    return []
+
+
 def prompt_seed(*parts: int) -> int:
     """A 63-bit seed derived from integers: (run seed, real step, kind, action, done or -1, attempt) orders a prompt's
     examples; the sampling seeds are built from the parts listed beside SAMPLE_SEED and JUDGEMENT_SEED."""
@@ -591,46 +599,63 @@ class HFBackend:
         self._prefixes[prefix] = cache
         return cache
 
-    def _decode(self, requests: list[Request], caches: list) -> list[tuple[str, int]]:
+    def _decode(self, requests: list[Request], caches: list, draft: int = 8) -> list[tuple[str, int]]:
         """Sample the requests together on top of their examples' caches: a copy of the caches left-padded to one
         width, the queries too, a mask hiding the pads, each row's positions its own. Each request draws its tokens
         from its own generator, seeded with the request's seed, so its answer depends on the request alone (up to the
-        rounding of a batch's shape), not on the other requests of the call or on which were cache hits."""
+        rounding of a batch's shape), not on the other requests of the call or on which were cache hits.
+
+        Prompt lookup: a row's next input is its latest token and up to `draft` tokens proposed by `prompt_lookup`,
+        and one forward gives each of their positions' distributions; the row draws from them in turn, going on while
+        the draw equals the proposed token. So the tokens are those of a forward per token (`draft=0`), in fewer
+        forwards where an answer repeats its examples; the rejected proposals' keys and values are masked."""
         from transformers import DynamicCache
 
-        torch, pad = self.torch, self.tok.pad_token_id
+        torch, pad, eos = self.torch, self.tok.pad_token_id, self.tok.eos_token_id
         known, queries = [c.get_seq_length() for c in caches], [self._ids(r.prompt[len(r.prefix) :]) for r in requests]
-        width, q_width = max(known), max(map(len, queries))
+        width = max(known)
         left = lambda t: torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))  # noqa: E731 ([1, heads, n, dim])
         stacked = lambda i, kv: torch.cat([left(getattr(c.layers[i], kv)) for c in caches])  # noqa: E731
         batch = DynamicCache([(stacked(i, "keys"), stacked(i, "values")) for i in range(len(caches[0].layers))])
-        gaps = [q_width - len(q) for q in queries]
         tensor = lambda rows: torch.tensor(rows, device=self.device)  # noqa: E731
-        mask = tensor([[0] * (width - n) + [1] * n + [0] * g + [1] * len(q) for n, g, q in zip(known, gaps, queries)])
-        ids = tensor([[pad] * g + q for g, q in zip(gaps, queries)])
-        pos = tensor([[0] * g + list(range(n, n + len(q))) for n, g, q in zip(known, gaps, queries)])
+        mask = tensor([[0] * (width - n) + [1] * n for n in known])
         gens = [torch.Generator().manual_seed(r.seed % (2**63)) for r in requests]
+        prompts = [self._ids(r.prefix) + q for r, q in zip(requests, queries)]  # what proposals are copied from
         out_ids, texts, done = [[] for _ in requests], [""] * len(requests), [False] * len(requests)
-        for _ in range(self.max_tokens):
+        inputs, proposed, at = queries, [[] for _ in requests], known  # each row's tokens, the proposed part, position
+        while not all(done):
+            w = max(map(len, inputs))
+            gaps = [w - len(x) for x in inputs]
+            ids = tensor([[pad] * g + x for g, x in zip(gaps, inputs)])
+            pos = tensor([[0] * g + list(range(p, p + len(x))) for g, x, p in zip(gaps, inputs, at)])
+            mask = torch.cat([mask, tensor([[0] * g + [1] * len(x) for g, x in zip(gaps, inputs)])], 1)
             with torch.inference_mode():
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=batch)
-            logits = out.logits[:, -1].float()
+            logits = out.logits.float()
             for k, r in enumerate(requests):
                 if done[k]:
+                    inputs[k] = []
                     continue
-                if r.temperature > 0:
-                    probs = torch.softmax(logits[k] / r.temperature, -1).cpu()
-                    t_id = int(torch.multinomial(probs, 1, generator=gens[k]))
-                else:
-                    t_id = int(logits[k].argmax())
-                if t_id != self.tok.eos_token_id:
-                    out_ids[k].append(t_id)
-                    texts[k] = self.tok.decode(out_ids[k], skip_special_tokens=True)
-                done[k] = t_id == self.tok.eos_token_id or r.stop in texts[k]
-            if all(done):
-                break
-            ids = tensor([[pad if d else o[-1]] for d, o in zip(done, out_ids)])
-            mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos[:, -1:] + 1
+                first, taken = w - 1 - len(proposed[k]), 0  # the column of the row's first distribution
+                for i in range(len(proposed[k]) + 1):
+                    if r.temperature > 0:
+                        probs = torch.softmax(logits[k, first + i] / r.temperature, -1).cpu()
+                        t_id = int(torch.multinomial(probs, 1, generator=gens[k]))
+                    else:
+                        t_id = int(logits[k, first + i].argmax())
+                    if t_id != eos:
+                        out_ids[k].append(t_id)
+                        texts[k] = self.tok.decode(out_ids[k], skip_special_tokens=True)
+                    done[k] = t_id == eos or r.stop in texts[k] or len(out_ids[k]) == self.max_tokens
+                    if done[k] or i == len(proposed[k]) or t_id != proposed[k][i]:
+                        break
+                    taken += 1  # the proposed token was drawn: its keys and values stand, its distribution is next
+                if taken < len(proposed[k]):
+                    mask[k, taken - len(proposed[k]) :] = 0
+                at[k] += len(inputs[k]) - len(proposed[k]) + taken
+                room = self.max_tokens - len(out_ids[k]) - 1
+                proposed[k] = [] if done[k] else prompt_lookup(prompts[k] + out_ids[k], min(draft, room))
+                inputs[k] = [] if done[k] else [out_ids[k][-1], *proposed[k]]
         return [(text.split(r.stop)[0], len(o)) for text, o, r in zip(texts, out_ids, requests)]
 
     def complete(self, requests: list[Request]) -> list[tuple[str, int]]:

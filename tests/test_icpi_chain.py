@@ -359,9 +359,11 @@ def test_hf_prefix_cache_matches_full_forward(tiny_gpt2_dir):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])  # (learned positions; rotary ones, as SmolLM2's)
-def test_hf_requests_decoded_together_answer_as_each_alone(arch, tmp_path, tiny_gpt2_dir):
+def test_hf_requests_decoded_together_answer_as_each_alone(arch, tmp_path, tiny_gpt2_dir, monkeypatch):
     """The queries of a step decode as one batch: examples and queries of different lengths (pads in the cache and
-    between), two on the same examples, sampled or greedy: each completion is the one its request gets alone."""
+    between), two on the same examples, sampled or greedy: each completion is the one its request gets alone, a
+    forward per token, the same numbers up to rounding; and with proposed tokens, some kept and some not, the same
+    completions in fewer forwards (the tiny model's weights scaled up: each draw depends on the numbers)."""
     import torch
     from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
@@ -375,19 +377,43 @@ def test_hf_requests_decoded_together_answer_as_each_alone(arch, tmp_path, tiny_
     prefixes = ["assert state == 3\nstate = left()\nassert not done\n\n", "assert state == 1\n\n"]
     queries = ["assert state == 5\nstate = right()\n", "assert state == 2 and state != 4\nstate = left()\n"]
     for temperature in (0.0, 1.0):
-        be = ic.HFBackend(f"hf:{folder}", ic.Args(model=f"hf:{folder}", max_tokens=6, temperature=temperature))
+        be = ic.HFBackend(f"hf:{folder}", ic.Args(model=f"hf:{folder}", max_tokens=12, temperature=temperature))
+        with torch.no_grad():
+            [w.mul_(3) for w in be.model.parameters()]
         pairs = [*zip(prefixes, queries), (prefixes[0], queries[1])]
         reqs = [ic.Request(p + q, k, p, "e \n"[k], temperature) for k, (p, q) in enumerate(pairs)]
-        be.complete(reqs)  # (the examples' caches built: from here on each forward is a query's or a token's)
+        caches = lambda rs: [be._examples_cache(r.prefix) for r in rs]  # noqa: E731
+        caches(reqs)  # (built: from here on each forward is a query's or a token's)
         logits = []  # each forward's next-token logits, a row per request
         be.model.register_forward_hook(lambda model, inputs, out: logits.append(out.logits[:, -1]))
-        alone = []
+        alone, answers, seen, decode = [], [], [], be.tok.decode
+        be.tok.decode = lambda ids, **kw: seen.append(list(ids)) or decode(ids, **kw)  # (an answer's tokens: its last)
         for r in reqs:
-            alone.append((be.complete([r])[0], torch.cat(logits)))
             logits.clear()
-        assert be.complete(reqs) == [text for text, _ in alone] and len({n for (_, n), _ in alone}) > 1, alone
+            alone.append((be._decode([r], caches([r]), draft=0)[0], torch.cat(logits)))
+            answers.append(seen[-1])
+        logits.clear()
+        assert be._decode(reqs, caches(reqs), draft=0) == [text for text, _ in alone], alone
+        assert len({n for (_, n), _ in alone}) > 1
         for k, (_, steps) in enumerate(alone):  # the same numbers, up to the rounding of a batch's shape
             assert torch.allclose(torch.stack([step[k] for step in logits[: len(steps)]]), steps, atol=1e-5)
+        plain, logits[:] = len(logits), []
+        prompts = [be._ids(r.prefix) + be._ids(r.prompt[len(r.prefix) :]) for r in reqs]
+
+        def propose(ids, size, n=2):  # the next two tokens of the answer alone, then token 0: kept, then not
+            k = next(k for k, p in enumerate(prompts) if ids[: len(p)] == p)
+            return [*answers[k][len(ids) - len(prompts[k]) :][:2], 0][:size]
+
+        monkeypatch.setattr(ic, "prompt_lookup", propose)
+        assert be.complete(reqs) == [text for text, _ in alone]  # the same tokens
+        assert len(logits) < plain, (len(logits), plain)
+        monkeypatch.undo()
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence():
+    assert ic.prompt_lookup([5, 1, 2, 3, 4, 1, 2, 6, 7, 1, 2], 3) == [6, 7, 1]
+    assert ic.prompt_lookup([1, 2, 3, 1, 2], 9) == [3, 1, 2]
+    assert ic.prompt_lookup([1, 2, 3, 4], 3) == [] and ic.prompt_lookup([1, 2], 3) == []
 
 
 def test_hf_bfloat16_scores_close_to_float32_and_keys_the_cache_apart(tiny_gpt2_dir):
