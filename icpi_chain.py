@@ -108,7 +108,8 @@ class Args:
     cuda: bool = True
     """use CUDA when torch sees a device (`--no-cuda`: the CPU), for in-process models (smollm2, hf:...)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """in-process models: auto = bfloat16 on CUDA, float32 on the CPU (part of the completion-cache key)"""
+    """in-process models: auto = bfloat16 where it is native (CUDA; a CPU with AVX512-BF16 or AMX), else float32
+    (part of the completion-cache key)"""
     track: bool = False
     """log to Weights & Biases as well: the TensorBoard scalars are mirrored (WANDB_MODE=offline: no network)"""
     wandb_project_name: str = "llm-rl"
@@ -534,7 +535,8 @@ class HFBackend:
 
         self.torch = torch
         self.device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-        self.dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        native = self.device.type == "cuda" or torch.cpu._is_avx512_bf16_supported()  # (AMX CPUs have it too)
+        self.dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if native else "float32")
         self.spec = spec
         self.files = ModelFiles(spec)  # the folder, hub id or GGUF file the spec names (converted once)
         self.tok = self.files.load(AutoTokenizer.from_pretrained)
@@ -579,13 +581,6 @@ class HFBackend:
     def count_tokens(self, text: str) -> int:
         return len(self._ids(text))
 
-    def _forward(self, ids, cache=None):
-        with self.torch.inference_mode():
-            out = self.model(
-                input_ids=self.torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True
-            )
-        return out
-
     def _examples_cache(self, prefix: str):
         """The key/value cache of a prompt's examples: built once, kept among the 32 most recently used.
 
@@ -593,7 +588,9 @@ class HFBackend:
         query of a step."""
         cache = self._prefixes.pop(prefix, None)
         if cache is None:
-            cache = self._forward(self._ids(prefix)).past_key_values
+            with self.torch.inference_mode():  # (the logits of the last position alone: none is sampled here)
+                ids = self.torch.tensor([self._ids(prefix)], device=self.device)
+                cache = self.model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
         if len(self._prefixes) >= 32:  # the least recently used goes
             self._prefixes.pop(next(iter(self._prefixes)))
         self._prefixes[prefix] = cache
@@ -622,7 +619,8 @@ class HFBackend:
         gens = [torch.Generator().manual_seed(r.seed % (2**63)) for r in requests]
         prompts = [self._ids(r.prefix) + q for r, q in zip(requests, queries)]  # what proposals are copied from
         out_ids, texts, done = [[] for _ in requests], [""] * len(requests), [False] * len(requests)
-        inputs, proposed, at = queries, [[] for _ in requests], known  # each row's tokens, the proposed part, position
+        proposed = [prompt_lookup(p, min(draft, self.max_tokens - 1)) for p in prompts]  # (checked with the query)
+        inputs, at = [q + p for q, p in zip(queries, proposed)], list(known)  # each row's tokens and first position
         while not all(done):
             w = max(map(len, inputs))
             gaps = [w - len(x) for x in inputs]

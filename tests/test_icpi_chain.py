@@ -300,7 +300,7 @@ def test_no_hints_next_states_are_read_in_the_prompts_format():
 def test_hf_scores_match_a_full_forward_and_generation_stops(tiny_gpt2_dir):
     import torch
 
-    args = ic.Args(model=f"hf:{tiny_gpt2_dir}", max_tokens=8)
+    args = ic.Args(model=f"hf:{tiny_gpt2_dir}", max_tokens=8, dtype="float32")
     be = ic.HFBackend(args.model, args)
     cands = ["assert done", "assert not done"]
     prompts = ["assert state == 3\nstate = left()\n", "assert state == 4 and state == 4\nreward = try_goal(state)\n"]
@@ -377,7 +377,8 @@ def test_hf_requests_decoded_together_answer_as_each_alone(arch, tmp_path, tiny_
     prefixes = ["assert state == 3\nstate = left()\nassert not done\n\n", "assert state == 1\n\n"]
     queries = ["assert state == 5\nstate = right()\n", "assert state == 2 and state != 4\nstate = left()\n"]
     for temperature in (0.0, 1.0):
-        be = ic.HFBackend(f"hf:{folder}", ic.Args(model=f"hf:{folder}", max_tokens=12, temperature=temperature))
+        args = ic.Args(model=f"hf:{folder}", max_tokens=12, temperature=temperature, dtype="float32")
+        be = ic.HFBackend(f"hf:{folder}", args)
         with torch.no_grad():
             [w.mul_(3) for w in be.model.parameters()]
         pairs = [*zip(prefixes, queries), (prefixes[0], queries[1])]
@@ -420,21 +421,18 @@ def test_hf_bfloat16_scores_close_to_float32_and_keys_the_cache_apart(tiny_gpt2_
     import torch
 
     prompt, cands = "assert state == 3\nstate = left()\n", ["assert done", "assert not done"]
-    backends = {
-        d: ic.HFBackend(f"hf:{tiny_gpt2_dir}", ic.Args(model=f"hf:{tiny_gpt2_dir}", dtype=d))
-        for d in ("auto", "bfloat16")
-    }
-    on_cuda = torch.cuda.is_available()  # CUDA when torch sees it: bfloat16 by default there
-    assert backends["auto"].dtype == ("bfloat16" if on_cuda else "float32")
-    assert backends["auto"].model.dtype == (torch.bfloat16 if on_cuda else torch.float32)
+    spec = f"hf:{tiny_gpt2_dir}"
+    backends = {d: ic.HFBackend(spec, ic.Args(model=spec, dtype=d)) for d in ("auto", "float32", "bfloat16")}
+    cpu_bf16 = " avx512_bf16 " in open("/proc/cpuinfo").read().replace("\n", " ")  # (AMX CPUs have it too)
+    native = torch.cuda.is_available() or cpu_bf16  # auto: bfloat16 where it is native, else float32
+    assert backends["auto"].dtype == ("bfloat16" if native else "float32")
+    assert backends["auto"].model.dtype == (torch.bfloat16 if native else torch.float32)
     assert backends["bfloat16"].model.dtype == torch.bfloat16
-    if not on_cuda:
-        assert backends["auto"].name == f"hf:{tiny_gpt2_dir}"
-    assert backends["bfloat16"].name == f"hf:{tiny_gpt2_dir}@bfloat16"  # never replays float32 answers
-    s32, s16 = (backends[d].score_candidates(prompt, cands) for d in ("auto", "bfloat16"))
+    assert backends["float32"].name == spec and backends["bfloat16"].name == f"{spec}@bfloat16"  # keyed apart
+    s32, s16 = (backends[d].score_candidates(prompt, cands) for d in ("float32", "bfloat16"))
     assert s16 == pytest.approx(s32, abs=0.15)  # bf16: ~3 significant digits
-    cpu = ic.HFBackend(f"hf:{tiny_gpt2_dir}", ic.Args(model=f"hf:{tiny_gpt2_dir}", cuda=False))
-    assert cpu.device.type == "cpu" and cpu.dtype == "float32"  # --no-cuda: the CPU
+    cpu = ic.HFBackend(spec, ic.Args(model=spec, cuda=False))
+    assert cpu.device.type == "cpu" and cpu.dtype == ("bfloat16" if cpu_bf16 else "float32")  # --no-cuda: the CPU
 
 
 def test_hf_specs_and_the_smollm2_wheel(tmp_path, monkeypatch):
@@ -1233,6 +1231,7 @@ def test_a_stopped_run_started_again_continues_from_its_cache(tmp_path, monkeypa
             return self.exit_status != 0
 
     kw = dict(model=f"hf:{tiny_gpt2_dir}", total_steps=16, seed=2, min_successes=0, max_tokens=8, max_invalid=1.0)
+    kw.update(dtype="float32")
     logged = {}
     for name, cache, stop in (
         ("stopped", "c.sqlite", StopAfterElevenSteps()),
