@@ -770,6 +770,8 @@ def speed_table(data: dict, name: str) -> str:
         d = e["data"]
         updates = f"{d['updates']} update{'s' * (d['updates'] != 1)}"
         note = f" `{d['command']}` under pyinstrument, {updates}; start-up {fmt(d['startup_seconds'])} s."
+    if e["data"].get("threads", 1) > 1:
+        note += f" Each run on {e['data']['threads']} threads."
     if "load" in e:
         note += f" The 1-minute load average when it ended: {e['load']}."
     return markdown(speed_records(e), speed_columns(e)) + f"\n\nMachine: {e['machine']}.{note}"
@@ -869,6 +871,8 @@ def render(data: dict, order: list[tuple]) -> str:
     for e in data["speed"]:
         how = e.get("imported") and f"imported: `{e['imported']['command']}`, from `{e['imported']['from']}`"
         how = how or f"`{e['harness_command']}`, finished {e['finished']}"
+        threads = e.get("data", {}).get("threads", 1)
+        how += f". Each run on {threads} threads" if threads > 1 else ""
         out += ["", f"### {e['name']} (machine {m_of(e)})", "", how + ".", ""]
         out.append(markdown(speed_records(e), speed_columns(e)))
     return "\n".join(out + ["", "## Machines", ""] + [f"- {v}: {k}" for k, v in mid.items()]) + "\n"

@@ -155,8 +155,9 @@ def display(cmd: list[str]) -> str:
     return "python " + shlex.join(map(shown, cmd[1:]))
 
 
-def thread_env() -> dict:
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+def thread_env(threads: int = 1) -> dict:
+    n = str(threads)
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n)
 
 
 # what a run's marker holds, all of which collect reads: a marker without one of them is not this harness's
@@ -534,12 +535,14 @@ def collect(s: S, runs_dir: str, results_dir: str, wanted: tuple[int, ...] = ())
 # ----------------------------------------------------------------------------------------------- throughput and speed
 
 
-def timed_run(cmd: list[str], steps: int) -> tuple[dict, object]:
+def timed_run(cmd: list[str], steps: int, threads: int = 1) -> tuple[dict, object]:
     """Run `cmd` in a fresh folder: steps/s from its last `N steps/s` line, else its last charts/SPS, else steps over
     the wall time; the rollout and update seconds it logged, summed; and every scalar it logged."""
     with tempfile.TemporaryDirectory() as cwd:
         t0 = time.time()
-        proc = subprocess.run(cmd, cwd=cwd, env=thread_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            cmd, cwd=cwd, env=thread_env(threads), capture_output=True, text=True, stdin=subprocess.DEVNULL
+        )
         wall = time.time() - t0
         if proc.returncode:
             raise RuntimeError(f"{display(cmd)} exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
@@ -605,7 +608,7 @@ def speed(name: str, harness_command: str) -> dict:
             commands[config] = script_command(path, info, e["env"], e["steps_per_update"] * e["updates"], words)
         for _ in range(e.get("repeats", 1)):
             for config, cmd in commands.items():
-                df = timed_run(cmd, e["steps_per_update"] * e["updates"])[1]
+                df = timed_run(cmd, e["steps_per_update"] * e["updates"], e.get("threads", 1))[1]
                 parts = [df.value[df.tag == f"time/{k}_seconds"].to_numpy() for k in info.phases]
                 times = [round(float(sum(t)), 4) for t in zip(*parts)]
                 per[config] += [round(sum(times), 4)] if e.get("whole_run") else times
@@ -615,6 +618,7 @@ def speed(name: str, harness_command: str) -> dict:
                 print(f"{config}: {per[config][-1 if e.get('whole_run') else -len(times) :]} s per {unit}", flush=True)
     out = {"name": name, "harness_command": harness_command, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     data = {"env_id": e["env"], "steps_per_epoch": e["steps_per_update"], "per_epoch": per, "phases": phases}
+    data.update(threads=e.get("threads", 1))
     data.update({"unit": "run", "steps_per_epoch": e["steps_per_update"] * e["updates"]} if e.get("whole_run") else {})
     return dict(out, machine=machine(), versions=versions(), data=data, load=round(os.getloadavg()[0], 2))
 

@@ -462,12 +462,15 @@ def test_throughput_and_speed_modes_store_what_they_time(tmp_path, monkeypatch):
     assert "### tiny (machine M" in open(tmp_path / "r.md").read()
     # a whole run timed as one number: the sum of its steps' phases (ICPI's time/step_seconds)
     whole = {"script": "icpi_chain", "env": "chain", "steps_per_update": 16, "updates": 1, "whole_run": True}
+    whole.update(threads=2)  # (the threads a run may use: OMP_NUM_THREADS and the like)
+    assert bench.thread_env(2)["OMP_NUM_THREADS"] == bench.thread_env(2)["MKL_NUM_THREADS"] == "2"
     monkeypatch.setitem(bench.SPEED, "whole", dict(whole, configs=["--model oracle --no-cache"]))
     assert bench.main(["--mode", "speed", "--speed", "whole", *out]) == 0
     (d,) = [e["data"] for e in report.load(str(tmp_path / "res"))["speed"] if e["name"] == "whole"]
     (steps,) = d["phases"].values()
     assert d["unit"] == "run" and d["per_epoch"]["--model oracle --no-cache"] == [round(sum(steps["step"]), 4)]
-    assert len(steps["step"]) == 16 and d["steps_per_epoch"] == 16
+    assert len(steps["step"]) == 16 and d["steps_per_epoch"] == 16 and d["threads"] == 2
+    assert "Each run on 2 threads." in open(tmp_path / "r.md").read()
     # a commit that cannot be read ends the measurement before any run (the first configuration is not timed)
     bad = dict(tiny, configs=[*tiny["configs"], "@nonesuch --critic mlp"])
     monkeypatch.setitem(bench.SPEED, "bad", bad)
