@@ -602,10 +602,10 @@ class HFBackend:
         from its own generator, seeded with the request's seed, so its answer depends on the request alone (up to the
         rounding of a batch's shape), not on the other requests of the call or on which were cache hits.
 
-        Prompt lookup: a row's next input is its latest token and up to `draft` tokens proposed by `prompt_lookup`,
-        and one forward gives each of their positions' distributions; the row draws from them in turn, going on while
-        the draw equals the proposed token. So the tokens are those of a forward per token (`draft=0`), in fewer
-        forwards where an answer repeats its examples; the rejected proposals' keys and values are masked."""
+        Prompt lookup: a row's input (its query, then its latest token) ends with up to `draft` tokens proposed by
+        `prompt_lookup`, and one forward gives each of their positions' distributions; the row draws from them in
+        turn, going on while the draw equals the proposed token. So the tokens are those of a forward per token
+        (`draft=0`), in fewer forwards where an answer repeats its examples; refused proposals' keys are masked."""
         from transformers import DynamicCache
 
         torch, pad, eos = self.torch, self.tok.pad_token_id, self.tok.eos_token_id
