@@ -380,7 +380,8 @@ def test_hf_requests_decoded_together_answer_as_each_alone(arch, tmp_path, tiny_
         args = ic.Args(model=f"hf:{folder}", max_tokens=12, temperature=temperature, dtype="float32")
         be = ic.HFBackend(f"hf:{folder}", args)
         with torch.no_grad():
-            [w.mul_(3) for w in be.model.parameters()]
+            for w in be.model.parameters():
+                w.mul_(3)
         pairs = [*zip(prefixes, queries), (prefixes[0], queries[1])]
         reqs = [ic.Request(p + q, k, p, "e \n"[k], temperature) for k, (p, q) in enumerate(pairs)]
         caches = lambda rs: [be._examples_cache(r.prefix) for r in rs]  # noqa: E731
