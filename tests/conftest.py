@@ -305,8 +305,8 @@ def completions_handler(reply):
 def cli_in_process(script: str, flags, cwd, on_print=None) -> tuple[int, str, str]:
     """`script`'s entry point run in this process (its imports paid once), in `cwd`, as its __main__ calls it:
     (exit status, stdout, stderr), the status of a SystemExit (tyro's errors, a second signal) included; the signal
-    handlers that cli installs are put back afterwards. `on_print(text)` sees each text written to stdout, as it is
-    written (where a test sends a signal)."""
+    handlers that cli installs and the environment variables it sets (MuJoCo's renderer) are put back afterwards.
+    `on_print(text)` sees each text written to stdout, as it is written (where a test sends a signal)."""
     import contextlib
     import importlib
     import io
@@ -318,7 +318,7 @@ def cli_in_process(script: str, flags, cwd, on_print=None) -> tuple[int, str, st
             on_print(text)
             return len(text)
 
-    module, here = importlib.import_module(script), os.getcwd()
+    module, here, environ = importlib.import_module(script), os.getcwd(), dict(os.environ)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     out, err = io.StringIO() if on_print is None else Out(), io.StringIO()
     try:
@@ -330,6 +330,8 @@ def cli_in_process(script: str, flags, cwd, on_print=None) -> tuple[int, str, st
                 code = e.code
     finally:
         os.chdir(here)
+        os.environ.clear()
+        os.environ.update(environ)
         for s, h in handlers.items():
             signal.signal(s, h)
     return code, out.getvalue(), err.getvalue()

@@ -540,7 +540,7 @@ def test_a_time_breakdown_splits_main_into_its_parts(tmp_path, monkeypatch):
         (("--mode", "report", "--results-md", "a-folder"), "--results-md {tmp}/a-folder is a folder, not a file"),
         (("--mode", "report", "--results-md", "a-file/r.md"), "cannot be created: {tmp}/a-file is not a folder"),
         (("--plots-dir", "a-file/plots"), "--plots-dir {tmp}/a-file/plots cannot be created: {tmp}/a-file is not"),
-        (("--runs-dir", "a-file/runs", "--slurm"), "--runs-dir {tmp}/a-file/runs cannot be created"),
+        (("--runs-dir", "a-file/runs", "--slurm", "no-cluster"), "--runs-dir {tmp}/a-file/runs cannot be created"),
         (("--mode", "report", "--results-dir", "a-file"), "--results-dir {tmp}/a-file is not a folder"),
         (("--mode", "report", "--results-dir", "no-such"), "--results-dir {tmp}/no-such is not a folder"),  # (a typo)
         # a real sbatch with no cluster to answer it: sbatch's first error line, the jobs file and runs folder gone

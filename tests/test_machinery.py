@@ -457,10 +457,17 @@ def test_an_evaluation_on_a_full_disk_ends_in_one_sentence_naming_its_folder(tmp
         subprocess.run(["umount", "--lazy", str(disk)], check=True)
 
 
+def skip_without_renderer(script: str) -> None:
+    """trpo's --capture-video draws MuJoCo through OSMesa (no display): skipped where it is not installed."""
+    if script == "trpo_gpt2_halfcheetah" and ctypes.util.find_library("OSMesa") is None:
+        pytest.skip("OSMesa is not installed")
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_videos_folder_replaced_during_the_run_ends_it_in_one_sentence(script, tmp_path, made):
     """The videos folder is made where it is used, at the evaluation: a file standing there by then is one sentence
     naming it, the run's training state and checkpoint kept."""
+    skip_without_renderer(script)
     run = shutil.copytree(made(script)["run"], tmp_path / "run")
     (run / "videos").write_text("not a folder")
     state = (run / "training_state.pt").read_bytes()
@@ -762,8 +769,7 @@ def test_track_and_capture_video_record_the_run_its_resume_and_its_evaluations(s
     through OSMesa, without a display)."""
     import imageio
 
-    if script == "trpo_gpt2_halfcheetah" and ctypes.util.find_library("OSMesa") is None:
-        pytest.skip("OSMesa is not installed")
+    skip_without_renderer(script)
     env = {k: v for k, v in SCRIPT_ENV.items() if not k.startswith(("WANDB_", "MUJOCO_GL", "PYOPENGL", "DISPLAY"))}
     env.update(WANDB_MODE="offline", WANDB_SILENT="true", HOME=str(tmp_path / "home"))
     (tmp_path / "home").mkdir()
@@ -831,6 +837,7 @@ def test_an_optimizer_saved_with_other_settings_is_refused(script, tmp_path, mad
 def test_a_videos_folder_that_refuses_its_files_ends_the_run_with_the_errors_sentence_last(script, tmp_path, made):
     """The recorder the failed evaluation left open is gone before the sentence is printed: its warning comes first,
     the sentence is the last line (a process of its own: the warning would come as the interpreter exits)."""
+    skip_without_renderer(script)
     run = shutil.copytree(made(script)["run"], tmp_path / "run")
     (run / "videos").mkdir()
     if subprocess.run(["chattr", "+i", run / "videos"], capture_output=True).returncode:
