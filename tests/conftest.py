@@ -3,6 +3,7 @@ read back what it logged to TensorBoard."""
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import subprocess
@@ -16,6 +17,14 @@ sys.path.insert(0, ROOT)
 
 
 SCRIPT_ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def pytest_collection_finish(session):
+    """What the test modules' imports made (torch, the scripts, ...) is left out of every later garbage collection:
+    a script's error path collects in full before its sentence, a tenth of a second in this process otherwise, and
+    the tables of refusals run hundreds of them here."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items):
