@@ -593,7 +593,8 @@ def confirm_table(data: dict, spec: dict) -> str:
 def claim_lines(spec: dict, results: list, corrected: list[float]) -> list[str]:
     """The registered claim: a line per group of `spec["claim"]`, each comparison's outcome after Holm's correction at
     0.05 (a above b, a below b, or no difference detected; said against its registered prediction where it has one),
-    a group that one of `spec["readings"]` names ending with the reading its outcomes match, or "inconclusive"."""
+    a group that one of `spec["readings"]` names ending with the reading its outcomes match, or "inconclusive"; a
+    reading over several groups, a line of its own where its outcomes hold."""
     found = {c[0]: (c, r, p) for c, r, p in zip(spec["comparisons"], results, corrected)}
     outcome = {
         k: "untested" if r is None else "none" if p >= 0.05 else ["below", "above"][r["diff"] > 0]
@@ -615,6 +616,11 @@ def claim_lines(spec: dict, results: list, corrected: list[float]) -> list[str]:
             matched = [meaning for want, meaning in readings if all(outcome[k] == v for k, v in want.items())]
             parts[-1] += f": {matched[0] if matched else 'inconclusive'}, by the registered reading"
         lines.append("- " + "; ".join(parts) + ".")
+    for want, meaning in spec.get("readings", []):  # a reading of the groups together: said where it holds
+        if not any(set(want) == set(group) for group in spec["claim"]) and all(
+            outcome[k] == v for k, v in want.items()
+        ):
+            lines.append(f"- Together ({', '.join(want)}): {meaning}, by the registered reading.")
     return lines
 
 

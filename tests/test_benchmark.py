@@ -836,6 +836,42 @@ def test_the_claim_says_each_registered_outcome_and_the_controls_registered_read
     assert untested[1].startswith("- H3a (P - R, H3 score): not tested (fewer than 2 seeds with a value); H3b")
 
 
+def test_the_second_registered_test_reads_its_outcomes_as_registered():
+    """The weights' scale or their structure (H4-H7): each group's outcomes end in the reading the page registered for
+    them, any other combination in "inconclusive"; the reading of both groups together is a line of its own."""
+    spec = report.REGISTRY["tables"]["trpo-confirm-scale"]
+
+    def claim(**outcomes):  # label -> "above", "below" or "none" (no difference detected)
+        labels = [c[0] for c in spec["comparisons"]]
+        results = [{"diff": {"above": 50.0, "below": -50.0, "none": 5.0}[outcomes[k]]} for k in labels]
+        return report.claim_lines(spec, results, [0.5 if outcomes[k] == "none" else 0.01 for k in labels])
+
+    remedy = claim(H4="above", H5="above", H6="none", H7="none")
+    assert remedy == [
+        "- H4 (Pr - P, H1 metric): Pr above P, as predicted (Holm p 0.010); H5 (Sr - S, H1 metric): Sr above S, as "
+        "predicted (Holm p 0.010): the weights' scale slows learning, pretrained or shuffled, by the registered "
+        "reading.",
+        "- H6 (Pr - R, H1 metric): no difference detected (Holm p 0.500); H7 (Sr - R, H1 metric): no difference "
+        "detected (Holm p 0.500): at random init's scale neither the pretrained structure nor the shape of the values' "
+        "distribution is detected to change the learning speed, by the registered reading.",
+        "- Together (H4, H5, H6, H7): the slowdown is the weights' scale, and rescaling a pretrained model's tensors "
+        "to random init's statistics is the remedy, by the registered reading.",
+    ]
+    reading = lambda line: line.split("): ")[-1].removesuffix(", by the registered reading.")  # noqa: E731
+    structure = claim(H4="above", H5="none", H6="below", H7="none")
+    assert [reading(line) for line in structure] == [
+        "rescaling speeds the pretrained weights; for the shuffled ones it is not detected",
+        "at random init's scale the pretrained structure slows learning",
+    ]
+    against = claim(H4="below", H5="above", H6="above", H7="below")
+    assert "Pr below P, against the prediction" in against[0]
+    assert [reading(line) for line in against] == ["inconclusive", "inconclusive"]
+    both = claim(H4="none", H5="none", H6="below", H7="below")
+    assert reading(both[1]).endswith(
+        "the pretrained values, in their order or shuffled, still learn more slowly than random init"
+    )
+
+
 def test_the_registered_test_against_scipy_with_holm_over_six_and_a_seed_without_a_score(tmp_path):
     rng = np.random.default_rng(7)
     seeds = {arm: list(range(6, 16)) for arm in "PRSM"}
