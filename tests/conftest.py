@@ -49,11 +49,18 @@ def bad(flags, message):
     return pytest.param(flags, message, id=" ".join(flags)[:60])
 
 
-def run_script(script: str, *flags: str, cwd: str, timeout: float = 600, check: bool = True):
-    """Run `python script flags...` in `cwd` (so its runs/ folder lands there); `script` may be a path."""
+def run_script(script: str, *flags: str, cwd: str, timeout: float = 600, check: bool = True, env=SCRIPT_ENV):
+    """Run `python script flags...` in `cwd` (so its runs/ folder lands there), no terminal to read from; `script`
+    may be a path."""
     path = script if os.path.isabs(script) else os.path.join(ROOT, script)
     proc = subprocess.run(
-        [sys.executable, path, *flags], cwd=cwd, env=SCRIPT_ENV, capture_output=True, text=True, timeout=timeout
+        [sys.executable, path, *flags],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
     )
     if check and proc.returncode != 0:
         raise AssertionError(

@@ -28,6 +28,7 @@ from conftest import (
     bad,
     cli_in_process,
     read_scalars,
+    run_script,
     signal_at,
     stop_when_printed,
     wandb_records,
@@ -317,15 +318,7 @@ def test_a_tracker_that_refuses_to_start_ends_in_one_sentence_and_writes_nothing
         env["WANDB_MODE"] = "bogus"
     else:
         env["HOME"] = str(tmp_path / "no-home")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "ppo_cartpole.py"), *TINY["ppo_cartpole"], "--track"],
-        cwd=tmp_path,
-        env=env,
-        text=True,
-        capture_output=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
+    proc = run_script("ppo_cartpole.py", *TINY["ppo_cartpole"], "--track", cwd=tmp_path, env=env, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     err = proc.stderr
     assert err.startswith("error: --track: W&B refused to start the run (") and len(err.strip().splitlines()) == 1, err
@@ -790,25 +783,15 @@ def test_track_and_capture_video_record_the_run_its_resume_and_its_evaluations(s
             shapes = [f.shape for f in imageio.get_reader(video, "ffmpeg")]
             assert len(shapes) in (length, length + 1) and set(shapes) == {frame}, video
 
-    def run_script(*flags):
-        proc = subprocess.run(
-            [sys.executable, os.path.join(ROOT, f"{script}.py"), *flags],
-            cwd=tmp_path,
-            env=env,
-            text=True,
-            capture_output=True,
-            timeout=600,
-            stdin=subprocess.DEVNULL,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return proc.stdout
+    def launch(*flags):
+        return run_script(f"{script}.py", *flags, cwd=tmp_path, env=env).stdout
 
-    run_script(*TINY[script], *extra, "--track", "--save-model", "--capture-video", "--eval-episodes", "2")
+    launch(*TINY[script], *extra, "--track", "--save-model", "--capture-video", "--eval-episodes", "2")
     (run,) = glob.glob(str(tmp_path / "runs" / "*"))
     mp4s(run, 2)
     resume = script == "ppo_cartpole"
     if resume:
-        assert ": update" not in run_script("--resume", run, "--eval-episodes", "1")
+        assert ": update" not in launch("--resume", run, "--eval-episodes", "1")
     assert sorted(os.listdir(tmp_path)) == ["home", "runs"]  # W&B's files in the run folder, no event file copied
     assert not glob.glob(f"{run}/wandb/**/*tfevents*", recursive=True)
     state = torch.load(f"{run}/training_state.pt", weights_only=True)
